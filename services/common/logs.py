@@ -1,0 +1,18 @@
+"""One log format for every Strata process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def setup_logging(level: str | None = None) -> None:
+    logging.basicConfig(
+        level=(level or os.environ.get("STRATA_LOG_LEVEL", "INFO")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+        force=True,
+    )
+    # gRPC/HTTP client libraries are chatty at INFO; operators want Strata's own lines.
+    for noisy in ("urllib3", "httpx", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

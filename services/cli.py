@@ -1,0 +1,104 @@
+"""The `strata` command.
+
+    strata up                 the whole cluster on this machine (redis, cachemgr, engine, gateway)
+    strata gateway|engine|cachemgr   one service, configured by flags or STRATA_* variables
+    strata model demo         write the built-in demo checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from services.common.settings import ConfigError, non_negative_int, parse_bytes, positive_int
+
+
+def _service_main(module: str):
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(argv)
+    return run
+
+
+def _up(argv: list[str]) -> int:
+    from services.engine.model.demo import strata_home
+    from services.launcher import UpConfig, run_up
+
+    parser = argparse.ArgumentParser(prog="strata up", description="Start redis, the cache "
+                                     "manager, one engine and the gateway on this machine.")
+    parser.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--device-memory", help="engine device memory budget, e.g. 768MiB")
+    parser.add_argument("--max-inflight", type=positive_int, help="requests at the engine")
+    parser.add_argument("--max-queue", type=non_negative_int, help="requests waiting at the gateway")
+    parser.add_argument("--port", type=non_negative_int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--engine-port", type=positive_int, default=50051)
+    parser.add_argument("--cachemgr-port", type=positive_int, default=50061)
+    parser.add_argument("--metrics-port", type=positive_int, default=9464,
+                        help="cache manager's Prometheus endpoint")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="where each service's log goes (default: $STRATA_HOME/run)")
+    parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
+    args = parser.parse_args(argv)
+    if args.device_memory:
+        try:
+            parse_bytes(args.device_memory)
+        except ValueError as exc:
+            raise ConfigError(f"--device-memory={args.device_memory!r}: {exc}") from None
+    return run_up(UpConfig(
+        model=args.model, device_memory=args.device_memory, max_inflight=args.max_inflight,
+        max_queue=args.max_queue, port=args.port, engine_port=args.engine_port,
+        cachemgr_port=args.cachemgr_port, metrics_port=args.metrics_port,
+        log_dir=args.log_dir or strata_home() / "run", echo=not args.quiet))
+
+
+def _model(argv: list[str]) -> int:
+    from services.engine.model.demo import default_model_dir, write_demo_checkpoint
+
+    parser = argparse.ArgumentParser(prog="strata model", description="Model checkpoints.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    demo = sub.add_parser("demo", help="write the built-in demo checkpoint (random weights)")
+    demo.add_argument("--output", type=Path, default=None,
+                      help="directory to write (default: the default model location)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    path = write_demo_checkpoint(args.output or default_model_dir(), seed=args.seed)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    if args.json:
+        print(json.dumps({"path": str(path), "bytes": size, "seed": args.seed}))
+    else:
+        print(f"wrote the demo checkpoint to {path} ({size / 2**20:.1f} MiB, seed {args.seed})")
+    return 0
+
+
+COMMANDS = {
+    "up": _up,
+    "gateway": _service_main("services.gateway.__main__"),
+    "engine": _service_main("services.engine.__main__"),
+    "cachemgr": _service_main("services.cachemgr.__main__"),
+    "model": _model,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in {"-h", "--help"} or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in {"-h", "--help"}:
+            print(f"\nstrata: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as exc:
+        print(f"strata {argv[0]}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`strata engine`: load the model, fill the expert cache, serve gRPC until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from services.common.logs import setup_logging
+from services.common.settings import ConfigError, add_settings, format_bytes, resolve
+from services.engine.config import DEFAULT_CPU_DEVICE_MEMORY, SETTINGS, EngineConfig
+
+log = logging.getLogger("strata.engine")
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device={requested}: no CUDA device is visible to this process; "
+                          "use --device cpu or check the GPU runtime (nvidia-smi)")
+    return requested
+
+
+def device_budget(config: EngineConfig, device: str) -> int | None:
+    """The configured budget; None on CUDA means the runner reads the driver's free memory."""
+    if config.device_memory is not None or device.startswith("cuda"):
+        return config.device_memory
+    log.info("no --device-memory on CPU: using a %s budget standing in for free VRAM",
+             format_bytes(DEFAULT_CPU_DEVICE_MEMORY))
+    return DEFAULT_CPU_DEVICE_MEMORY
+
+
+async def serve(config: EngineConfig) -> None:
+    from services.engine.core import Engine
+    from services.engine.planning import CacheManagerLink, local_plan
+    from services.engine.runner import ModelRunner
+    from services.engine.server import StatusSource, set_serving, start_server
+
+    device = resolve_device(config.device)
+    runner = ModelRunner(config.model_dir, device=device,
+                         device_memory_bytes=device_budget(config, device),
+                         reserved_bytes=config.reserve)
+    engine = Engine(runner)
+    status = StatusSource(engine, "", runner.model_name, device)
+    server, port, health = await start_server(engine, status, config.host, config.port)
+    status.engine_id = engine_id = config.resolved_engine_id(port)
+    link = None
+    if config.cachemgr:
+        link = CacheManagerLink(config.cachemgr, engine_id, runner,
+                                runner.cache_size.free_bytes, config.reserve)
+        try:
+            plan = await link.get_plan()
+        except Exception as exc:
+            log.warning("cache manager at %s did not answer GetPlan (%s); planning locally",
+                        config.cachemgr, exc)
+            plan = local_plan(runner, config.profile)
+    else:
+        plan = local_plan(runner, config.profile)
+    runner.fill_cache(plan.pairs[: plan.slots], source=plan.source)
+    status.plan_version, status.plan_source = plan.version, plan.source
+    engine.start()
+    await set_serving(health, True)
+    log.info("engine %s ready: model %s on %s, gRPC on %s:%d", engine_id, runner.model_name,
+             device, config.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    reporter = (asyncio.create_task(link.report_forever(engine.totals, plan.version,
+                                                        config.report_interval_s))
+                if link else None)
+    await stop.wait()
+    log.info("engine %s stopping: finishing the running request", engine_id)
+    await set_serving(health, False)
+    await server.stop(grace=5.0)
+    engine.stop()
+    if reporter:
+        reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporter
+        await link.report(engine.totals, plan.version)  # type: ignore[union-attr]
+        await link.close()  # type: ignore[union-attr]
+    log.info("engine %s stopped after %d requests", engine_id, engine.totals.requests_finished)
+
+
+def run(config: EngineConfig) -> None:
+    setup_logging()
+    asyncio.run(serve(config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="strata engine", description=__doc__)
+    add_settings(parser, SETTINGS)
+    try:
+        config = EngineConfig.from_values(resolve(SETTINGS, parser.parse_args(argv)))
+        run(config)
+    except ConfigError as exc:
+        print(f"strata engine: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

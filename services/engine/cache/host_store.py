@@ -1,0 +1,78 @@
+"""Host store: every (layer, expert) pair's blob in one contiguous host tensor [P, numel].
+
+Pinned on CUDA so slot fills and miss copies run at full link speed. Pair p of the ranking
+`pairs` lives at row p; `blob(pair)` is a view, never a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from services.engine.cache.layout import ExpertLayout
+from services.engine.cache.policy import Pair
+from services.engine.model.checkpoint import CheckpointReader
+
+log = logging.getLogger("strata.engine")
+
+
+class HostStore:
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        pairs: Sequence[Pair],
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+    ):
+        self.layout = layout
+        self.dtype = dtype
+        self.pairs = [(int(layer), int(e)) for layer, e in pairs]
+        self._row_of = {pair: row for row, pair in enumerate(self.pairs)}
+        assert len(self._row_of) == len(self.pairs), "duplicate pairs"
+        self.blobs = torch.empty(
+            len(self.pairs), layout.numel, dtype=dtype, pin_memory=pin_memory
+        )  # [P, numel]
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layout.blob_bytes(self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blobs.numel() * self.dtype.itemsize
+
+    def __contains__(self, pair: Pair) -> bool:
+        return pair in self._row_of
+
+    def blob(self, pair: Pair) -> torch.Tensor:
+        return self.blobs[self._row_of[pair]]  # [numel] view
+
+    def checksum(self, pair: Pair) -> str:
+        return blob_checksum(self.blob(pair))
+
+    def load(self, reader: CheckpointReader) -> None:
+        """Fill every row from the checkpoint, logging progress along the way."""
+        t0 = time.perf_counter()
+        D, Fs = self.layout.hidden_size, self.layout.ffn_size
+        step = max(64, -(-len(self.pairs) // 10))  # about every 10%, at most ~10 lines
+        for row, (layer, expert) in enumerate(self.pairs):
+            gate, up, down = reader.expert_weights(layer, expert, D, Fs, self.dtype)
+            self.layout.pack(gate, up, down, out=self.blobs[row])
+            if (row + 1) % step == 0 or row + 1 == len(self.pairs):
+                log.info(
+                    "loading experts into the host store: %d/%d pairs (%.0f MiB) in %.1f s",
+                    row + 1,
+                    len(self.pairs),
+                    (row + 1) * self.slot_bytes / 2**20,
+                    time.perf_counter() - t0,
+                )
+
+
+def blob_checksum(blob: torch.Tensor) -> str:
+    """sha256 of a blob's raw bytes (copied to the host first when it is on a device)."""
+    raw = blob.detach().contiguous().cpu().view(torch.uint8).numpy()
+    return hashlib.sha256(raw.tobytes()).hexdigest()

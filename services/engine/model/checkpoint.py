@@ -1,0 +1,118 @@
+"""Read a Hugging Face safetensors checkpoint: one or many shards, with or without an index.
+
+Expert weights come in two spellings, both read here:
+  per expert  model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight   [F, D] [F, D] [D, F]
+  fused 3-D   model.layers.L.mlp.experts.gate_up_proj [E, 2F, D], .down_proj [E, D, F]
+(`transformers` 5 holds the fused form in memory and converts to per-expert keys on save.)
+Tensors are converted to the compute dtype (bf16/fp16 -> fp32 by default) on the CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.engine.model.config import CheckpointError, ModelConfig
+
+EXPERTS = "model.layers.{layer}.mlp.experts"
+
+
+class CheckpointReader:
+    """Name -> tensor access over all safetensors shards of one checkpoint directory."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+        files = self._shard_files()
+        self._handles = {f: safe_open(str(self.model_dir / f), framework="pt") for f in files}
+        self._file_of: dict[str, str] = {}
+        for f, handle in self._handles.items():
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                self._file_of[name] = f
+
+    def _shard_files(self) -> list[str]:
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.model_dir} has no *.safetensors files")
+        missing = [f for f in files if not (self.model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{self.model_dir} lacks shard(s) {', '.join(missing)}")
+        return files
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    @property
+    def num_files(self) -> int:
+        return len(self._handles)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _slice(self, name: str):
+        if name not in self._file_of:
+            raise CheckpointError(f"checkpoint {self.model_dir.name} lacks tensor {name!r}")
+        return self._handles[self._file_of[name]].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self._slice(name)  # raises a CheckpointError naming a missing tensor
+        return self._handles[self._file_of[name]].get_tensor(name).to(dtype)
+
+    def get_optional(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        return self.get(name, dtype) if name in self else None
+
+    def expert_weights(
+        self,
+        layer: int,
+        expert: int,
+        hidden_size: int,
+        ffn_size: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [F, D], up [F, D], down [D, F]) of one pair, whichever spelling is stored."""
+        prefix = EXPERTS.format(layer=layer)
+        per_expert = f"{prefix}.{expert}.gate_proj.weight"
+        if per_expert in self:
+            return tuple(
+                self.get(f"{prefix}.{expert}.{p}_proj.weight", dtype)  # type: ignore[return-value]
+                for p in ("gate", "up", "down")
+            )
+        fused_gu = next(
+            (n for n in (f"{prefix}.gate_up_proj", f"{prefix}.gate_up_proj.weight") if n in self),
+            None,
+        )
+        fused_down = next(
+            (n for n in (f"{prefix}.down_proj", f"{prefix}.down_proj.weight") if n in self), None
+        )
+        if fused_gu is None or fused_down is None:
+            raise CheckpointError(
+                f"checkpoint {self.model_dir.name} has no weights for expert "
+                f"{expert} of layer {layer} (neither per-expert nor fused keys)"
+            )
+        gate_up = self._slice(fused_gu)[expert].to(dtype)
+        if gate_up.shape != (2 * ffn_size, hidden_size):  # some writers store [D, 2F]
+            gate_up = gate_up.t()
+        down = self._slice(fused_down)[expert].to(dtype)
+        if down.shape != (hidden_size, ffn_size):
+            down = down.t()
+        return gate_up[:ffn_size], gate_up[ffn_size:], down
+
+    def fingerprint(self, config: ModelConfig) -> str:
+        """Short hex sha256 over the canonical config and every tensor's name, shape and dtype."""
+        h = hashlib.sha256(config.canonical_json().encode())
+        for name in self.names:
+            s = self._slice(name)
+            h.update(f"\n{name}:{list(s.get_shape())}:{s.get_dtype()}".encode())
+        return h.hexdigest()[:16]

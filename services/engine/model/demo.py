@@ -1,0 +1,195 @@
+"""The default demo model: a small random-weight `qwen3_moe` checkpoint Strata writes itself.
+
+Written with safetensors + tokenizers + json only (no transformers), from a fixed seed, so every
+machine gets byte-identical weights; it also loads in transformers' Qwen3MoeForCausalLM.
+Tokenizer: byte-level, token id == byte value for the 256 byte tokens, then the special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+DEMO_MODEL_NAME = "strata-demo-moe"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DEMO_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 512,  # 256 bytes + 3 special tokens, padded to a round number
+    "hidden_size": 256,
+    "intermediate_size": 512,  # dense MLP size, used only by mlp_only_layers
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "bos_token_id": None,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+    "initializer_range": 0.02,
+    "torch_dtype": "float32",
+}
+
+
+def strata_home() -> Path:
+    return Path(os.environ.get("STRATA_HOME") or Path.home() / ".cache" / "strata")
+
+
+def default_model_dir() -> Path:
+    return strata_home() / "models" / DEMO_MODEL_NAME
+
+
+def ensure_default_model() -> Path:
+    """The demo checkpoint's directory, written on first use (tmp dir + rename, so concurrent
+    first uses never see a half-written model)."""
+    final = default_model_dir()
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.", dir=final.parent))
+    try:
+        write_demo_checkpoint(tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not merely a concurrent writer winning
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_demo_checkpoint(path: Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write config, random weights (std 0.02, fixed seed), tokenizer files into `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**DEMO_CONFIG, **config_overrides}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(
+        demo_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
+    write_byte_tokenizer(path, context_window=config["max_position_embeddings"])
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [258, 256], "pad_token_id": 256, "do_sample": False}, indent=2)
+        + "\n"
+    )
+    return path
+
+
+def demo_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    std = config.get("initializer_range", 0.02)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    D, V = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    Hd = config.get("head_dim") or D // heads
+    E, Fe, Fd = config["num_experts"], config["moe_intermediate_size"], config["intermediate_size"]
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(V, D),
+        "model.norm.weight": torch.ones(D),
+    }
+    if not config.get("tie_word_embeddings"):
+        lm_head = normal(V, D)
+        # Larger rows for printable ASCII so greedy demo output is readable text, not stray
+        # UTF-8 continuation bytes or vocab padding (the weights stay random).
+        printable = [10, *range(32, 127)]
+        lm_head[[t for t in printable if t < V]] *= 4.0
+        w["lm_head.weight"] = lm_head
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w |= {
+            f"{p}.input_layernorm.weight": torch.ones(D),
+            f"{p}.post_attention_layernorm.weight": torch.ones(D),
+            f"{p}.self_attn.q_proj.weight": normal(heads * Hd, D),
+            f"{p}.self_attn.k_proj.weight": normal(kv_heads * Hd, D),
+            f"{p}.self_attn.v_proj.weight": normal(kv_heads * Hd, D),
+            f"{p}.self_attn.o_proj.weight": normal(D, heads * Hd),
+            f"{p}.self_attn.q_norm.weight": torch.ones(Hd),
+            f"{p}.self_attn.k_norm.weight": torch.ones(Hd),
+        }
+        step = config.get("decoder_sparse_step") or 1
+        if i in (config.get("mlp_only_layers") or []) or E == 0 or (i + 1) % step:
+            w |= {
+                f"{p}.mlp.gate_proj.weight": normal(Fd, D),
+                f"{p}.mlp.up_proj.weight": normal(Fd, D),
+                f"{p}.mlp.down_proj.weight": normal(D, Fd),
+            }
+            continue
+        w[f"{p}.mlp.gate.weight"] = normal(E, D)
+        for e in range(E):
+            w |= {
+                f"{p}.mlp.experts.{e}.gate_proj.weight": normal(Fe, D),
+                f"{p}.mlp.experts.{e}.up_proj.weight": normal(Fe, D),
+                f"{p}.mlp.experts.{e}.down_proj.weight": normal(D, Fe),
+            }
+    return w
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE."""
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def write_byte_tokenizer(path: Path, context_window: int = 4096) -> None:
+    """tokenizer.json (byte-level, no merges: id == byte) + tokenizer_config.json (ChatML)."""
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHATML_TEMPLATE,
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": context_window,
+            },
+            indent=2,
+        )
+        + "\n"
+    )

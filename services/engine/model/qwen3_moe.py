@@ -1,0 +1,266 @@
+"""Strata's torch forward pass for Qwen3-MoE (`qwen3_moe`).
+
+Shape legend: T tokens in this step, N cached positions (KV length), D hidden, H query heads,
+G KV heads, Hd head dim, E experts, K routed per token, F expert FFN, V vocab.
+
+    tokens -> embed -> L x [ x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)) ] -> rmsnorm -> lm_head
+    attn: q/k/v proj -> per-head RMSNorm on q, k -> RoPE -> KV cache update -> causal GQA -> o_proj
+    mlp:  dense SwiGLU (mlp_only_layers) or sparse MoE: router -> softmax (fp32) -> top-K ->
+          (renormalize) -> experts via the ExpertSource (the expert cache) -> weighted sum
+
+Only non-expert weights live here (on the device). Expert weights are never in the model: the
+MoE block hands each expert's tokens to an `ExpertSource`, which decides where they run.
+All linear weights are stored pre-transposed ([in, out]) and applied as `x @ W_t`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.cache.layout import swiglu
+from services.engine.model.checkpoint import CheckpointReader
+from services.engine.model.config import ModelConfig
+
+log = logging.getLogger("strata.engine")
+
+
+class ExpertSource(Protocol):
+    def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` of `layer` applied to x [T, D] -> [T, D] (unweighted)."""
+        ...
+
+
+class KVCache:
+    """Preallocated K/V buffers of one layer for one sequence: [G, N_max, Hd] each."""
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        max_num_tokens: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (num_kv_heads, max_num_tokens, head_dim)
+        # Uninitialized on purpose: attention only ever reads positions already written.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    def update(
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [G, T, Hd] at positions input_pos [T]; return the full buffers."""
+        self.k.index_copy_(1, input_pos, k)
+        self.v.index_copy_(1, input_pos, v)
+        return self.k, self.v
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(
+    head_dim: int, theta: float, max_num_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default RoPE cos/sin tables [N_max, Hd] (fp32, HF's rotate-half convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    pos = torch.arange(max_num_tokens, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # [N_max, Hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [N_max, Hd]
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, Hd] rotated by cos/sin [T, Hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    post_attn_norm: torch.Tensor  # [D]
+    q_t: torch.Tensor  # [D, H*Hd]
+    k_t: torch.Tensor  # [D, G*Hd]
+    v_t: torch.Tensor  # [D, G*Hd]
+    o_t: torch.Tensor  # [H*Hd, D]
+    q_norm: torch.Tensor  # [Hd]
+    k_norm: torch.Tensor  # [Hd]
+    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    o_bias: torch.Tensor | None = None
+    router_t: torch.Tensor | None = None  # [D, E]   (MoE layers)
+    mlp_gate_up_t: torch.Tensor | None = None  # [D, 2I] (dense layers)
+    mlp_down_t: torch.Tensor | None = None  # [I, D]  (dense layers)
+
+
+class Qwen3MoeModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head_t: torch.Tensor,
+        device: torch.device,
+    ):
+        self.config = config
+        self.device = device
+        self.embed = embed  # [V, D]
+        self.layers = layers
+        self.final_norm = final_norm  # [D]
+        self.lm_head_t = lm_head_t  # [D, V]
+        self.dtype = embed.dtype
+        self.rope_cos, self.rope_sin = rope_tables(
+            config.head_dim, config.rope_theta, config.context_window, device
+        )
+
+    def setup_caches(self, max_num_tokens: int) -> list[KVCache]:
+        c = self.config
+        return [
+            KVCache(c.num_kv_heads, max_num_tokens, c.head_dim, self.dtype, self.device)
+            for _ in range(c.num_layers)
+        ]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        input_pos: torch.Tensor,
+        kv: list[KVCache],
+        experts: ExpertSource,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """token_ids, input_pos [T] (positions consecutive) -> fp32 logits [V] of the last
+        token, or [T, V] with all_logits."""
+        x = self.embed[token_ids]  # [T, D]
+        eps = self.config.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention(layer, rms_norm(x, layer.input_norm, eps), input_pos, kv[i])
+            h = rms_norm(x, layer.post_attn_norm, eps)
+            if layer.router_t is not None:
+                x = x + self.moe(i, layer, h, experts)
+            else:
+                x = x + swiglu(h, layer.mlp_gate_up_t, layer.mlp_down_t)
+        if not all_logits:
+            x = x[-1:]
+        logits = (rms_norm(x, self.final_norm, eps) @ self.lm_head_t).float()  # [T, V]
+        return logits if all_logits else logits[0]
+
+    def attention(
+        self, w: LayerWeights, x: torch.Tensor, input_pos: torch.Tensor, kv: KVCache
+    ) -> torch.Tensor:
+        c = self.config
+        T = x.shape[0]
+        q, k, v = x @ w.q_t, x @ w.k_t, x @ w.v_t  # [T, H*Hd], [T, G*Hd], [T, G*Hd]
+        if w.qkv_bias is not None:
+            q, k, v = q + w.qkv_bias[0], k + w.qkv_bias[1], v + w.qkv_bias[2]
+        q = rms_norm(q.view(T, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps).transpose(0, 1)
+        k = rms_norm(k.view(T, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps).transpose(
+            0, 1
+        )
+        v = v.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [G, T, Hd]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, Hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [H, T, Hd], [G, T, Hd]
+        k_all, v_all = kv.update(input_pos, k, v)
+        num_cached = int(input_pos[-1]) + 1
+        k_all, v_all = k_all[:, :num_cached], v_all[:, :num_cached]  # [G, N, Hd]
+        mask = None
+        if T > 1:  # query t sits at position num_cached - T + t and sees keys up to it
+            q_pos = torch.arange(num_cached - T, num_cached, device=x.device)
+            mask = q_pos[:, None] >= torch.arange(num_cached, device=x.device)[None, :]  # [T, N]
+        out = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads
+        )  # [H, T, Hd]
+        out = out.transpose(0, 1).reshape(T, c.num_heads * c.head_dim) @ w.o_t  # [T, D]
+        return out if w.o_bias is None else out + w.o_bias
+
+    def moe(
+        self, layer_idx: int, w: LayerWeights, x: torch.Tensor, experts: ExpertSource
+    ) -> torch.Tensor:
+        c = self.config
+        K = c.experts_per_token
+        probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
+        top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K]
+        if c.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        # Group routed (token, k) entries by expert; experts accumulate in ascending id order
+        # whatever their residency, so results never depend on the cache.
+        flat_idx = top_idx.flatten().cpu()  # [T*K]
+        counts = torch.bincount(flat_idx, minlength=c.num_experts).tolist()  # [E]
+        order = torch.argsort(flat_idx, stable=True).to(x.device)  # [T*K], grouped by expert
+        token_of = order // K  # [T*K]
+        weight_of = top_w.flatten()[order]  # [T*K]
+        out = torch.zeros_like(x)  # [T, D]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens = token_of[start : start + n]  # [n]
+            y = experts.expert_forward(layer_idx, expert, x[tokens])  # [n, D]
+            out.index_add_(0, tokens, y * weight_of[start : start + n, None])
+            start += n
+        return out
+
+
+def load_qwen3_moe(
+    reader: CheckpointReader,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> Qwen3MoeModel:
+    """Load the non-expert weights (embeddings, attention, norms, routers, dense MLPs, lm_head)."""
+    t0 = time.perf_counter()
+
+    def get_t(name: str) -> torch.Tensor:  # a [out, in] weight as a contiguous [in, out]
+        return reader.get(name, dtype).t().contiguous().to(device)
+
+    def get(name: str) -> torch.Tensor:
+        return reader.get(name, dtype).to(device)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        w = LayerWeights(
+            input_norm=get(f"{p}.input_layernorm.weight"),
+            post_attn_norm=get(f"{p}.post_attention_layernorm.weight"),
+            q_t=get_t(f"{a}.q_proj.weight"),
+            k_t=get_t(f"{a}.k_proj.weight"),
+            v_t=get_t(f"{a}.v_proj.weight"),
+            o_t=get_t(f"{a}.o_proj.weight"),
+            q_norm=get(f"{a}.q_norm.weight"),
+            k_norm=get(f"{a}.k_norm.weight"),
+        )
+        if config.attention_bias:
+            w.qkv_bias = (get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias"))
+            w.o_bias = get(f"{a}.o_proj.bias") if f"{a}.o_proj.bias" in reader else None
+        if config.is_moe_layer(i):
+            w.router_t = get_t(f"{p}.mlp.gate.weight")
+        else:
+            w.mlp_gate_up_t = torch.cat(
+                [get_t(f"{p}.mlp.gate_proj.weight"), get_t(f"{p}.mlp.up_proj.weight")], dim=1
+            ).contiguous()
+            w.mlp_down_t = get_t(f"{p}.mlp.down_proj.weight")
+        layers.append(w)
+    embed = get("model.embed_tokens.weight")
+    if config.tie_word_embeddings or "lm_head.weight" not in reader:
+        lm_head_t = embed.t().contiguous()
+    else:
+        lm_head_t = get_t("lm_head.weight")
+    model = Qwen3MoeModel(config, embed, layers, get("model.norm.weight"), lm_head_t, device)
+    log.info(
+        "loaded non-expert weights of %d layers in %.1f s",
+        config.num_layers,
+        time.perf_counter() - t0,
+    )
+    return model

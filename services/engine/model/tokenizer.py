@@ -1,0 +1,116 @@
+"""Tokenizer: tokenizer.json via the `tokenizers` library, chat template via sandboxed jinja2.
+
+`encode` never inserts special tokens on its own (no surprise BOS); special tokens written in the
+text (e.g. `<|im_start|>`) map to their ids. The chat template comes from tokenizer_config.json's
+`chat_template` (a string, or a list of named templates) or a `chat_template.jinja` file.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from services.engine.model.config import CheckpointError
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or rendering it failed (e.g. bad message roles)."""
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.chat_template = _chat_template(model_dir, cfg)
+        self.eos_token_ids = self._eos_ids(model_dir)
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template")
+        if self._template is None:
+            self._template = _compile(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def _eos_ids(self, model_dir: Path) -> set[int]:
+        ids: set[int] = set()
+        if self.eos_token is not None and (tid := self.token_to_id(self.eos_token)) is not None:
+            ids.add(tid)
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(model_dir / name).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config tokens are strings or serialized AddedTokens ({"content": ...})."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {e}") from e

@@ -1,0 +1,114 @@
+"""Where the engine's residency plan comes from, and where its routing counts go.
+
+Order of preference: the cache manager (GetPlan), else an expert-profile.bin, else layer order.
+The cache manager is optional: when it is unreachable the engine logs it and keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc
+
+log = logging.getLogger("strata.engine")
+
+
+@dataclass(frozen=True)
+class Plan:
+    version: int
+    slots: int
+    pairs: tuple[tuple[int, int], ...]
+    source: str
+
+
+def local_plan(runner: object, profile_path: str | None) -> Plan:
+    """Plan without a cache manager: the profile's ranking if one is given, else layer order."""
+    if profile_path:
+        from services.common.profile import Profile
+
+        profile = Profile.read(profile_path)
+        profile.validate(runner.fingerprint, runner.config.num_layers,  # type: ignore[attr-defined]
+                         runner.config.num_experts)  # type: ignore[attr-defined]
+        log.info("profile %s: %d ranked pairs, built for %d slots", profile_path,
+                 len(profile.ranked), profile.built_for_slots)
+        pairs = tuple((layer, expert) for layer, expert, _ in profile.ranked)
+        return Plan(0, runner.slots, pairs, "profile")  # type: ignore[attr-defined]
+    return Plan(0, runner.slots, tuple(runner.layer_order_pairs()),  # type: ignore[attr-defined]
+                "layer-order")
+
+
+class CacheManagerLink:
+    """The engine's side of the CacheManager service."""
+
+    def __init__(self, address: str, engine_id: str, runner: object, device_memory_bytes: int,
+                 reserved_bytes: int):
+        self.address = address
+        self.engine_id = engine_id
+        self.runner = runner
+        self.device_memory_bytes = device_memory_bytes
+        self.reserved_bytes = reserved_bytes
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = cachemgr_pb2_grpc.CacheManagerStub(self._channel)
+        self._reported = (0, 0, 0, 0)  # lookups, hits, spilled, tokens at the last report
+        self._failures = 0
+        self._unsent: np.ndarray | None = None  # counts of reports that could not be sent
+
+    def _shape(self) -> cachemgr_pb2.ModelShape:
+        r = self.runner
+        return cachemgr_pb2.ModelShape(
+            fingerprint=r.fingerprint, name=r.model_name,  # type: ignore[attr-defined]
+            num_layers=r.config.num_layers, num_experts=r.config.num_experts,  # type: ignore[attr-defined]
+            experts_per_token=r.config.experts_per_token,  # type: ignore[attr-defined]
+            slot_bytes=r.slot_bytes)  # type: ignore[attr-defined]
+
+    async def get_plan(self, timeout_s: float = 10.0) -> Plan:
+        reply = await self._stub.GetPlan(cachemgr_pb2.GetPlanRequest(
+            engine_id=self.engine_id, model=self._shape(),
+            device_memory_bytes=self.device_memory_bytes, reserved_bytes=self.reserved_bytes),
+            timeout=timeout_s, wait_for_ready=True)
+        return Plan(reply.version, reply.slots, tuple((p.layer, p.expert) for p in reply.pairs),
+                    reply.source)
+
+    async def report(self, totals: object, plan_version: int) -> int | None:
+        """Send routing counts and cache figures since the last report; returns the cache
+        manager's plan version, or None when it could not be reached (counts are kept)."""
+        counts = self.runner.take_routing_counts()  # type: ignore[attr-defined]
+        if self._unsent is not None:
+            counts = counts + self._unsent
+            self._unsent = None
+        now = (totals.lookups, totals.hits, totals.spilled,  # type: ignore[attr-defined]
+               totals.tokens_generated)  # type: ignore[attr-defined]
+        delta = [a - b for a, b in zip(now, self._reported, strict=True)]
+        try:
+            ack = await self._stub.ReportRouting(cachemgr_pb2.RoutingReport(
+                engine_id=self.engine_id, model=self._shape(), counts=counts.ravel().tolist(),
+                lookups=delta[0], hits=delta[1], spilled=delta[2], tokens_generated=delta[3],
+                slots=self.runner.slots, device_memory_bytes=self.device_memory_bytes,  # type: ignore[attr-defined]
+                reserved_bytes=self.reserved_bytes, plan_version=plan_version), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            self._unsent = counts
+            self._failures += 1
+            if self._failures in (1, 10) or self._failures % 100 == 0:
+                log.warning("cache manager at %s unreachable (%s, %d reports failed); routing "
+                            "counts are kept and sent when it is back", self.address,
+                            exc.code().name, self._failures)
+            return None
+        if self._failures:
+            log.info("cache manager at %s is back after %d failed reports", self.address,
+                     self._failures)
+            self._failures = 0
+        self._reported = now
+        return ack.plan_version
+
+    async def report_forever(self, totals: object, plan_version: int, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.report(totals, plan_version)
+
+    async def close(self) -> None:
+        await self._channel.close()

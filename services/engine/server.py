@@ -1,0 +1,168 @@
+"""gRPC transport for the engine: the Engine service, standard health, cache-manager client.
+
+Proto messages stop here: requests become core dataclasses at once, core events become protos
+on the way out. Core errors map to gRPC status codes in one place (`_status_for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.engine.core import (
+    Delta,
+    Engine,
+    EngineRequest,
+    Event,
+    Finished,
+    GenerateParams,
+    InvalidRequest,
+    RequestStats,
+    Started,
+)
+from services.engine.sampling import SamplingConfig
+
+log = logging.getLogger("strata.engine")
+
+_FINISH = {
+    "stop": engine_pb2.FINISH_REASON_STOP,
+    "length": engine_pb2.FINISH_REASON_LENGTH,
+    "abort": engine_pb2.FINISH_REASON_ABORT,
+}
+
+
+def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
+    s = msg.sampling
+    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
+        raise InvalidRequest("sampling parameters out of range: temperature >= 0, "
+                             "0 <= top_p <= 1, top_k >= 0, max_tokens >= 0")
+    params = GenerateParams(
+        max_tokens=s.max_tokens,
+        stop=tuple(s.stop),
+        sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                                seed=s.seed if s.HasField("seed") else None))
+    request_id = msg.request_id or uuid.uuid4().hex
+    which = msg.WhichOneof("input")
+    if which == "chat":
+        messages = tuple((m.role, m.content) for m in msg.chat.messages)
+        return EngineRequest(request_id, params, messages=messages)
+    if which == "prompt":
+        return EngineRequest(request_id, params, prompt=msg.prompt)
+    raise InvalidRequest("request has neither chat messages nor a prompt")
+
+
+def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:
+    return engine_pb2.RequestStats(
+        prompt_tokens=s.prompt_tokens, reused_prompt_tokens=s.reused_prompt_tokens,
+        completion_tokens=s.completion_tokens, queue_ms=s.queue_ms, prefill_ms=s.prefill_ms,
+        decode_ms=s.decode_ms, ttft_ms=s.ttft_ms, decode_tok_s=s.decode_tok_s,
+        lookups=s.lookups, hits=s.hits, spilled=s.spilled, hit_rate=s.hit_rate,
+        spill_ratio=s.spill_ratio)
+
+
+def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
+    if isinstance(event, Started):
+        return engine_pb2.GenerateEvent(started=engine_pb2.Started(
+            prompt_tokens=event.prompt_tokens, context_window=event.context_window,
+            engine_id=engine_id))
+    if isinstance(event, Delta):
+        return engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(
+            text=event.text, token_ids=list(event.token_ids)))
+    return engine_pb2.GenerateEvent(finished=engine_pb2.Finished(
+        reason=_FINISH[event.reason], stats=stats_to_proto(event.stats), error=event.error))
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: Engine, engine_id: str, status: StatusSource):
+        self._engine = engine
+        self._engine_id = engine_id
+        self._status = status
+
+    async def Generate(self, request: engine_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:  # called from the engine's loop thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            handle = self._engine.submit(request_from_proto(request), sink)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        try:
+            while True:
+                event = await events.get()
+                yield event_to_proto(event, self._engine_id)
+                if isinstance(event, Finished):
+                    return
+        finally:
+            # Client gone (or stream closed early): stop generating for it.
+            handle.cancel()
+
+    async def GetStatus(self, request: engine_pb2.GetStatusRequest,
+                        context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatus:
+        return self._status.status()
+
+
+class StatusSource:
+    """Builds EngineStatus from the engine, its runner and the applied plan."""
+
+    def __init__(self, engine: Engine, engine_id: str, model_name: str, device: str):
+        self.engine = engine
+        self.engine_id = engine_id
+        self.model_name = model_name
+        self.device = device
+        self.plan_version = 0
+        self.plan_source = "layer-order"
+
+    def status(self) -> engine_pb2.EngineStatus:
+        engine, runner, totals = self.engine, self.engine.runner, self.engine.totals
+        size = runner.cache_size  # type: ignore[attr-defined]
+        lookups = totals.lookups
+        return engine_pb2.EngineStatus(
+            engine_id=self.engine_id, model=self.model_name, ready=True,
+            running=engine.num_running, waiting=engine.num_waiting,
+            context_window=engine.context_window, device=self.device,
+            requests_finished=totals.requests_finished, tokens_generated=totals.tokens_generated,
+            cache=engine_pb2.CacheStatus(
+                slots=size.slots, total_pairs=size.total_pairs, coverage=size.coverage,
+                slot_bytes=size.slot_bytes, device_memory_bytes=size.free_bytes,
+                reserved_bytes=size.reserved_bytes, plan_version=self.plan_version,
+                plan_source=self.plan_source, lookups=lookups, hits=totals.hits,
+                spilled=totals.spilled,
+                hit_rate=totals.hits / lookups if lookups else 0.0,
+                spill_ratio=totals.spilled / lookups if lookups else 0.0))
+
+
+async def start_server(engine: Engine, status: StatusSource, host: str, port: int
+                       ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Bind the Engine and health services (NOT_SERVING until `set_serving`); returns
+    (server, bound port, health servicer)."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(
+        EngineServicer(engine, status.engine_id, status), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the engine's gRPC port {host}:{port}; is another engine "
+                      "running there? choose another with --port / STRATA_ENGINE_PORT")
+    await server.start()
+    await set_serving(health_servicer, False)
+    return server, bound, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    state = (health_pb2.HealthCheckResponse.SERVING if serving
+             else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for service in ("", "strata.v1.Engine"):
+        await health_servicer.set(service, state)

@@ -1,0 +1,223 @@
+"""OpenAI request bodies -> frozen native types, validated as early as possible.
+
+Anything the engine cannot honour is refused here with an `InvalidRequest` naming the parameter,
+so a bad request never reaches an engine slot. Unknown fields are ignored, as OpenAI clients send
+many optional ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import InvalidRequest
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    max_tokens: int = 0  # 0: up to the context window
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One parsed request: either chat messages or a raw prompt."""
+
+    model: str
+    sampling: Sampling
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def is_chat(self) -> bool:
+        return self.prompt is None
+
+
+def parse_chat(body: Any) -> GenerateInput:
+    body = _object(body)
+    _refuse_unsupported_chat(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
+    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    max_tokens = _first_present(body, "max_completion_tokens", "max_tokens")
+    return GenerateInput(
+        model=_model(body), sampling=_sampling(body, max_tokens, default_max_tokens=0),
+        messages=parsed, **_stream(body))
+
+
+def parse_completion(body: Any) -> GenerateInput:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidRequest("'prompt' must be a non-empty string (batched prompts are not "
+                             "supported)", "prompt")
+    if body.get("echo"):
+        raise InvalidRequest("'echo' is not supported", "echo")
+    if body.get("logprobs") is not None:
+        raise InvalidRequest("'logprobs' is not supported", "logprobs")
+    if body.get("suffix"):
+        raise InvalidRequest("'suffix' is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of not in (None, 1):
+        raise InvalidRequest("'best_of' must be 1", "best_of")
+    max_tokens = _first_present(body, "max_tokens")
+    return GenerateInput(
+        model=_model(body), prompt=prompt, **_stream(body),
+        sampling=_sampling(body, max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS))
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string (see GET /v1/models)", "model")
+    return model
+
+
+def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise InvalidRequest("'response_format' must be an object with a 'type'",
+                                 "response_format")
+        if fmt["type"] != "text":
+            raise InvalidRequest(f"response_format type {fmt['type']!r} is not supported yet; "
+                                 "only 'text'", "response_format", code="unsupported_parameter")
+    if body.get("tools"):
+        raise InvalidRequest("'tools' is not supported yet", "tools", code="unsupported_parameter")
+    if body.get("logprobs"):
+        raise InvalidRequest("'logprobs' is not supported yet", "logprobs",
+                             code="unsupported_parameter")
+
+
+def _message(raw: Any, index: int) -> Message:
+    param = f"messages[{index}]"
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{param} must be an object with 'role' and 'content'", param)
+    role = raw.get("role")
+    if role not in CHAT_ROLES:
+        raise InvalidRequest(f"{param}.role must be one of system, user, assistant; got {role!r}",
+                             f"{param}.role")
+    content = raw.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        content = "".join(_text_part(part, f"{param}.content[{i}]")
+                          for i, part in enumerate(content))
+    if not isinstance(content, str):
+        raise InvalidRequest(f"{param}.content must be a string or a list of text parts",
+                             f"{param}.content")
+    return Message(CHAT_ROLES[role], content)
+
+
+def _text_part(part: Any, param: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise InvalidRequest(f"{param} must be {{'type': 'text', 'text': ...}}; parts of type "
+                         f"{kind!r} are not supported", param)
+
+
+def _stream(body: dict[str, Any]) -> dict[str, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise InvalidRequest("'stream_options.include_usage' must be true or false",
+                             "stream_options.include_usage")
+    return {"stream": stream, "include_usage": stream and include_usage}
+
+
+def _sampling(body: dict[str, Any], max_tokens_key: str | None,
+              default_max_tokens: int) -> Sampling:
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise InvalidRequest(f"'n' must be 1 (one choice per request); got {n!r}", "n")
+    max_tokens = default_max_tokens
+    if max_tokens_key is not None:
+        max_tokens = _int(body, max_tokens_key, low=1)
+    temperature = _float(body, "temperature", 1.0, low=0.0, high=2.0)
+    top_p = _float(body, "top_p", 1.0, low=0.0, high=1.0)
+    if top_p == 0.0:
+        raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
+    top_k = 0
+    if body.get("top_k") is not None:
+        top_k = _int(body, "top_k", low=-1)
+        top_k = max(top_k, 0)  # -1 (vLLM's "off") means the same as 0
+    seed = None
+    if body.get("seed") is not None:
+        seed = _int(body, "seed", low=0, high=2**64 - 1)
+    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    max_tokens=max_tokens, stop=_stop(body.get("stop")))
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("'stop' must be a non-empty string or a list of them", "stop")
+    return tuple(stop)
+
+
+def _first_present(body: dict[str, Any], *keys: str) -> str | None:
+    return next((k for k in keys if body.get(k) is not None), None)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict[str, Any], key: str, *, low: int, high: int | None = None) -> int:
+    value = body[key]
+    if not _is_int(value):
+        raise InvalidRequest(f"'{key}' must be an integer; got {value!r}", key)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidRequest(f"'{key}' must be {bound}; got {value}", key)
+    return value
+
+
+def _float(body: dict[str, Any], key: str, default: float, *, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidRequest(f"'{key}' must be a number; got {value!r}", key)
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{key}' must be in [{low:g}, {high:g}]; got {value}", key)
+    return float(value)

@@ -1,0 +1,216 @@
+"""`strata up`: the whole cluster on this machine, as child processes.
+
+    redis (embedded, unless STRATA_REDIS_URL) -> cachemgr -> engine -> gateway
+
+Each child is started once the one before it is ready (gRPC health SERVING, or HTTP /health 200
+for the gateway). Their output is echoed with a name prefix and kept in DIR/<name>.log. A child that
+dies is reported with its last log lines and the rest are stopped. Ctrl-C / SIGTERM stops every
+child, gateway first, so in-flight requests drain before the engine goes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    log_path: Path
+    process: subprocess.Popen[str] | None = None
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
+
+    def start(self, env: dict[str, str], echo: bool) -> None:
+        log_file = self.log_path.open("a", buffering=1)
+        self.process = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, env=env,
+                                        start_new_session=True)
+
+        def pump() -> None:
+            assert self.process and self.process.stdout
+            for line in self.process.stdout:
+                line = line.rstrip("\n")
+                self.tail.append(line)
+                log_file.write(line + "\n")
+                if echo:
+                    print(f"{self.name:>8} | {line}", flush=True)
+            log_file.close()
+
+        threading.Thread(target=pump, name=f"pump-{self.name}", daemon=True).start()
+
+    def exit_code(self) -> int | None:
+        return self.process.poll() if self.process else None
+
+    def report(self) -> str:
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return (f"{self.name} exited with code {self.exit_code()}; its last log lines "
+                f"(full log: {self.log_path}):\n{lines}")
+
+    def stop(self, grace_s: float) -> None:
+        if not self.process or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def grpc_serving(address: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+    return check
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return response.status == 200
+        except OSError:
+            return False
+    return check
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str | None
+    device_memory: str | None
+    max_inflight: int | None
+    max_queue: int | None
+    port: int
+    engine_port: int
+    cachemgr_port: int
+    metrics_port: int
+    log_dir: Path
+    ready_timeout_s: float = 600.0
+    echo: bool = True
+
+
+class Cluster:
+    def __init__(self, config: UpConfig):
+        self.config = config
+        self.children: list[Child] = []
+        self.redis = None
+        self._stopping = threading.Event()
+
+    def _child(self, name: str, module: str, args: list[str], ready: Callable[[], bool]) -> Child:
+        return Child(name, [sys.executable, "-m", module, *args], ready,
+                     self.config.log_dir / f"{name}.log")
+
+    def plan(self, redis_url: str) -> list[Child]:
+        c = self.config
+        model = ["--model", c.model] if c.model else []
+        memory = ["--device-memory", c.device_memory] if c.device_memory else []
+        admission = ([f"--max-inflight={c.max_inflight}"] if c.max_inflight else []) + (
+            [f"--max-queue={c.max_queue}"] if c.max_queue is not None else [])
+        cachemgr = f"127.0.0.1:{c.cachemgr_port}"
+        engine = f"127.0.0.1:{c.engine_port}"
+        return [
+            self._child("cachemgr", "services.cachemgr",
+                        ["--port", str(c.cachemgr_port), "--metrics-port", str(c.metrics_port),
+                         "--redis-url", redis_url, *memory], grpc_serving(cachemgr)),
+            self._child("engine", "services.engine",
+                        ["--port", str(c.engine_port), "--cachemgr", cachemgr, *model, *memory],
+                        grpc_serving(engine)),
+            self._child("gateway", "services.gateway",
+                        ["--port", str(c.port), "--engine", engine, *admission],
+                        http_ok(f"http://127.0.0.1:{c.port}/health")),
+        ]
+
+    def start(self) -> None:
+        c = self.config
+        c.log_dir.mkdir(parents=True, exist_ok=True)
+        redis_url = os.environ.get("STRATA_REDIS_URL", "")
+        if not redis_url:
+            from services.common.redis_server import EmbeddedRedis
+
+            self.redis = EmbeddedRedis(data_dir=c.log_dir / "redis")
+            self.redis.start()
+            redis_url = self.redis.url
+            self._say(f"redis: embedded server at {redis_url}")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_REDIS_URL": redis_url}
+        for child in self.plan(redis_url):
+            self.children.append(child)
+            started = time.monotonic()
+            child.start(env, c.echo)
+            self._say(f"{child.name}: started (pid {child.process.pid}), waiting until ready")
+            while not child.ready():
+                if child.exit_code() is not None:
+                    raise LaunchError(child.report())
+                if self._stopping.is_set():
+                    raise LaunchError("interrupted while starting")
+                if time.monotonic() - started > c.ready_timeout_s:
+                    raise LaunchError(f"{child.name} not ready after {c.ready_timeout_s:.0f} s; "
+                                      f"see {child.log_path}")
+                time.sleep(0.2)
+            self._say(f"{child.name}: ready in {time.monotonic() - started:.1f} s")
+
+    def watch(self) -> None:
+        """Block until a signal (clean exit) or a child dies (LaunchError)."""
+        while not self._stopping.wait(0.5):
+            for child in self.children:
+                if child.exit_code() is not None:
+                    raise LaunchError(child.report())
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping.set()
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop(grace_s=20.0)
+        if self.redis is not None:
+            self.redis.stop()
+
+    def _say(self, message: str) -> None:
+        print(f"strata up: {message}", flush=True)
+
+
+def run_up(config: UpConfig) -> int:
+    cluster = Cluster(config)
+    signal.signal(signal.SIGINT, cluster.request_stop)
+    signal.signal(signal.SIGTERM, cluster.request_stop)
+    try:
+        cluster.start()
+        url = f"http://127.0.0.1:{config.port}/v1"
+        print(f"strata up: Strata is serving at {url} (metrics: http://127.0.0.1:"
+              f"{config.metrics_port}/metrics; logs: {config.log_dir}); Ctrl-C stops it", flush=True)
+        model = Path(config.model).name if config.model else "strata-demo-moe"
+        print(f"strata up: try  curl {url}/chat/completions -H 'Content-Type: application/json' "
+              f"""-d '{{"model": "{model}", "messages": [{{"role": "user", """
+              """"content": "Hello"}], "max_tokens": 32}'""", flush=True)
+        cluster.watch()
+        return 0
+    except LaunchError as exc:
+        print(f"strata up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("strata up: stopping", flush=True)
+        cluster.stop()
+        print("strata up: stopped", flush=True)

@@ -1,0 +1,76 @@
+"""A real Strata cluster (`strata up`: embedded Redis, cachemgr, engine, gateway) for the e2e tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningCluster:
+    process: subprocess.Popen[str]
+    port: int
+    metrics_port: int
+    log_dir: Path
+    output: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def engine_log(self) -> str:
+        return (self.log_dir / "engine.log").read_text()
+
+
+def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0) -> RunningCluster:
+    port, metrics_port = free_port(), free_port()
+    log_dir = tmp / "logs"
+    output = tmp / "up.out"
+    env = {**os.environ, "STRATA_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1"}
+    env.pop("STRATA_REDIS_URL", None)
+    with output.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--quiet", "--port", str(port),
+             "--engine-port", str(free_port()), "--cachemgr-port", str(free_port()),
+             "--metrics-port", str(metrics_port), "--log-dir", str(log_dir), *extra],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while "Strata is serving" not in output.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"strata up did not come up:\n{output.read_text()}")
+        time.sleep(0.2)
+    return RunningCluster(process, port, metrics_port, log_dir, output)
+
+
+def stop_cluster(cluster: RunningCluster) -> int:
+    cluster.process.send_signal(signal.SIGINT)
+    try:
+        return cluster.process.wait(60)
+    except subprocess.TimeoutExpired:
+        cluster.process.kill()
+        raise
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    running = start_cluster(tmp, "--max-inflight", "1", "--max-queue", "2")
+    yield running
+    assert stop_cluster(running) == 0, running.output.read_text()

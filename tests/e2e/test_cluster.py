@@ -1,0 +1,124 @@
+"""End to end: `strata up` on the demo model, called with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = [{"role": "user", "content": "Name three prime numbers."}]
+LINE_1 = re.compile(r"strata serve: prompt (\d+) tokens = (\d+) reused \+ (\d+) read in \d+ ms, "
+                    r"(\d+) generated in \d+ ms \([\d.]+ tok/s\)")
+LINE_2 = re.compile(r"strata serve: decode expert cache hit rate: [\d.]+% \((\d+) hits / (\d+) "
+                    r"lookups\); (\d+) more served from host RAM")
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+
+
+def test_chat_completion_reports_usage_and_logs_two_lines(cluster):
+    before = cluster.engine_log().count("strata serve: prompt")
+    reply = client(cluster).chat.completions.create(
+        model="strata-demo-moe", messages=PROMPT, max_tokens=12, temperature=0)
+    assert reply.choices[0].finish_reason in {"stop", "length"}
+    assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens > 5
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    deadline = time.monotonic() + 10
+    while cluster.engine_log().count("strata serve: prompt") == before:
+        assert time.monotonic() < deadline, "the engine did not log the request"
+        time.sleep(0.1)
+    lines = [line for line in cluster.engine_log().splitlines() if "strata serve:" in line]
+    first, second = LINE_1.search(lines[-2]), LINE_2.search(lines[-1])
+    assert first and second, lines[-2:]
+    assert int(first.group(1)) == reply.usage.prompt_tokens
+    assert int(first.group(4)) == reply.usage.completion_tokens
+    hits, lookups, spilled = map(int, second.groups())
+    assert hits + spilled == lookups > 0
+
+
+def test_streaming_matches_non_streaming(cluster):
+    c = client(cluster)
+    whole = c.chat.completions.create(model="strata-demo-moe", messages=PROMPT, max_tokens=16,
+                                      temperature=0)
+    chunks = list(c.chat.completions.create(
+        model="strata-demo-moe", messages=PROMPT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_models_lists_the_default_model(cluster):
+    ids = [m.id for m in client(cluster).models.list()]
+    assert ids == ["strata-demo-moe"]
+
+
+def test_cache_metrics_reach_the_cachemgr_endpoint(cluster):
+    client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
+                                            max_tokens=4)
+    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    deadline = time.monotonic() + 20
+    while True:
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        lookups = [line for line in body.splitlines()
+                   if line.startswith("strata_cache_lookups") and not line.endswith(" 0.0")]
+        if "strata_cache_slots" in body and "strata_cache_coverage" in body and lookups:
+            break
+        assert time.monotonic() < deadline, body[-3000:]
+        time.sleep(0.5)
+
+
+async def test_overload_gives_exactly_queue_plus_inflight_answers(cluster):
+    """--max-inflight 1 --max-queue 2: of 10 simultaneous requests, 3 complete, 7 get 429."""
+    body = {"model": "strata-demo-moe", "messages": PROMPT, "max_tokens": 48,
+            "temperature": 0}
+    async with aiohttp.ClientSession() as session:
+        async def one():
+            async with session.post(f"{cluster.base_url}/chat/completions", json=body) as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
+        results = await asyncio.gather(*(one() for _ in range(10)))
+    ok = [r for r in results if r[0] == 200]
+    rejected = [r for r in results if r[0] == 429]
+    assert len(ok) == 3 and len(rejected) == 7, [r[0] for r in results]
+    assert all(r[2]["choices"][0]["finish_reason"] in {"stop", "length"} for r in ok)
+    assert all(r[1] and int(r[1]) >= 1 and "error" in r[2] for r in rejected)
+
+
+@pytest.mark.parametrize(("payload", "status"), [
+    (b"{not json", 400),
+    (b'{"model": "strata-demo-moe"}', 400),
+    (b'{"model": "strata-demo-moe", "messages": "hi"}', 400),
+    (b'{"model": "strata-demo-moe", "messages": [{"role": "user", "content": 5}]}', 400),
+    (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404),
+    (b'{"model": "strata-demo-moe", "messages": [{"role": "user", "content": "hi"}], '
+     b'"max_tokens": -3}', 400),
+])
+async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
+        cluster, payload, status):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{cluster.base_url}/chat/completions", data=payload,
+                                headers={"Content-Type": "application/json"}) as r:
+            assert r.status == status
+            error = (await r.json())["error"]
+            assert {"message", "type", "param", "code"} <= error.keys() and error["message"]
+    reply = client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
+                                                    max_tokens=2)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_over_long_prompt_is_a_400_with_both_token_counts(cluster):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(cluster).chat.completions.create(
+            model="strata-demo-moe", messages=[{"role": "user", "content": "x " * 5000}],
+            max_tokens=4)
+    message = caught.value.body["message"]
+    assert "4096" in message and re.search(r"\b\d{4,5} tokens", message), message

@@ -1,0 +1,77 @@
+"""Fixtures for the engine's model/cache/runner tests: tiny random qwen3_moe checkpoints written
+by transformers (the reference) or by Strata's demo writer, all on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.model.demo import write_byte_tokenizer, write_demo_checkpoint
+
+TOKENIZER_VOCAB = 259  # 256 bytes + 3 special tokens (the demo byte-level tokenizer)
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+
+
+def make_hf_checkpoint(
+    path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> tuple[Path, torch.nn.Module]:
+    """save_pretrained() a seeded random Qwen3MoeForCausalLM plus the byte tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**{**TINY, **overrides})
+    model = Qwen3MoeForCausalLM(config).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    write_byte_tokenizer(path, context_window=config.max_position_embeddings)
+    return path, model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Factory: hf_checkpoint(name, **config_overrides) -> (dir, reference model)."""
+
+    def make(name: str = "tiny-moe", **kwargs):
+        return make_hf_checkpoint(tmp_path / name, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A small demo-writer checkpoint shared by cache/runner tests: 3 layers x 8 experts."""
+    return write_demo_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny-demo",
+        seed=1,
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        vocab_size=320,
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "strata-demo-moe")

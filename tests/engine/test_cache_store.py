@@ -1,0 +1,103 @@
+"""Host store, slot pool and expert cache: exact slot size, fills, checksums and counting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.cache.expert_cache import ExpertCache
+from services.engine.cache.host_store import HostStore
+from services.engine.cache.layout import ExpertLayout, swiglu
+from services.engine.cache.policy import StaticResidency
+from services.engine.cache.slot_pool import SlotPool
+from services.engine.model.checkpoint import CheckpointReader
+
+D, F = 64, 32  # the tiny_dir checkpoint: hidden 64, expert FFN 32, 3 layers x 8 experts
+
+
+@pytest.fixture(scope="module")
+def host(tiny_dir) -> HostStore:
+    store = HostStore(
+        ExpertLayout(D, F), [(layer, e) for layer in range(3) for e in range(8)], torch.float32
+    )
+    store.load(CheckpointReader(tiny_dir))
+    return store
+
+
+def test_slot_bytes_is_one_exact_blob(host):
+    assert host.slot_bytes == 3 * D * F * 4
+    assert host.blobs.shape == (24, 3 * D * F) and host.blobs.is_contiguous()
+    assert host.total_bytes == 24 * host.slot_bytes
+    assert ExpertLayout(D, F).blob_bytes(torch.bfloat16) == 3 * D * F * 2
+
+
+def test_layout_round_trips_hf_weights(tiny_dir, host):
+    gate, up, down = CheckpointReader(tiny_dir).expert_weights(2, 5, D, F)
+    gate_up_t, down_t = host.layout.views(host.blob((2, 5)))
+    assert torch.equal(gate_up_t[:, :F], gate.t()) and torch.equal(gate_up_t[:, F:], up.t())
+    assert torch.equal(down_t, down.t())
+    x = torch.randn(5, D)
+    want = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    torch.testing.assert_close(host.layout.forward(x, host.blob((2, 5))), want)
+    assert torch.equal(host.layout.forward(x, host.blob((2, 5))), swiglu(x, gate_up_t, down_t))
+
+
+def test_fill_report_and_checksum(host):
+    pool = SlotPool(5, host, torch.device("cpu"))
+    ranked = [(1, 3), (0, 0), (1, 3), (2, 7), (0, 1), (0, 2), (0, 3), (0, 4)]
+    report = pool.fill(ranked, source="profile")
+    assert (report.filled, report.total_slots, report.verified) == (5, 5, True)
+    assert report.elapsed_s >= 0 and report.mb_per_s > 0
+    assert pool.policy.resident_pairs == [(1, 3), (0, 0), (2, 7), (0, 1), (0, 2)]
+    assert torch.equal(pool.lookup((2, 7)), host.blob((2, 7)))
+    assert pool.lookup((0, 3)) is None
+    assert report.log_line().startswith("pre-filled 5 of 5 slots from the profile in ")
+    assert report.log_line().endswith("MB/s); slot 0 verified")
+
+
+def test_checksum_catches_a_corrupt_slot(host, monkeypatch):
+    pool = SlotPool(2, host, torch.device("cpu"))
+    real_copy = torch.Tensor.copy_
+
+    def corrupting_copy(self, src, non_blocking=False):
+        real_copy(self, src, non_blocking=non_blocking)
+        self[0] += 1.0
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "copy_", corrupting_copy)
+    report = pool.fill([(0, 0), (0, 1)])
+    monkeypatch.undo()
+    assert report.filled == 2 and not report.verified
+    assert "MISMATCH" in report.log_line()
+
+
+def test_more_slots_than_ranked_pairs_and_empty_pool(host):
+    pool = SlotPool(10, host, torch.device("cpu"))
+    assert pool.fill([(0, 1), (0, 2), (99, 0)]).filled == 2  # unknown pairs are skipped
+    empty = SlotPool(0, host, torch.device("cpu")).fill([(0, 0)])
+    assert (empty.filled, empty.verified) == (0, True)
+
+
+def test_lookups_counted_per_routed_token(host):
+    pool = SlotPool(2, host, torch.device("cpu"))
+    pool.fill([(0, 0), (1, 1)])
+    cache = ExpertCache(host, pool, num_layers=3, num_experts=8)
+    x = torch.randn(4, D)
+    hit = cache.expert_forward(0, 0, x)  # 4 tokens, resident
+    miss = cache.expert_forward(0, 1, x[:3])  # 3 tokens, not resident
+    cache.expert_forward(1, 1, x[:1])
+    assert (cache.lookups, cache.hits, cache.spilled) == (8, 5, 3)
+    assert torch.equal(hit, host.layout.forward(x, host.blob((0, 0))))
+    assert torch.equal(miss, host.layout.forward(x[:3], host.blob((0, 1))))
+    counts = cache.take_routing_counts()
+    assert counts.dtype.name == "int64" and counts.shape == (3, 8)
+    assert counts[0, 0] == 4 and counts[0, 1] == 3 and counts[1, 1] == 1 and counts.sum() == 8
+    assert cache.take_routing_counts().sum() == 0
+
+
+def test_static_residency_is_pure_and_deduplicates():
+    policy = StaticResidency(3)
+    plan = policy.plan_fill([(0, 1), (0, 1), (2, 2), (1, 0), (1, 1)])
+    assert plan == [(0, (0, 1)), (1, (2, 2)), (2, (1, 0))]
+    assert policy.lookup((1, 0)) == 2 and policy.lookup((1, 1)) is None
+    assert policy.plan_fill([(1, 1)]) == [(0, (1, 1))] and policy.lookup((0, 1)) is None

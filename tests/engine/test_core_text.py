@@ -1,0 +1,46 @@
+"""Incremental detokenization and stop strings (pure logic; a byte tokenizer stands in)."""
+
+from services.engine.core import _TextStream
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, like the demo model's tokenizer without merges."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def run(text: str, stop: tuple[str, ...]) -> tuple[list[str], bool]:
+    stream = _TextStream(ByteTokenizer(), stop)
+    pieces = []
+    for token in ByteTokenizer().encode(text):
+        piece, stopped = stream.push(token)
+        pieces.append(piece)
+        if stopped:
+            return pieces, True
+    pieces.append(stream.flush())
+    return pieces, False
+
+
+def test_text_is_reassembled_exactly():
+    pieces, stopped = run("héllo wörld ✓", ())
+    assert "".join(pieces) == "héllo wörld ✓" and not stopped
+    assert all("\ufffd" not in p for p in pieces), "partial UTF-8 must be held back"
+
+
+def test_stop_string_ends_output_before_it():
+    pieces, stopped = run("answer: 42\nEND more", ("\nEND",))
+    assert stopped and "".join(pieces) == "answer: 42"
+
+
+def test_text_that_only_looks_like_a_stop_prefix_is_released():
+    pieces, stopped = run("a <b <c", ("<stop>",))
+    assert not stopped and "".join(pieces) == "a <b <c"
+
+
+def test_first_of_several_stop_strings_wins():
+    pieces, stopped = run("xx STOP yy END", ("END", "STOP"))
+    assert stopped and "".join(pieces) == "xx "

@@ -1,0 +1,132 @@
+"""ModelConfig parsing (both spellings), checkpoint errors and the fingerprint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.engine.model.checkpoint import CheckpointReader
+from services.engine.model.config import CheckpointError, ModelConfig, load_model_config
+from services.engine.model.demo import DEMO_CONFIG, write_demo_checkpoint
+from services.engine.runner import ModelRunner
+
+NEW_STYLE = {
+    **DEMO_CONFIG,
+    "num_local_experts": 32,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+}
+for _key in ("num_experts", "rope_theta"):
+    NEW_STYLE.pop(_key)
+
+
+def test_both_spellings_give_the_same_config():
+    old, new = ModelConfig.from_hf(DEMO_CONFIG), ModelConfig.from_hf(NEW_STYLE)
+    assert old == new
+    assert old.num_experts == 32 and old.rope_theta == 1e6 and old.context_window == 4096
+    assert old.num_layers == 8 and old.experts_per_token == 4 and old.head_dim == 64
+    assert old.total_pairs == 256 and old.moe_layers == tuple(range(8))
+
+
+def test_dense_layers_and_head_dim_default():
+    raw = {**DEMO_CONFIG, "mlp_only_layers": [0, 5], "decoder_sparse_step": 2}
+    raw.pop("head_dim")
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.head_dim == 256 // 4
+    assert cfg.moe_layers == (1, 3, 7)
+    assert cfg.total_pairs == 3 * 32
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"model_type": "llama"}, "'llama'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"hidden_act": "gelu"}, "gelu"),
+    ],
+)
+def test_unsupported_configs_are_named(patch, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf({**DEMO_CONFIG, **patch})
+
+
+def test_missing_files_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(DEMO_CONFIG))
+    with pytest.raises(CheckpointError, match="safetensors"):
+        CheckpointReader(tmp_path)
+
+
+def test_fingerprint_is_stable_and_sensitive(tmp_path):
+    a = write_demo_checkpoint(tmp_path / "a", num_hidden_layers=1, num_experts=4)
+    b = write_demo_checkpoint(tmp_path / "b", num_hidden_layers=1, num_experts=4, seed=7)
+    c = write_demo_checkpoint(tmp_path / "c", num_hidden_layers=1, num_experts=4, rms_norm_eps=1e-5)
+    fp = [CheckpointReader(d).fingerprint(load_model_config(d)) for d in (a, b, c)]
+    assert len(fp[0]) == 16 and int(fp[0], 16) >= 0
+    assert fp[0] == fp[1]  # identifies the checkpoint's structure, not its random values
+    assert fp[0] != fp[2]
+
+
+def _tiny(path, **overrides):
+    return write_demo_checkpoint(
+        path,
+        num_hidden_layers=2,
+        hidden_size=32,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=260,
+        max_position_embeddings=64,
+        **overrides,
+    )
+
+
+def _greedy(model_dir, n=8):
+    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0)
+    seq = runner.start(runner.tokenizer.encode("fused or not"))
+    logits, out = runner.prefill(seq), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = runner.decode(seq, out[-1])
+    return out, logits
+
+
+def test_fused_3d_expert_tensors_read_like_per_expert(tmp_path):
+    plain = _tiny(tmp_path / "plain")
+    fused = _tiny(tmp_path / "fused")
+    weights = load_file(fused / "model.safetensors")
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = [], []
+        for e in range(4):
+            gate_up.append(
+                torch.cat(
+                    [
+                        weights.pop(f"{p}.{e}.gate_proj.weight"),
+                        weights.pop(f"{p}.{e}.up_proj.weight"),
+                    ]
+                )
+            )  # [2F, D]
+            down.append(weights.pop(f"{p}.{e}.down_proj.weight"))  # [D, F]
+        weights[f"{p}.gate_up_proj"] = torch.stack(gate_up)  # [E, 2F, D]
+        weights[f"{p}.down_proj"] = torch.stack(down)  # [E, D, F]
+    save_file(weights, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    want, want_logits = _greedy(plain)
+    got, got_logits = _greedy(fused)
+    assert got == want and torch.equal(got_logits, want_logits)
+
+
+def test_bf16_weights_are_converted_to_fp32(tmp_path):
+    d = _tiny(tmp_path / "bf16")
+    weights = {k: v.to(torch.bfloat16) for k, v in load_file(d / "model.safetensors").items()}
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0)
+    assert runner.model.embed.dtype == torch.float32
+    assert runner.cache.host.blobs.dtype == torch.float32
+    seq = runner.start([1, 2, 3])
+    assert runner.prefill(seq).dtype == torch.float32

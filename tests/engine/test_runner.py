@@ -1,0 +1,157 @@
+"""ModelRunner: sizing, coverage-independent greedy output, counters and sequence lifecycle."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from services.engine.runner import ContextWindowError, ModelRunner, PromptError
+
+PROMPT = "<|im_start|>user\nHow many experts fit in the cache?<|im_end|>\n<|im_start|>assistant\n"
+TOTAL_PAIRS = 3 * 8
+
+
+def runner_with_slots(model_dir, slots: int, **kwargs) -> ModelRunner:
+    slot_bytes = 3 * 64 * 32 * 4
+    reserved = 1 << 20
+    return ModelRunner(
+        model_dir,
+        device_memory_bytes=reserved + slots * slot_bytes + 100,
+        reserved_bytes=reserved,
+        **kwargs,
+    )
+
+
+def greedy(runner: ModelRunner, prompt: str, n: int = 24):
+    seq = runner.start(runner.tokenizer.encode(prompt))
+    logits, out = runner.prefill(seq), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = runner.decode(seq, out[-1])
+    return seq, out, logits
+
+
+def test_sizing_and_fill_logs(tiny_dir, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    runner = runner_with_slots(tiny_dir, 6)
+    assert (runner.slots, runner.total_pairs, runner.slot_bytes) == (
+        6,
+        TOTAL_PAIRS,
+        3 * 64 * 32 * 4,
+    )
+    assert runner.cache_size.coverage == 6 / 24
+    assert runner.model_name == "tiny-demo" and len(runner.fingerprint) == 16
+    c = runner.config
+    assert (c.num_layers, c.num_experts, c.experts_per_token, c.context_window, c.vocab_size) == (
+        3,
+        8,
+        2,
+        512,
+        320,
+    )
+    assert runner.layer_order_pairs()[:3] == [(0, 0), (0, 1), (0, 2)]
+    report = runner.fill_cache(runner.layer_order_pairs(), source="profile")
+    assert report.filled == 6 and report.verified
+    text = caplog.text
+    assert "expert cache auto: " in text and "-> 6 slots" in text
+    assert "pre-filled 6 of 6 slots from the profile in " in text and "slot 0 verified" in text
+    assert "loading tiny-demo" in text
+
+
+def test_cpu_requires_a_memory_budget(tiny_dir):
+    with pytest.raises(ValueError, match="device_memory_bytes"):
+        ModelRunner(tiny_dir)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "a different, longer prompt " * 6])
+def test_greedy_identical_at_any_coverage(tiny_dir, prompt):
+    results = {}
+    for slots in (0, 6, TOTAL_PAIRS):  # 0%, 25%, 100% coverage
+        runner = runner_with_slots(tiny_dir, slots)
+        assert runner.slots == slots
+        runner.fill_cache(runner.layer_order_pairs()[::-1])
+        seq, tokens, logits = greedy(runner, prompt)
+        s = seq.stats
+        assert s.hits + s.spilled == s.lookups == 24 * 3 * 2  # tokens x MoE layers x routed
+        assert s.prefill_lookups == seq.prompt_len * 3 * 2
+        if slots == 0:
+            assert s.hits == 0 and s.prefill_hits == 0
+        elif slots == TOTAL_PAIRS:
+            assert s.spilled == 0 and s.prefill_hits == s.prefill_lookups
+        else:
+            assert 0 < s.hits < s.lookups
+        results[slots] = (tokens, logits)
+    (t0, l0), (t25, l25), (t100, l100) = results.values()
+    assert t0 == t25 == t100
+    assert torch.equal(l0, l25) and torch.equal(l0, l100)  # bit-identical, not just close
+
+
+def test_routing_counts_match_lookups(tiny_dir):
+    runner = runner_with_slots(tiny_dir, 0)
+    runner.take_routing_counts()
+    seq, _, _ = greedy(runner, PROMPT, n=5)
+    counts = runner.take_routing_counts()
+    assert counts.shape == (3, 8) and counts.dtype == np.int64
+    assert counts.sum() == seq.stats.prefill_lookups + seq.stats.lookups
+    assert (counts.sum(axis=1) == seq.num_tokens * 2).all()  # every token, 2 routed per layer
+    assert runner.take_routing_counts().sum() == 0
+
+
+def test_sequence_lifecycle_and_limits(tiny_dir):
+    runner = runner_with_slots(tiny_dir, 0)
+    seq = runner.start([1, 2, 3], max_num_tokens=5)
+    assert seq.num_tokens == 3 and seq.max_num_tokens == 5
+    assert runner.prefill(seq).shape == (320,)
+    logits = runner.decode(seq, 4)
+    assert seq.num_tokens == 4
+    assert torch.isinf(logits[259:]).all() and torch.isfinite(logits[:259]).all()
+    runner.decode(seq, 5)
+    with pytest.raises(ContextWindowError):
+        runner.decode(seq, 6)
+    assert seq.num_tokens == 5  # the refused token was not appended
+    other = runner.start([7, 8])
+    runner.prefill(other)
+    runner.release(other)
+    with pytest.raises(AssertionError, match="released"):
+        runner.decode(other, 9)
+    with pytest.raises(AssertionError, match="before prefill"):
+        runner.decode(runner.start([1]), 2)  # an engine bug, not a client error
+    with pytest.raises(ContextWindowError, match="context window 512"):
+        runner.start([1] * 513)
+    with pytest.raises(PromptError, match="empty"):
+        runner.start([])
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        runner.start([1, 320])
+
+
+def test_two_sequences_interleaved_do_not_interfere(tiny_dir):
+    runner = runner_with_slots(tiny_dir, 8)
+    _, alone, _ = greedy(runner, PROMPT, n=6)
+    a = runner.start(runner.tokenizer.encode(PROMPT))
+    b = runner.start(runner.tokenizer.encode("something else entirely"))
+    la, lb = runner.prefill(a), runner.prefill(b)
+    out = []
+    for _ in range(6):
+        out.append(int(la.argmax()))
+        la = runner.decode(a, out[-1])
+        lb = runner.decode(b, int(lb.argmax()))
+    assert out == alone
+
+
+def test_chunked_prefill_matches_one_pass(tiny_dir):
+    runner = runner_with_slots(tiny_dir, 12)
+    ids = runner.tokenizer.encode(PROMPT * 3)
+    whole = runner.start(ids)
+    want = runner.prefill(whole)
+    chunked = runner.start(ids)
+    while chunked.num_cached < chunked.num_tokens:
+        got = runner.prefill(chunked, max_tokens=17)
+    assert chunked.stats.prefill_lookups == whole.stats.prefill_lookups
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    token = int(want.argmax())
+    torch.testing.assert_close(
+        runner.decode(chunked, token), runner.decode(whole, token), atol=1e-5, rtol=0
+    )

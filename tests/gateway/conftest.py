@@ -1,0 +1,139 @@
+"""Real servers on loopback: a scripted gRPC Engine and the gateway app on free ports."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+import grpc
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+
+from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.gateway.app import init_app
+from services.gateway.config import GatewayConfig
+
+MODEL = "tiny-moe"
+
+
+@dataclass
+class ScriptedEngine(engine_pb2_grpc.EngineServicer):
+    """An Engine whose behaviour each test sets: tokens, pacing, failures. Records what it saw."""
+
+    tokens: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
+    token_delay_s: float = 0.0
+    context_window: int = 32  # prompts are counted in whitespace-separated words
+    fail_after: int | None = None  # abort the RPC with INTERNAL after this many tokens
+    abort_after: int | None = None  # send Finished(ABORT) after this many tokens
+    status_code: grpc.StatusCode | None = None  # fail Generate with this at once
+    ready: bool = True
+    requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    running: int = 0
+    max_running_seen: int = 0
+
+    async def GetStatus(self, request, context):
+        return engine_pb2.EngineStatus(engine_id="engine-0", model=MODEL, ready=self.ready,
+                                       running=self.running, context_window=self.context_window)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        rid = request.request_id
+        if self.status_code is not None:
+            await context.abort(self.status_code, f"scripted {self.status_code.name}")
+        prompt_tokens = _count_tokens(request)
+        if prompt_tokens > self.context_window:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt is {prompt_tokens} tokens but the context window is "
+                                f"{self.context_window} tokens")
+        self.running += 1
+        self.max_running_seen = max(self.max_running_seen, self.running)
+        try:
+            yield engine_pb2.GenerateEvent(started=engine_pb2.Started(
+                prompt_tokens=prompt_tokens, context_window=self.context_window,
+                engine_id="engine-0"))
+            limit = request.sampling.max_tokens or len(self.tokens)
+            emitted = self.tokens[:limit]
+            for i, text in enumerate(emitted):
+                if i == self.fail_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, "scripted failure mid-stream")
+                if i == self.abort_after:
+                    yield _finished(engine_pb2.FINISH_REASON_ABORT, prompt_tokens, i, "scripted abort")
+                    return
+                await asyncio.sleep(self.token_delay_s)
+                yield engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(text=text, token_ids=[i]))
+            reason = (engine_pb2.FINISH_REASON_LENGTH if len(emitted) < len(self.tokens)
+                      else engine_pb2.FINISH_REASON_STOP)
+            self.finished.append(rid)
+            yield _finished(reason, prompt_tokens, len(emitted))
+        except asyncio.CancelledError:  # the client (the gateway) cancelled the RPC
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.running -= 1
+
+
+def _count_tokens(request: engine_pb2.GenerateRequest) -> int:
+    if request.WhichOneof("input") == "prompt":
+        return len(request.prompt.split())
+    return sum(len(m.content.split()) + 1 for m in request.chat.messages)
+
+
+def _finished(reason: int, prompt_tokens: int, completion_tokens: int,
+              error: str = "") -> engine_pb2.GenerateEvent:
+    stats = engine_pb2.RequestStats(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, queue_ms=1.5,
+        ttft_ms=2.0, decode_tok_s=123.0, lookups=100, hits=75, spilled=25, hit_rate=0.75,
+        spill_ratio=0.25)
+    return engine_pb2.GenerateEvent(finished=engine_pb2.Finished(reason=reason, stats=stats,
+                                                                 error=error))
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[ScriptedEngine, str]]:
+    servicer = ScriptedEngine()
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    await server.stop(grace=None)
+
+
+GatewayFactory = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def make_gateway(engine) -> AsyncIterator[GatewayFactory]:
+    """Start the gateway on a free port (real AppRunner, as `run()` does); returns its base URL."""
+    runners: list[web.AppRunner] = []
+    _, address = engine
+
+    async def start(**overrides) -> str:
+        config = replace(GatewayConfig(host="127.0.0.1", port=0, engine_addrs=(address,),
+                                       health_interval_s=0.2, engine_timeout_s=1.0), **overrides)
+        runner = web.AppRunner(init_app(config), handler_cancellation=True)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def gateway(make_gateway) -> str:
+    return await make_gateway()
+
+
+@pytest.fixture
+async def client(gateway) -> AsyncIterator[AsyncOpenAI]:
+    async with AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as c:
+        yield c

@@ -1,0 +1,130 @@
+"""Admission caps and Retry-After, driven directly (no HTTP, no engine)."""
+
+import asyncio
+
+import pytest
+
+from services.gateway.admission import Admission, Rejected
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_exact_caps_and_fifo_handoff():
+    admission = Admission(["e0"], max_inflight=1, max_queue=2)
+    running = admission.enter()
+    assert running.engine == "e0"
+    first, second = admission.enter(), admission.enter()
+    assert (first.engine, second.engine) == (None, None)
+    with pytest.raises(Rejected) as info:
+        admission.enter()
+    assert info.value.reason == "queue_full" and info.value.retry_after_s >= 1
+    waits = [asyncio.create_task(admission.acquire(t)) for t in (first, second)]
+    await asyncio.sleep(0)
+    admission.release(running, observed=True)
+    assert await waits[0] == "e0"
+    assert not waits[1].done()
+    assert (admission.num_inflight, admission.num_waiting) == (1, 1)
+    admission.release(first)
+    assert await waits[1] == "e0"
+    admission.release(second)
+    admission.release(second)  # idempotent
+    assert (admission.num_inflight, admission.num_waiting) == (0, 0)
+
+
+async def test_cancelled_waiter_leaves_the_queue():
+    admission = Admission(["e0"], max_inflight=1, max_queue=1)
+    running = admission.enter()
+    queued = admission.enter()
+    wait = asyncio.create_task(admission.acquire(queued))
+    await asyncio.sleep(0)
+    wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await wait
+    assert admission.num_waiting == 0
+    replacement = admission.enter()  # the place is free again
+    assert replacement.engine is None
+    admission.release(running)
+    assert await admission.acquire(replacement) == "e0"
+
+
+async def test_waiter_cancelled_after_grant_hands_the_slot_on():
+    admission = Admission(["e0"], max_inflight=1, max_queue=2)
+    running = admission.enter()
+    a, b = admission.enter(), admission.enter()
+    wait_a = asyncio.create_task(admission.acquire(a))
+    wait_b = asyncio.create_task(admission.acquire(b))
+    await asyncio.sleep(0)
+    admission.release(running)  # grants a ...
+    wait_a.cancel()  # ... which leaves before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await wait_a
+    assert await wait_b == "e0"
+    assert admission.num_inflight == 1
+
+
+async def test_queue_timeout():
+    admission = Admission(["e0"], max_inflight=1, max_queue=1)
+    admission.enter()
+    queued = admission.enter()
+    with pytest.raises(Rejected) as info:
+        await admission.acquire(queued, timeout_s=0.01)
+    assert info.value.reason == "queue_timeout"
+    assert admission.num_waiting == 0
+
+
+async def test_least_loaded_engine_and_readiness():
+    admission = Admission(["e0", "e1"], max_inflight=2, max_queue=1, initially_ready=False)
+    with pytest.raises(Rejected) as info:
+        admission.enter()
+    assert info.value.reason == "no_engine"
+    admission.set_ready("e0", True)
+    admission.set_ready("e1", True)
+    engines = [admission.enter().engine for _ in range(4)]
+    assert sorted(engines) == ["e0", "e0", "e1", "e1"] and engines[:2] != ["e0", "e0"]
+    queued = admission.enter()
+    wait = asyncio.create_task(admission.acquire(queued))
+    await asyncio.sleep(0)
+    admission.set_ready("e0", False)
+    assert not wait.done()  # e1 may still free a slot
+    admission.set_ready("e1", False)
+    with pytest.raises(Rejected) as info:
+        await wait
+    assert info.value.reason == "no_engine"
+
+
+async def test_engine_coming_back_serves_the_queue():
+    admission = Admission(["e0", "e1"], max_inflight=1, max_queue=1)
+    admission.set_ready("e1", False)
+    admission.enter()
+    queued = admission.enter()
+    admission.set_ready("e1", True)
+    assert await admission.acquire(queued) == "e1"
+
+
+async def test_retry_after_from_observed_duration_and_drain_rate():
+    clock = Clock()
+    admission = Admission(["e0", "e1"], max_inflight=2, max_queue=8, clock=clock,
+                          prior_duration_s=1.0)
+    # capacity 4 at 1 s each: 4 requests/s drain; a newcomer behind nobody waits 1/4 s -> 1
+    assert admission.retry_after_s() == 1
+    ticket = admission.enter()
+    clock.now += 8.0
+    admission.release(ticket, observed=True)  # the first observation replaces the prior
+    assert admission.mean_duration_s == pytest.approx(8.0)
+    tickets = [admission.enter() for _ in range(4 + 5)]  # 4 running, 5 queued
+    # (5 queued + 1) requests drain at 4 / 8 s = 0.5 per second -> 12 s
+    assert admission.retry_after_s() == 12
+    clock.now += 3.0
+    admission.release(tickets[0], observed=True)  # mean 8 + 0.2 * (3 - 8) = 7 s
+    assert admission.mean_duration_s == pytest.approx(7.0)
+    # 4 queued now: (4 + 1) / (4 / 7) = 8.75 -> 9
+    assert admission.retry_after_s() == 9
+    unobserved = admission.enter()
+    admission.release(unobserved)  # a request that never used the engine: no new figure
+    assert admission.mean_duration_s == pytest.approx(7.0)

@@ -1,0 +1,141 @@
+"""Admission caps, queue behaviour and cancellation, through real HTTP and gRPC."""
+
+import asyncio
+import time
+
+import aiohttp
+
+from .conftest import MODEL
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _post(http, base, body=BODY, **kwargs):
+    t0 = time.monotonic()
+    async with http.post(base + "/v1/chat/completions", json=body, **kwargs) as resp:
+        payload = await resp.json()
+        return resp.status, dict(resp.headers), payload, time.monotonic() - t0
+
+
+async def _wait_for(predicate, timeout_s=3.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def _health(http, base):
+    async with http.get(base + "/health") as resp:
+        return await resp.json()
+
+
+async def test_exact_caps_under_overload(make_gateway, engine):
+    servicer, _ = engine
+    servicer.token_delay_s = 0.05  # ~0.2 s per request, so all ten overlap
+    base = await make_gateway(max_inflight=1, max_queue=2)
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*(_post(http, base) for _ in range(10)))
+        health = await _health(http, base)
+    ok = [r for r in results if r[0] == 200]
+    rejected = [r for r in results if r[0] == 429]
+    assert (len(ok), len(rejected)) == (3, 7)
+    assert all(r[2]["choices"][0]["message"]["content"] == "Hello, world!" for r in ok)
+    slowest_ok = max(r[3] for r in ok)
+    for _, headers, payload, elapsed_s in rejected:
+        assert headers["x-strata-drop-reason"] == "queue_full"
+        assert int(headers["Retry-After"]) >= 1
+        assert payload["error"]["type"] == "rate_limit_exceeded"
+        assert payload["error"]["code"] == "queue_full"
+        assert elapsed_s < slowest_ok / 2  # answered at once, not after waiting
+    assert len(servicer.requests) == 3  # rejected requests cost the engine nothing
+    assert servicer.max_running_seen == 1
+    assert (health["inflight"], health["queued"]) == (0, 0)
+
+
+async def test_retry_after_follows_observed_duration(make_gateway, engine):
+    servicer, _ = engine
+    servicer.tokens, servicer.token_delay_s = ["a", "b"], 0.6  # 1.2 s, above the 1 s prior
+    base = await make_gateway(max_inflight=1, max_queue=1)
+    async with aiohttp.ClientSession() as http:
+        assert (await _post(http, base))[0] == 200  # the observed duration
+        servicer.token_delay_s = 0.1
+        running = asyncio.create_task(_post(http, base))
+        await _wait_for(lambda: servicer.running == 1)
+        queued = asyncio.create_task(_post(http, base))
+        while (await _health(http, base))["queued"] != 1:
+            await asyncio.sleep(0.01)
+        status, headers, _, _ = await _post(http, base)
+        assert [(await t)[0] for t in (running, queued)] == [200, 200]
+    assert status == 429
+    # one slot drains a request per ~1.2 s; the newcomer waits for the queued one and itself
+    assert headers["Retry-After"] == "3"
+
+
+async def test_queued_client_leaving_frees_its_place(make_gateway, engine):
+    servicer, _ = engine
+    servicer.token_delay_s = 0.1
+    base = await make_gateway(max_inflight=1, max_queue=1)
+    async with aiohttp.ClientSession() as http:
+        running = asyncio.create_task(_post(http, base))
+        await _wait_for(lambda: servicer.running == 1)
+        async with aiohttp.ClientSession() as leaver:
+            queued = asyncio.create_task(_post(leaver, base, headers={"X-Request-Id": "leaver"}))
+            await asyncio.sleep(0.1)
+            assert (await _health(http, base))["queued"] == 1
+            queued.cancel()
+        await _wait_for_queue_empty(http, base)
+        status, *_ = await _post(http, base)  # takes the freed place, then runs
+        assert status == 200
+        assert (await running)[0] == 200
+    assert "leaver" not in [r.request_id for r in servicer.requests]
+
+
+async def _wait_for_queue_empty(http, base):
+    for _ in range(300):
+        if (await _health(http, base))["queued"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the queued request that left was not removed")
+
+
+async def test_queue_timeout(make_gateway, engine):
+    servicer, _ = engine
+    servicer.token_delay_s = 0.2
+    base = await make_gateway(max_inflight=1, max_queue=1, queue_timeout_s=0.1)
+    async with aiohttp.ClientSession() as http:
+        running = asyncio.create_task(_post(http, base))
+        await _wait_for(lambda: servicer.running == 1)
+        status, headers, payload, _ = await _post(http, base)
+        assert (await running)[0] == 200
+    assert status == 429 and headers["x-strata-drop-reason"] == "queue_timeout"
+    assert payload["error"]["code"] == "queue_timeout"
+
+
+async def test_client_disconnect_cancels_engine_call(gateway, engine):
+    servicer, _ = engine
+    servicer.token_delay_s = 5.0
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(_post(http, gateway, headers={"X-Request-Id": "gone-1"}))
+        await _wait_for(lambda: servicer.running == 1)
+        task.cancel()
+    await _wait_for(lambda: "gone-1" in servicer.cancelled)
+    await _wait_for(lambda: servicer.running == 0)
+
+
+async def test_streaming_client_disconnect_cancels_engine_call(gateway, engine):
+    servicer, _ = engine
+    servicer.tokens = ["tok"] * 50
+    servicer.token_delay_s = 0.05
+    body = {**BODY, "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(
+            gateway + "/v1/chat/completions", json=body, headers={"X-Request-Id": "gone-2"}) as resp:
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")  # the role chunk
+        await resp.content.readuntil(b"\n\n")  # one token
+        resp.close()
+    await _wait_for(lambda: "gone-2" in servicer.cancelled)
+    assert "gone-2" not in servicer.finished
+    async with aiohttp.ClientSession() as http:
+        await _wait_for_queue_empty(http, gateway)
+        health = await _health(http, gateway)
+        assert health["inflight"] == 0

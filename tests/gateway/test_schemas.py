@@ -1,0 +1,62 @@
+"""Request parsing into native types (no HTTP)."""
+
+import pytest
+
+from services.gateway.errors import InvalidRequest
+from services.gateway.schemas import Message, Sampling, parse_chat, parse_completion
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_defaults():
+    spec = parse_chat({"model": "m", "messages": MESSAGES})
+    assert spec.is_chat and spec.messages == (Message("user", "hi"),)
+    assert spec.sampling == Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None,
+                                     max_tokens=0, stop=())
+    assert (spec.stream, spec.include_usage) == (False, False)
+
+
+def test_chat_parameters():
+    spec = parse_chat({
+        "model": "m", "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "developer", "content": "rules"},
+                     {"role": "assistant", "content": None},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "max_tokens": 50, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.9,
+        "top_k": -1, "seed": 3, "stop": "END", "n": 1, "response_format": {"type": "text"},
+        "some_future_field": {"ignored": True}})
+    assert spec.messages == (Message("system", "rules"), Message("assistant", ""),
+                             Message("user", "ab"))
+    assert spec.sampling == Sampling(temperature=0.0, top_p=0.9, top_k=0, seed=3, max_tokens=7,
+                                     stop=("END",))
+    assert (spec.stream, spec.include_usage) == (True, True)
+
+
+def test_include_usage_needs_stream():
+    spec = parse_chat({"model": "m", "messages": MESSAGES,
+                       "stream_options": {"include_usage": True}})
+    assert not spec.include_usage
+
+
+def test_completion_prompt_forms():
+    spec = parse_completion({"model": "m", "prompt": ["once"]})
+    assert spec.prompt == "once" and not spec.is_chat
+    assert spec.sampling.max_tokens == 16  # OpenAI's default for completions
+    assert parse_completion({"model": "m", "prompt": "x", "max_tokens": 3}).sampling.max_tokens == 3
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"max_tokens": True}, "max_tokens"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"n": 1.0}, "n"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+])
+def test_chat_rejections_name_the_parameter(patch, param):
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat({"model": "m", "messages": MESSAGES, **patch})
+    assert info.value.param == param and info.value.status == 400

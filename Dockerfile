@@ -52,7 +52,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     STRATA_HOME=/data
-USER root
+USER strata
 WORKDIR /data
 
 # gateway HTTP, engine gRPC, cachemgr gRPC, cachemgr Prometheus /metrics

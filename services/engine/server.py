@@ -79,9 +79,8 @@ def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: Engine, engine_id: str, status: StatusSource):
+    def __init__(self, engine: Engine, status: StatusSource):
         self._engine = engine
-        self._engine_id = engine_id
         self._status = status
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
@@ -101,7 +100,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             while True:
                 event = await events.get()
-                yield event_to_proto(event, self._engine_id)
+                yield event_to_proto(event, self._status.engine_id)
                 if isinstance(event, Finished):
                     return
         finally:
@@ -149,7 +148,7 @@ async def start_server(engine: Engine, status: StatusSource, host: str, port: in
     (server, bound port, health servicer)."""
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(engine, status.engine_id, status), server)
+        EngineServicer(engine, status), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -8,6 +8,7 @@ import sys
 
 from aiohttp import web
 
+from services.common.logs import setup_logging
 from services.common.settings import ConfigError, add_settings, resolve
 from services.gateway.app import init_app
 from services.gateway.config import SETTINGS, GatewayConfig
@@ -28,8 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="OpenAI-compatible HTTP gateway for Strata engines")
     add_settings(parser, SETTINGS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         config = GatewayConfig.from_values(resolve(SETTINGS, args))
     except ConfigError as exc:

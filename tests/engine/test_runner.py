@@ -155,3 +155,28 @@ def test_chunked_prefill_matches_one_pass(tiny_dir):
     torch.testing.assert_close(
         runner.decode(chunked, token), runner.decode(whole, token), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("miss_mode", ["copy", "host"])
+def test_cuda_cache_paths(tiny_dir, miss_mode):
+    _, want, want_logits = greedy(runner_with_slots(tiny_dir, 0), PROMPT)
+    results = []
+    for slots in (0, 6, TOTAL_PAIRS):
+        runner = ModelRunner(
+            tiny_dir,
+            device="cuda",
+            device_memory_bytes=slots * 3 * 64 * 32 * 4,
+            reserved_bytes=0,
+            miss_mode=miss_mode,
+        )
+        assert runner.cache.host.blobs.is_pinned()
+        assert runner.fill_cache(runner.layer_order_pairs()).verified
+        seq, tokens, logits = greedy(runner, PROMPT)
+        assert seq.stats.hits + seq.stats.spilled == seq.stats.lookups
+        torch.testing.assert_close(logits.cpu(), want_logits, atol=1e-4, rtol=0)
+        results.append((tokens, logits.cpu()))
+    assert all(tokens == want for tokens, _ in results)
+    if miss_mode == "copy":  # misses run on the device too: bit-identical at any coverage
+        assert all(torch.equal(logits, results[0][1]) for _, logits in results)

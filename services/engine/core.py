@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from services.engine.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("strata.engine")
@@ -42,6 +44,8 @@ class GenerateParams:
     max_tokens: int = 0  # 0: up to the context window
     stop: tuple[str, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    logprobs: bool = False  # report the sampled token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,27 @@ class Started:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,9 +209,12 @@ class Engine:
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequest("messages must not be empty")
-            text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                [{"role": r, "content": c} for r, c in request.messages],
-                add_generation_prompt=True)
+            try:
+                text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                    [{"role": r, "content": c} for r, c in request.messages],
+                    add_generation_prompt=True)
+            except ValueError as exc:  # the template rejected the conversation
+                raise InvalidRequest(str(exc)) from exc
         else:
             text = request.prompt or ""
         ids = tokenizer.encode(text)  # type: ignore[attr-defined]
@@ -272,7 +297,9 @@ class Engine:
                 return "stop", generated, first_token_at
             generated += 1
             new_text, hit_stop = text.push(token_id)
-            self._emit(handle, new_text, (token_id,))
+            logprobs = (self._logprobs(logits, token_id, params.top_logprobs),
+                        ) if params.logprobs else ()
+            self._emit(handle, new_text, (token_id,), logprobs)
             if hit_stop:
                 return "stop", generated, first_token_at
             if generated >= max_new:
@@ -281,9 +308,28 @@ class Engine:
             logits = runner.decode(seq, token_id)
 
     @staticmethod
-    def _emit(handle: RequestHandle, text: str, token_ids: tuple[int, ...]) -> None:
+    def _emit(handle: RequestHandle, text: str, token_ids: tuple[int, ...],
+              logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text or token_ids:
-            handle.sink(Delta(text, token_ids))
+            handle.sink(Delta(text, token_ids, logprobs))
+
+    def _logprobs(self, logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+        """Log-probabilities under the model's distribution (before temperature/top-p)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        tokenizer = self.runner.tokenizer
+
+        def describe(tid: int) -> tuple[str, bytes]:
+            raw = tokenizer.token_bytes(tid)  # type: ignore[attr-defined]
+            return raw.decode("utf-8", errors="backslashreplace"), raw
+
+        top = []
+        if num_top:
+            values, ids = torch.topk(logprobs, num_top)
+            for value, tid in zip(values.tolist(), ids.tolist(), strict=True):
+                top_token, top_raw = describe(tid)
+                top.append(TopLogprob(tid, top_token, value, top_raw))
+        token, raw = describe(token_id)
+        return TokenLogprob(token_id, token, float(logprobs[token_id]), raw, tuple(top))
 
     def _account(self, stats: RequestStats) -> None:
         totals = self.totals

@@ -25,10 +25,13 @@ from services.engine.core import (
     InvalidRequest,
     RequestStats,
     Started,
+    TokenLogprob,
 )
 from services.engine.sampling import SamplingConfig
 
 log = logging.getLogger("strata.engine")
+
+MAX_TOP_LOGPROBS = 20
 
 _FINISH = {
     "stop": engine_pb2.FINISH_REASON_STOP,
@@ -39,12 +42,16 @@ _FINISH = {
 
 def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
     s = msg.sampling
-    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
+    if (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0
+            or not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS):
         raise InvalidRequest("sampling parameters out of range: temperature >= 0, "
-                             "0 <= top_p <= 1, top_k >= 0, max_tokens >= 0")
+                             "0 <= top_p <= 1, top_k >= 0, max_tokens >= 0, "
+                             f"0 <= top_logprobs <= {MAX_TOP_LOGPROBS}")
     params = GenerateParams(
         max_tokens=s.max_tokens,
         stop=tuple(s.stop),
+        logprobs=s.logprobs or s.top_logprobs > 0,
+        top_logprobs=s.top_logprobs,
         sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                                 seed=s.seed if s.HasField("seed") else None))
     request_id = msg.request_id or uuid.uuid4().hex
@@ -73,9 +80,17 @@ def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
             engine_id=engine_id))
     if isinstance(event, Delta):
         return engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(
-            text=event.text, token_ids=list(event.token_ids)))
+            text=event.text, token_ids=list(event.token_ids),
+            logprobs=[_logprob_to_proto(lp) for lp in event.logprobs]))
     return engine_pb2.GenerateEvent(finished=engine_pb2.Finished(
         reason=_FINISH[event.reason], stats=stats_to_proto(event.stats), error=event.error))
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> engine_pb2.TokenLogprob:
+    return engine_pb2.TokenLogprob(
+        token_id=lp.token_id, token=lp.token, logprob=lp.logprob, bytes=lp.token_bytes,
+        top=[engine_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob,
+                                   bytes=t.token_bytes) for t in lp.top])
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):

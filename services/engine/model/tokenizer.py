@@ -36,6 +36,7 @@ class Tokenizer:
         self.chat_template = _chat_template(model_dir, cfg)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._template: jinja2.Template | None = None
+        self._byte_level = "ByteLevel" in json.dumps(json.loads(path.read_text()).get("decoder"))
 
     @property
     def vocab_size(self) -> int:
@@ -49,6 +50,16 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (a byte-level token may be part of a UTF-8
+        character, which `decode` would turn into U+FFFD)."""
+        token = self._tok.id_to_token(token_id) or ""
+        if self._byte_level and all(ch in _UNICODE_TO_BYTE for ch in token):
+            return bytes(_UNICODE_TO_BYTE[ch] for ch in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])  # sentencepiece byte fallback
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -76,6 +87,23 @@ class Tokenizer:
             value = _read_json(model_dir / name).get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {ch: b for b, ch in _byte_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

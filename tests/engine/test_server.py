@@ -1,0 +1,120 @@
+"""The engine's gRPC surface on a real server (loopback port) over a tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.engine.core import Engine
+from services.engine.runner import ModelRunner
+from services.engine.server import StatusSource, set_serving, start_server
+
+
+@pytest.fixture
+async def engine_stub(tiny_dir):
+    probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
+    # Room for half of the 24 pairs.
+    runner = ModelRunner(tiny_dir, device_memory_bytes=12 * probe.slot_bytes, reserved_bytes=0)
+    runner.fill_cache(runner.layer_order_pairs(), source="layer order")
+    engine = Engine(runner)
+    status = StatusSource(engine, "test-engine", runner.model_name, "cpu")
+    server, port, health = await start_server(engine, status, "127.0.0.1", 0)
+    engine.start()
+    await set_serving(health, True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield engine_pb2_grpc.EngineStub(channel), channel, engine
+    await channel.close()
+    await server.stop(grace=None)
+    engine.stop()
+
+
+def request(prompt: str = "The cache", **sampling) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(request_id="r1", prompt=prompt,
+                                      sampling=engine_pb2.SamplingParams(**sampling))
+
+
+async def collect(stub, req) -> list[engine_pb2.GenerateEvent]:
+    return [event async for event in stub.Generate(req)]
+
+
+async def test_generate_streams_started_deltas_and_one_finished(engine_stub):
+    stub, _, _ = engine_stub
+    events = await collect(stub, request(max_tokens=8))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "started" and kinds[-1] == "finished" and kinds.count("finished") == 1
+    assert set(kinds[1:-1]) <= {"delta"}
+    assert events[0].started.engine_id == "test-engine"
+    finished = events[-1].finished
+    tokens = [t for e in events if e.HasField("delta") for t in e.delta.token_ids]
+    assert finished.stats.completion_tokens == len(tokens) <= 8
+    stats = finished.stats
+    assert stats.hits + stats.spilled == stats.lookups
+
+
+async def test_greedy_is_deterministic_and_logprobs_are_consistent(engine_stub):
+    stub, _, _ = engine_stub
+    first = await collect(stub, request(max_tokens=6, logprobs=True, top_logprobs=3))
+    second = await collect(stub, request(max_tokens=6))
+    ids = [t for e in first if e.HasField("delta") for t in e.delta.token_ids]
+    assert ids == [t for e in second if e.HasField("delta") for t in e.delta.token_ids]
+    logprobs = [lp for e in first if e.HasField("delta") for lp in e.delta.logprobs]
+    assert [lp.token_id for lp in logprobs] == ids
+    for lp in logprobs:
+        assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id  # greedy = most likely
+        assert math.isclose(lp.top[0].logprob, lp.logprob, abs_tol=1e-6) and lp.logprob <= 0
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+
+
+async def test_stop_string_and_max_tokens_end_the_request(engine_stub):
+    stub, _, _ = engine_stub
+    events = await collect(stub, request(max_tokens=5))
+    assert events[-1].finished.reason == engine_pb2.FINISH_REASON_LENGTH
+    text = "".join(e.delta.text for e in events if e.HasField("delta"))
+    if len(text) >= 3:
+        stop = text[2:3]
+        stopped = await collect(stub, request(max_tokens=5, stop=[stop]))
+        out = "".join(e.delta.text for e in stopped if e.HasField("delta"))
+        assert stopped[-1].finished.reason == engine_pb2.FINISH_REASON_STOP
+        assert out == text[: text.index(stop)]
+
+
+async def test_over_long_prompt_is_invalid_argument_with_both_counts(engine_stub):
+    stub, _, engine = engine_stub
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(stub, request("word " * 400))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"context window is {engine.context_window} tokens" in caught.value.details()
+    assert engine.totals.requests_finished == 0
+
+
+async def test_cancelled_call_stops_generation_and_the_engine_moves_on(engine_stub):
+    stub, _, engine = engine_stub
+    call = stub.Generate(request(max_tokens=400, temperature=0.8, seed=3))
+    async for event in call:
+        if event.HasField("delta"):
+            break
+    call.cancel()
+    for _ in range(100):
+        if engine.totals.requests_finished == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.totals.requests_finished == 1
+    assert engine.totals.tokens_generated < 400
+    events = await collect(stub, request(max_tokens=3))
+    assert events[-1].WhichOneof("event") == "finished"
+
+
+async def test_status_and_health(engine_stub):
+    stub, channel, _ = engine_stub
+    await collect(stub, request(max_tokens=4))
+    status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+    assert status.ready and status.engine_id == "test-engine" and status.requests_finished == 1
+    assert status.cache.total_pairs == 3 * 8 and 0 < status.cache.coverage < 1
+    assert status.cache.hits + status.cache.spilled == status.cache.lookups > 0
+    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,165 @@
+"""KV cache blocks: a fixed pool, a free list, and prefix reuse. Plain Python, no tensors.
+
+The runner owns a KV tensor of `num_blocks` blocks of `block_size` token positions; this module
+decides which block holds which positions of which sequence. A block whose tokens are all computed
+gets a *prefix hash* (a hash of every token from the start of the sequence up to the block's end),
+so a later prompt that starts with the same tokens reuses it instead of recomputing it.
+
+Free blocks wait in LRU order; a freed block keeps its hash (and its K/V) until it is handed out
+again, so recently finished prompts stay reusable while memory allows.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    prefix_hash: int | None = None
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one sequence, in position order, and how much of its prompt was reused."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_reused_tokens: int = 0
+    num_hashed_blocks: int = 0  # leading blocks whose prefix hash is registered
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hash of each full block, chained so equal hashes mean equal tokens from position 0."""
+    hashes, prev = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = array.array("q", token_ids[start:start + block_size]).tobytes()
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        hashes.append(int.from_bytes(prev, "little"))
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_reuse: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_reuse = enable_prefix_reuse
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self._by_hash: dict[int, int] = {}
+
+    # -- figures -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks still holding reusable K/V."""
+        return sum(1 for b in self._free if self.blocks[b].prefix_hash is not None)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation ----------------------------------------------------------------------------
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        reused = self._reusable(token_ids)
+        fresh = self.blocks_needed(len(token_ids)) - len(reused)
+        # Reused blocks that sit in the free list are taken out of it too.
+        return fresh + sum(1 for b in reused if b in self._free) <= self.num_free_blocks
+
+    def allocate(self, token_ids: Sequence[int]) -> BlockTable:
+        """Blocks for a prompt: reused full blocks of an equal prefix, then fresh ones.
+
+        At least the last token is left to compute (its logits start decoding), so a fully cached
+        prompt reuses all but its last block."""
+        if not self.can_allocate(token_ids):
+            raise NoFreeBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
+                               f"{self.num_free_blocks} free")
+        table = BlockTable()
+        for block_id in self._reusable(token_ids):
+            table.block_ids.append(self._take_reused(block_id))
+        table.num_hashed_blocks = len(table.block_ids)
+        table.num_reused_tokens = table.num_hashed_blocks * self.block_size
+        while len(table.block_ids) < self.blocks_needed(len(token_ids)):
+            table.block_ids.append(self._take_fresh())
+        return table
+
+    def may_append(self, table: BlockTable, num_tokens: int) -> bool:
+        """Whether the sequence can grow to num_tokens positions (one more block at most)."""
+        return self.blocks_needed(num_tokens) - len(table.block_ids) <= self.num_free_blocks
+
+    def append(self, table: BlockTable, num_tokens: int) -> None:
+        while len(table.block_ids) < self.blocks_needed(num_tokens):
+            if not self._free:
+                raise NoFreeBlocks("no free KV block to grow the sequence")
+            table.block_ids.append(self._take_fresh())
+
+    def mark_computed(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register prefix hashes of the blocks whose positions are now all computed."""
+        if not self.enable_prefix_reuse:
+            return
+        full = num_computed // self.block_size
+        if full <= table.num_hashed_blocks:
+            return
+        hashes = prefix_hashes(token_ids[:full * self.block_size], self.block_size)
+        for index in range(table.num_hashed_blocks, full):
+            block = self.blocks[table.block_ids[index]]
+            if hashes[index] not in self._by_hash:
+                block.prefix_hash = hashes[index]
+                self._by_hash[hashes[index]] = block.block_id
+        table.num_hashed_blocks = full
+
+    def free(self, table: BlockTable) -> None:
+        """Release a sequence's blocks; the last blocks go to the free list's LRU end last, so a
+        prompt's later blocks are evicted before its first ones."""
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        table.block_ids.clear()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _reusable(self, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_reuse:
+            return []
+        # Never reuse the block holding the last token: its logits must be computed.
+        hashes = prefix_hashes(token_ids[:len(token_ids) - 1], self.block_size)
+        reused = []
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            reused.append(block_id)
+        return reused
+
+    def _take_reused(self, block_id: int) -> int:
+        """Share a block that holds the wanted K/V (in use by others, or free but cached)."""
+        self._free.pop(block_id, None)
+        self.blocks[block_id].ref_count += 1
+        return block_id
+
+    def _take_fresh(self) -> int:
+        """The least recently used free block, for new K/V: its old prefix hash is forgotten."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.prefix_hash is not None:
+            del self._by_hash[block.prefix_hash]
+            block.prefix_hash = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,96 @@
+"""Paged KV cache: one preallocated pool of fixed-size blocks per layer, shared by all sequences.
+
+Shape legend: B blocks in the pool, P positions per block, G KV heads, Hd head dim,
+T tokens written in this step, N positions of one sequence.
+
+Which block holds which positions is decided by `services.engine.block_manager` (no tensors);
+here a sequence is a list of block ids and a length. Position p of a sequence lives in block
+`table[p // P]` at offset `p % P`.
+
+`kv_dtype=int8` stores K and V as int8 with one scale per (block, KV head) — absmax / 127. When new
+tokens raise a block's absmax the block's earlier entries are requantized to the new scale, so
+every entry of a block shares one scale and reads are a single multiply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto"):
+        assert kv_dtype in {"auto", "int8"}
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.quantized = kv_dtype == "int8"
+        self.dtype = dtype
+        storage = torch.int8 if self.quantized else dtype
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  # [L, B, P, G, Hd]
+        # Uninitialized on purpose: attention reads only positions already written.
+        self.k = torch.empty(shape, dtype=storage, device=device)
+        self.v = torch.empty(shape, dtype=storage, device=device)
+        if self.quantized:
+            self.k_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
+            self.v_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        element = 1 if kv_dtype == "int8" else torch.empty((), dtype=dtype).element_size()
+        scales = 2 * num_layers * num_kv_heads * 4 if kv_dtype == "int8" else 0
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element + scales
+
+    def slots(self, table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool indices (block * P + offset) of positions [T] of one sequence."""
+        blocks = torch.as_tensor(table, device=positions.device)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, G, Hd] at flat slots [T]."""
+        if not self.quantized:
+            self.k[layer].view(-1, *k.shape[1:])[slots] = k.to(self.dtype)
+            self.v[layer].view(-1, *v.shape[1:])[slots] = v.to(self.dtype)
+            return
+        self._write_int8(self.k[layer], self.k_scale[layer], slots, k)
+        self._write_int8(self.v[layer], self.v_scale[layer], slots, v)
+
+    def read(self, layer: int, table: Sequence[int], num_positions: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [G, N, Hd] of the first N positions of a sequence."""
+        num_blocks = -(-num_positions // self.block_size)
+        ids = torch.as_tensor(table[:num_blocks], device=self.k.device)
+        k, v = self.k[layer][ids], self.v[layer][ids]  # [n, P, G, Hd]
+        if self.quantized:
+            k = k.to(self.dtype) * self.k_scale[layer][ids][:, None, :, None].to(self.dtype)
+            v = v.to(self.dtype) * self.v_scale[layer][ids][:, None, :, None].to(self.dtype)
+        k = k.flatten(0, 1)[:num_positions].transpose(0, 1)  # [G, N, Hd]
+        v = v.flatten(0, 1)[:num_positions].transpose(0, 1)
+        return k, v
+
+    def _write_int8(self, pool: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                    x: torch.Tensor) -> None:
+        """pool [B, P, G, Hd] int8, scale [B, G]; x [T, G, Hd] written at slots [T]."""
+        P = self.block_size
+        blocks = slots // P  # [T]
+        absmax = x.float().abs().amax(dim=-1)  # [T, G]
+        new_scale = scale.clone()
+        new_scale.scatter_reduce_(0, blocks[:, None].expand_as(absmax), absmax / 127.0,
+                                  reduce="amax")  # [B, G]
+        grown = torch.unique(blocks[(new_scale[blocks] > scale[blocks]).any(dim=-1)])
+        if grown.numel():  # requantize earlier entries of blocks whose scale grew
+            old = pool[grown].float() * scale[grown][:, None, :, None]
+            s = new_scale[grown].clamp_min(1e-12)[:, None, :, None]
+            pool[grown] = torch.clamp(torch.round(old / s), -127, 127).to(torch.int8)
+        scale.copy_(new_scale)
+        s = scale[blocks].clamp_min(1e-12)[:, :, None]  # [T, G, 1]
+        flat = pool.view(-1, *x.shape[1:])
+        flat[slots] = torch.clamp(torch.round(x.float() / s), -127, 127).to(torch.int8)
+
+    def reset_block_scales(self, block_ids: Sequence[int]) -> None:
+        """A block handed out for new tokens starts from a zero scale (int8 only)."""
+        if self.quantized and block_ids:
+            ids = torch.as_tensor(block_ids, device=self.k_scale.device)
+            self.k_scale[:, ids] = 0
+            self.v_scale[:, ids] = 0

@@ -73,12 +73,14 @@ class Setting:
 def add_settings(parser: argparse.ArgumentParser, settings: Iterable[Setting]) -> None:
     """Add one flag per setting; flags left out parse as None so env/default can fill them."""
     for s in settings:
+        # argparse %-formats help texts; settings' texts are plain.
+        text = f"{s.help} [env {s.env}, default {s.default}]".replace("%", "%%")
         if s.parse is parse_bool:
             parser.add_argument(s.option, dest=s.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=f"{s.help} [env {s.env}, default {s.default}]")
+                                default=None, help=text)
         else:
             parser.add_argument(s.option, dest=s.name, default=None, metavar=s.name.upper(),
-                                help=f"{s.help} [env {s.env}, default {s.default}]")
+                                help=text)
 
 
 def resolve(settings: Iterable[Setting], args: argparse.Namespace | None = None,

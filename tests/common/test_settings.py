@@ -58,3 +58,9 @@ def test_size_cache_is_the_design_arithmetic():
     assert "700 MiB reserved (+184 MiB for the draft head) -> " in size.log_line()
     assert size_cache(100, 200, 10, 50).slots == 0
     assert size_cache(10**9, 0, 10, 50).slots == 50
+
+
+def test_help_texts_may_contain_percent_signs():
+    parser = argparse.ArgumentParser()
+    add_settings(parser, (Setting("drift", "STRATA_DRIFT", float, 0.02, "e.g. 2% or 0.02"),))
+    assert "e.g. 2% or 0.02" in parser.format_help()

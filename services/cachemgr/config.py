@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,35 @@ def _optional_bytes(text: str) -> int | None:
     return parse_bytes(text) if text else None
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be a number of seconds >= 0")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be a number of seconds > 0")
+    return value
+
+
+def _share(text: str) -> float:
+    """'0.02' or '2%' -> 0.02."""
+    text = str(text).strip()
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 < value <= 1:
+        raise ValueError("must be a share in (0, 1], e.g. 0.02 or 2%")
+    return value
+
+
+def default_data_dir() -> Path:
+    """$STRATA_HOME/cachemgr ($STRATA_HOME defaults to ~/.cache/strata)."""
+    home = os.environ.get("STRATA_HOME") or Path.home() / ".cache" / "strata"
+    return Path(home) / "cachemgr"
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "STRATA_CACHEMGR_HOST", str, "127.0.0.1",
             "address the cache manager's gRPC server binds"),
@@ -42,8 +72,27 @@ SETTINGS: tuple[Setting, ...] = (
             "Prometheus scrape port for /metrics (0 disables it)"),
     Setting("redis_url", "STRATA_REDIS_URL", _redis_url, None,
             "Redis holding routing counts shared by cache managers (empty = in memory only)"),
+    Setting("data_dir", "STRATA_CACHEMGR_DATA_DIR", _optional_path, None,
+            "where the cache manager keeps its files (default: $STRATA_HOME/cachemgr)"),
     Setting("profile_path", "STRATA_PROFILE", _optional_path, None,
-            "expert-profile.bin ranking pairs until routing counts arrive", flag="--profile"),
+            "expert-profile.bin: read at start, then the live (decayed) profile is saved there "
+            "(default: <data dir>/expert-profile.bin)", flag="--profile"),
+    Setting("profile_save_interval_s", "STRATA_PROFILE_SAVE_INTERVAL", _seconds, 60.0,
+            "seconds between saves of the live profile (0 = only at shutdown)",
+            flag="--profile-save-interval"),
+    Setting("profile_half_life_s", "STRATA_PROFILE_HALF_LIFE", _positive_seconds, 600.0,
+            "half-life of routing counts in the live profile, in seconds",
+            flag="--profile-half-life"),
+    Setting("replan_drift", "STRATA_REPLAN_DRIFT", _share, 0.02,
+            "issue a new plan version when the pinned set misses this share of routed work "
+            "that the best set would serve (e.g. 0.02 or 2%)"),
+    Setting("replan_settle_s", "STRATA_REPLAN_SETTLE", _seconds, 10.0,
+            "seconds the best set must stay put in a drift event before its one new plan "
+            "version is issued",
+            flag="--replan-settle"),
+    Setting("sample_interval_s", "STRATA_SAMPLE_INTERVAL", _positive_seconds, 2.0,
+            "seconds between device samples (memory, utilisation, power for J/token)",
+            flag="--sample-interval"),
     Setting("reserve_bytes", "STRATA_RESERVE", parse_bytes, "700MiB",
             "device memory kept out of the expert cache when an engine does not say",
             flag="--reserve"),
@@ -59,9 +108,15 @@ class CacheMgrConfig:
     port: int = 50061
     metrics_port: int = 9464  # 0 = no Prometheus endpoint
     redis_url: str | None = None
-    profile_path: Path | None = None
+    profile_path: Path | None = None  # None = no profile file (read or written)
     reserve_bytes: int = 700 * 2**20
     device_memory_bytes: int | None = None
+    data_dir: Path | None = None
+    profile_save_interval_s: float = 60.0  # 0 = only at shutdown
+    profile_half_life_s: float = 600.0
+    replan_drift: float = 0.02
+    replan_settle_s: float = 10.0
+    sample_interval_s: float = 2.0
 
     @property
     def address(self) -> str:
@@ -69,7 +124,11 @@ class CacheMgrConfig:
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> CacheMgrConfig:
-        """From `resolve(SETTINGS, args)`; settings left out take their defaults."""
+        """From `resolve(SETTINGS, args)`; settings left out take their defaults. The profile
+        path defaults to <data dir>/expert-profile.bin."""
         merged = {s.name: s.default for s in SETTINGS} | dict(values)
         merged["reserve_bytes"] = parse_bytes(merged["reserve_bytes"])  # default is "700MiB"
+        if merged["profile_path"] is None:
+            data_dir = merged["data_dir"] or default_data_dir()
+            merged["profile_path"] = Path(data_dir) / "expert-profile.bin"
         return cls(**{name: merged[name] for name in cls.__dataclass_fields__})

@@ -1,21 +1,30 @@
 """The cache manager's state and operations, free of gRPC: plans for engines, routing reports,
-and the per-engine figures the metrics read.
+plan watches, and the per-engine figures the metrics and the overview read.
 
     GetPlan ──> budget (request | --device-memory | free device memory) ──> Planner.plan
-    ReportRouting ──> store.add(counts) ──> Planner.refresh ──> plan version
-                  └─> per-engine running totals (lookups, hits, spilled) ──> metrics, log summary
+    ReportRouting ──> store.add(counts) ──> Planner.refresh ──> plan version ──> watchers
+                  └─> per-engine running totals (lookups, hits, spilled, tokens) ──> metrics
+    loop tick ──> refresh_models (fresh counts from Redis, decay) ──> Planner.refresh ──> watchers
+              └─> sample_device ──> DeviceMonitor + EnergyMeter (J/token)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from services.cachemgr.device import DeviceMemory, read_device_memory
+from services.cachemgr.device import (
+    DeviceMemory,
+    DeviceMonitor,
+    DeviceSample,
+    EnergyMeter,
+    read_device_memory,
+)
 from services.cachemgr.planner import ModelShape, Plan, Planner
 from services.cachemgr.store import MemoryStore, RedisStore
 from services.common.settings import format_bytes
@@ -36,6 +45,18 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
+class LinkFigures:
+    """Optional figures of one report (None: the engine does not measure them)."""
+
+    prefetched: int | None = None
+    prefetch_used: int | None = None
+    link_bytes: int | None = None
+    link_busy_s: float | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+
+
+@dataclass(frozen=True)
 class RoutingReport:
     engine_id: str
     shape: ModelShape
@@ -48,15 +69,18 @@ class RoutingReport:
     device_memory_bytes: int
     reserved_bytes: int
     plan_version: int
+    extra: LinkFigures = LinkFigures()
 
 
 @dataclass(frozen=True)
 class EngineFigures:
-    """One engine as the cache manager last heard of it; lookups/hits/spilled are running totals."""
+    """One engine as the cache manager last heard of it; lookups/hits/spilled/tokens are running
+    totals, the ratios and rates cover the latest report that had them."""
 
     engine_id: str
     fingerprint: str
     total_pairs: int
+    model_name: str = ""
     slots: int = 0
     device_memory_bytes: int = 0
     reserved_bytes: int = 0
@@ -65,8 +89,14 @@ class EngineFigures:
     hits: int = 0
     spilled: int = 0
     tokens_generated: int = 0
-    hit_ratio: float = 0.0  # over the latest report with lookups
-    spill_ratio: float = 0.0  # spilled / lookups over the latest report with lookups
+    hit_ratio: float = 0.0
+    spill_ratio: float = 0.0
+    tokens_per_s: float = 0.0
+    prefetch_precision: float | None = None
+    link_bytes_per_s: float | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    reported_s: float = 0.0  # monotonic time of the latest report (0 = none yet)
 
     @property
     def coverage(self) -> float:
@@ -76,14 +106,19 @@ class EngineFigures:
 class CacheManager:
     def __init__(self, planner: Planner, store: MemoryStore | RedisStore, reserve_bytes: int,
                  device_memory_bytes: int | None = None,
-                 read_device: Callable[[], DeviceMemory] = read_device_memory) -> None:
+                 read_device: Callable[[], DeviceMemory] = read_device_memory,
+                 monitor: DeviceMonitor | None = None) -> None:
         self.planner = planner
         self.store = store
         self.reserve_bytes = reserve_bytes
         self.device_memory_bytes = device_memory_bytes  # configured budget; None = read device
         self.read_device = read_device
+        self.monitor = monitor or DeviceMonitor()
+        self.energy = EnergyMeter()
         self.engines: dict[str, EngineFigures] = {}
         self.started_s = time.monotonic()
+        self._changed: dict[str, asyncio.Event] = {}  # per model: set when a version is issued
+        self._closing = False
 
     def budget(self, requested_bytes: int) -> int:
         if requested_bytes > 0:
@@ -92,23 +127,61 @@ class CacheManager:
             return self.device_memory_bytes
         return self.read_device().free_bytes
 
+    # -- plans ---------------------------------------------------------------------------------
+
     async def get_plan(self, request: PlanRequest) -> Plan:
         _check_shape(request.shape)
         if request.device_memory_bytes < 0 or request.reserved_bytes < 0:
             raise InvalidRequest("device_memory_bytes and reserved_bytes must be >= 0")
         budget = self.budget(request.device_memory_bytes)
         reserved = request.reserved_bytes or self.reserve_bytes
+        before = self.planner.version(request.shape.fingerprint)
         counts = await self.store.counts(request.shape)
         plan = self.planner.plan(request.shape, counts, budget, reserved)
+        self._notify_if_new(request.shape.fingerprint, before)
         if request.engine_id:
             figures = self._figures(request.engine_id, request.shape)
             self.engines[request.engine_id] = replace(
-                figures, slots=plan.slots, device_memory_bytes=budget, reserved_bytes=reserved,
-                plan_version=plan.version)
+                figures, slots=plan.slots, device_memory_bytes=budget, reserved_bytes=reserved)
         log.info("plan v%d for engine %s, model %s: %s; pairs ranked by %s",
                  plan.version, request.engine_id or "(no id)", request.shape.fingerprint,
                  plan.size.log_line(), plan.source)
         return plan
+
+    async def watch(self, request: PlanRequest, known_version: int = 0) -> AsyncIterator[Plan]:
+        """The current plan unless its version is `known_version`, then each new version.
+        Ends when the cache manager shuts down."""
+        fingerprint = request.shape.fingerprint
+        while not self._closing:
+            changed = self._changed.setdefault(fingerprint, asyncio.Event())
+            plan = await self.get_plan(request)
+            if plan.version != known_version:  # != : a restarted cache manager counts anew
+                known_version = plan.version
+                yield plan
+            if self.planner.version(fingerprint) == known_version:
+                await changed.wait()
+
+    def _notify_if_new(self, fingerprint: str, before: int) -> None:
+        if self.planner.version(fingerprint) != before:
+            event = self._changed.pop(fingerprint, None)
+            if event is not None:
+                event.set()
+
+    def close_watches(self) -> None:
+        """End every WatchPlans stream (at shutdown, so the server need not wait for them)."""
+        self._closing = True
+        for event in self._changed.values():
+            event.set()
+        self._changed.clear()
+
+    async def refresh_models(self) -> None:
+        """Fold fresh counts (other cache managers' too) and time decay into every model."""
+        for shape in self.planner.shapes():
+            before = self.planner.version(shape.fingerprint)
+            self.planner.refresh(shape, await self.store.counts(shape))
+            self._notify_if_new(shape.fingerprint, before)
+
+    # -- reports -------------------------------------------------------------------------------
 
     async def report(self, report: RoutingReport) -> int:
         """Take in one engine's report; returns the model's latest plan version."""
@@ -119,39 +192,73 @@ class CacheManager:
             raise InvalidRequest("lookups, hits, spilled and tokens_generated must be >= 0")
         if report.hits > report.lookups:
             raise InvalidRequest(f"hits ({report.hits}) exceed lookups ({report.lookups})")
+        fingerprint = report.shape.fingerprint
         if report.counts is not None and report.counts.any():
-            await self.store.add(report.shape.fingerprint, report.counts)
-        counts = await self.store.counts(report.shape, fresh=False)  # GetPlan reads afresh
+            await self.store.add(fingerprint, report.counts)
+        before = self.planner.version(fingerprint)
+        counts = await self.store.counts(report.shape, fresh=False)  # the loop reads afresh
         version = self.planner.refresh(report.shape, counts, engine_slots=report.slots)
+        self._notify_if_new(fingerprint, before)
         figures = self._figures(report.engine_id, report.shape)
         if report.engine_id not in self.engines:
             log.info("engine %s reporting for model %s: %d slots (%.1f%% of %d pairs), "
-                     "%s device memory", report.engine_id, report.shape.fingerprint,
+                     "%s device memory", report.engine_id, fingerprint,
                      report.slots, 100 * report.slots / report.shape.total_pairs,
                      report.shape.total_pairs, format_bytes(report.device_memory_bytes))
-        window = {}
-        if report.lookups:
-            window = {"hit_ratio": report.hits / report.lookups,
-                      "spill_ratio": report.spilled / report.lookups}
-        self.engines[report.engine_id] = replace(
-            figures, slots=report.slots, plan_version=report.plan_version,
-            # 0 = not said: keep what GetPlan resolved for this engine.
-            device_memory_bytes=report.device_memory_bytes or figures.device_memory_bytes,
-            reserved_bytes=report.reserved_bytes or figures.reserved_bytes,
-            lookups=figures.lookups + report.lookups, hits=figures.hits + report.hits,
-            spilled=figures.spilled + report.spilled,
-            tokens_generated=figures.tokens_generated + report.tokens_generated, **window)
+        self.engines[report.engine_id] = _updated(figures, report, time.monotonic())
         return version
 
     def _figures(self, engine_id: str, shape: ModelShape) -> EngineFigures:
         figures = self.engines.get(engine_id)
         if figures is None or figures.fingerprint != shape.fingerprint:
             # New engine, or one that now serves another model: its totals start over.
-            return EngineFigures(engine_id, shape.fingerprint, shape.total_pairs)
+            return EngineFigures(engine_id, shape.fingerprint, shape.total_pairs, shape.name)
         return figures
 
     def snapshot(self) -> list[EngineFigures]:
         return list(self.engines.values())
+
+    # -- device --------------------------------------------------------------------------------
+
+    def sample_device(self, now_s: float | None = None) -> DeviceSample:
+        now_s = time.monotonic() if now_s is None else now_s
+        sample = self.monitor.sample(now_s)
+        self.energy.add(now_s, sample.energy_j, self.tokens_generated())
+        return sample
+
+    def device(self) -> DeviceSample:
+        return self.monitor.latest or self.monitor.sample()
+
+    def tokens_generated(self) -> int:
+        return sum(e.tokens_generated for e in self.snapshot())
+
+
+def _updated(figures: EngineFigures, report: RoutingReport, now_s: float) -> EngineFigures:
+    changes: dict = {}
+    if report.lookups:
+        changes |= {"hit_ratio": report.hits / report.lookups,
+                    "spill_ratio": report.spilled / report.lookups}
+    if figures.reported_s:
+        elapsed_s = now_s - figures.reported_s
+        changes["tokens_per_s"] = report.tokens_generated / elapsed_s if elapsed_s > 0 else 0.0
+    extra = report.extra
+    if extra.prefetched:
+        changes["prefetch_precision"] = (extra.prefetch_used or 0) / extra.prefetched
+    if extra.link_bytes is not None and extra.link_busy_s:
+        changes["link_bytes_per_s"] = extra.link_bytes / extra.link_busy_s
+    if extra.requests_running is not None:
+        changes["requests_running"] = extra.requests_running
+    if extra.requests_waiting is not None:
+        changes["requests_waiting"] = extra.requests_waiting
+    return replace(
+        figures, slots=report.slots, plan_version=report.plan_version, reported_s=now_s,
+        model_name=report.shape.name or figures.model_name,
+        # 0 = not said: keep what GetPlan resolved for this engine.
+        device_memory_bytes=report.device_memory_bytes or figures.device_memory_bytes,
+        reserved_bytes=report.reserved_bytes or figures.reserved_bytes,
+        lookups=figures.lookups + report.lookups, hits=figures.hits + report.hits,
+        spilled=figures.spilled + report.spilled,
+        tokens_generated=figures.tokens_generated + report.tokens_generated, **changes)
 
 
 def _check_shape(shape: ModelShape) -> None:

@@ -1,36 +1,54 @@
-"""Residency planning: routing counts + device budget -> plan. Pure: no grpc, no redis.
+"""Residency planning: live profile + device budget -> versioned plan. Pure: no grpc, no redis.
 
     device memory, reserved, slot_bytes ──size_cache──> slots
-    routing counts [L, E] ─┐
-    profile ranking ───────┼──rank──> pairs hottest first ──first `slots`──> Plan(version, ...)
-    layer order ───────────┘
+    routing totals ──LiveProfile (decayed)──> ranking ──┐
+    profile file (seeds the scores, breaks ties) ───────┤
+    layer order (0,0), (0,1), ... (last resort) ────────┘
+    ranking ──(issue a version)──> pinned order ──first `slots`──> Plan(version, ...)
 
-Ranking sources, best first: routing counts reported by engines ("routing-counts"), the expert
-profile file ("profile"), layer order (0,0), (0,1), ... ("layer-order"). Pairs without counts keep
-the order of the next source down, so early, sparse counts refine the profile rather than discard
-it.
+A version names one pinned order: every plan of version N hands out a prefix of the same order.
+The first version is issued when an engine first holds a plan of the model. After that, versions
+follow drift events (drift: see `live.drift`; K is the largest slot count handed out for the
+model, the biggest cache any engine holds):
 
-A model's plan version increases when its resident set could change: a different source, or a
-different set of the top-`K` pairs, where K is the largest slot count handed out for the model
-(the biggest cache any engine holds). Reordering inside that set, or below it, changes nothing
-any engine keeps resident, so engines are not asked to re-fetch.
+    drift >= replan_drift         the event opens; the best set so far is its candidate
+    candidate moves by >= half    (drift of the candidate itself >= replan_drift / 2) it is
+      the threshold                 replaced and the settling clock restarts
+    candidate settled for         one version is issued, pinned to the current ranking; drift
+      replan_settle_s               restarts from zero
+    drift < replan_drift / 2      the event closes without a version (hysteresis)
+
+so a shift of the workload, which moves the decayed ranking over several looks, yields one
+version once the new hot set has emerged, not one per look. Evaluations happen at every report
+and every loop tick, so settling takes at least two of them. A pinned order that came from a
+profile file or layer order is replaced at once when counts show it is worse by the threshold.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.profile import Profile, ProfileError, rank_pairs
+from services.cachemgr.live import (
+    SOURCE_COUNTS,
+    SOURCE_LAYER_ORDER,
+    SOURCE_PROFILE,
+    LiveProfile,
+    drift,
+    served_share,
+)
+from services.common.profile import Profile, ProfileError, fingerprint_key
 from services.common.sizing import CacheSize, size_cache
 
 log = logging.getLogger("strata.cachemgr")
 
-SOURCE_COUNTS = "routing-counts"
-SOURCE_PROFILE = "profile"
-SOURCE_LAYER_ORDER = "layer-order"
+__all__ = ["SOURCE_COUNTS", "SOURCE_LAYER_ORDER", "SOURCE_PROFILE", "ModelShape", "ModelStatus",
+           "Plan", "Planner"]
+
 MAX_PAIRS = 1 << 24  # a bound on per-model tables; today's largest MoEs have ~10^5 pairs
 
 
@@ -63,12 +81,6 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Ranking:
-    source: str
-    order: np.ndarray  # [L*E] flat pair indices (layer * E + expert), hottest first
-
-
-@dataclass(frozen=True)
 class Plan:
     version: int
     slots: int
@@ -76,82 +88,141 @@ class Plan:
     pairs: tuple[tuple[int, int], ...]  # (layer, expert), hottest first, len == slots
     source: str
     size: CacheSize
+    reason: str = ""
 
     @property
     def coverage(self) -> float:
         return self.slots / self.total_pairs if self.total_pairs else 0.0
 
 
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model as the planner sees it (for metrics and the overview)."""
+
+    fingerprint: str
+    name: str
+    version: int
+    source: str  # of the pinned order
+    drift: float
+    watch_slots: int
+    served_share: float  # share of decayed routed work the pinned set serves at watch_slots
+
+
 @dataclass
 class _ModelState:
+    shape: ModelShape
+    live: LiveProfile
     version: int = 0
-    key: tuple = ()
+    pinned: np.ndarray | None = None  # [L*E] the order of the current version
+    pinned_source: str = ""
+    reason: str = ""
+    issued_s: float = 0.0
     watch_slots: int = 0  # largest slot count handed out for this model
-    ranking: Ranking | None = None
+    drift: float = 0.0
+    candidate: np.ndarray | None = None  # best order of the open drift event (None: no event)
+    candidate_s: float = 0.0  # when the candidate last moved
+    dirty: bool = False  # scores changed since the profile was last saved
 
 
 @dataclass
 class Planner:
-    """Plans for every model seen; keeps each model's version. `profile` is optional."""
+    """Plans for every model seen; keeps each model's live profile and plan version."""
 
-    profile: Profile | None = None
+    profiles: Iterable[Profile] | Profile | None = None
+    half_life_s: float = 600.0
+    replan_drift: float = 0.02
+    replan_settle_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
     _models: dict[str, _ModelState] = field(default_factory=dict)
-    _profile_rejected: set[str] = field(default_factory=set)
+    _files: dict[str, Profile] = field(default_factory=dict)
 
-    def rank(self, shape: ModelShape, counts: np.ndarray | None) -> Ranking:
-        base, source = self._base_order(shape)
-        if counts is not None and np.any(counts > 0):
-            assert counts.shape == (shape.num_layers, shape.num_experts), counts.shape
-            return Ranking(SOURCE_COUNTS, rank_pairs(counts, base))
-        return Ranking(source, base)
+    def __post_init__(self) -> None:
+        profiles = self.profiles
+        if isinstance(profiles, Profile):
+            profiles = [profiles]
+        self._files = {p.fingerprint: p for p in profiles or ()}
 
-    def _base_order(self, shape: ModelShape) -> tuple[np.ndarray, str]:
-        if self.profile is not None and shape.fingerprint not in self._profile_rejected:
+    def _state(self, shape: ModelShape) -> _ModelState:
+        state = self._models.get(shape.fingerprint)
+        if state is not None:
+            return state
+        live = LiveProfile.empty(shape.num_layers, shape.num_experts, self.half_life_s)
+        profile = self._files.get(fingerprint_key(shape.fingerprint))
+        if profile is not None:
             try:
-                self.profile.validate(shape.fingerprint, shape.num_layers, shape.num_experts)
-                return self.profile.order(), SOURCE_PROFILE
+                profile.validate(shape.fingerprint, shape.num_layers, shape.num_experts)
+                live = LiveProfile.from_profile(profile, self.half_life_s)
             except ProfileError as exc:
-                self._profile_rejected.add(shape.fingerprint)
                 log.warning("ignoring the expert profile for model %s (%s): %s; plans for it "
                             "use routing counts or layer order", shape.fingerprint,
                             shape.name or "unnamed", exc)
-        return np.arange(shape.total_pairs), SOURCE_LAYER_ORDER
+        elif self._files:
+            log.warning("no expert profile for model %s (%s) among those loaded (%s); plans for "
+                        "it use routing counts or layer order", shape.fingerprint,
+                        shape.name or "unnamed", ", ".join(sorted(self._files)))
+        state = self._models[shape.fingerprint] = _ModelState(shape, live)
+        return state
 
-    def refresh(self, shape: ModelShape, counts: np.ndarray | None,
-                engine_slots: int = 0) -> int:
-        """Re-rank the model from fresh counts; returns its (possibly bumped) plan version.
-
-        engine_slots: the cache size of the engine asking, which may widen the watched set.
-        """
-        state = self._models.setdefault(shape.fingerprint, _ModelState())
-        ranking = self.rank(shape, counts)
-        key = _version_key(ranking, state.watch_slots or shape.total_pairs)
-        if key != state.key:
-            state.version += 1
-            if state.version > 1:
-                log.info("plan for model %s is now version %d (ranked by %s)",
-                         shape.fingerprint, state.version, ranking.source)
-        if engine_slots > state.watch_slots:
-            # A bigger cache than any before: watch a wider set from now on (no bump for that).
-            state.watch_slots = engine_slots
-            key = _version_key(ranking, engine_slots)
-        state.key = key
-        state.ranking = ranking
+    def refresh(self, shape: ModelShape, totals: np.ndarray | None, engine_slots: int = 0,
+                now_s: float | None = None) -> int:
+        """Fold in the model's cumulative routing counts [L, E] (None: none read) and an engine's
+        cache size; returns the model's plan version, new when drift called for one."""
+        now_s = self.clock() if now_s is None else now_s
+        state = self._state(shape)
+        if totals is not None and totals.size and state.live.observe(totals, now_s):
+            state.dirty = True
+        state.watch_slots = max(state.watch_slots, engine_slots)
+        self._evaluate(state, now_s)
         return state.version
 
-    def plan(self, shape: ModelShape, counts: np.ndarray | None, device_memory_bytes: int,
+    def _evaluate(self, state: _ModelState, now_s: float) -> None:
+        k = state.watch_slots
+        if k <= 0:
+            return  # no engine holds a plan of this model yet
+        if state.pinned is None:
+            self._issue(state, now_s, "first plan")
+            return
+        scores = state.live.scores
+        state.drift = drift(scores, state.pinned, k)
+        if state.candidate is None:
+            if state.drift <= 0 or state.drift < self.replan_drift:
+                return
+            state.candidate, state.candidate_s = state.live.order(), now_s  # the event opens
+        elif state.drift < self.replan_drift / 2:
+            state.candidate = None  # it closes: the pinned set is good enough again
+            return
+        elif drift(scores, state.candidate, k) >= self.replan_drift / 2:
+            state.candidate, state.candidate_s = state.live.order(), now_s  # still moving
+        settled = state.candidate_s < now_s and now_s - state.candidate_s >= self.replan_settle_s
+        if settled or state.pinned_source != SOURCE_COUNTS:
+            self._issue(state, now_s, f"drift {state.drift:.1%} >= {self.replan_drift:.1%}")
+
+    def _issue(self, state: _ModelState, now_s: float, reason: str) -> None:
+        state.version += 1
+        state.pinned = state.live.order()
+        state.pinned_source = state.live.source
+        state.reason, state.issued_s = reason, now_s
+        state.drift, state.candidate = 0.0, None
+        if state.version > 1:
+            log.info("plan for model %s is now version %d (%s; ranked by %s)",
+                     state.shape.fingerprint, state.version, reason, state.pinned_source)
+
+    def plan(self, shape: ModelShape, totals: np.ndarray | None, device_memory_bytes: int,
              reserved_bytes: int) -> Plan:
-        """The residency plan for one engine: slots from the budget, then the hottest pairs."""
+        """The residency plan for one engine: slots from the budget, then the pinned pairs."""
         assert not shape.problems(), shape.problems()
         size = size_cache(device_memory_bytes, reserved_bytes, shape.slot_bytes,
                           shape.total_pairs)
-        version = self.refresh(shape, counts, engine_slots=size.slots)
-        state = self._models[shape.fingerprint]
-        assert state.ranking is not None
-        top = state.ranking.order[:size.slots]
+        state = self._state(shape)
+        self.refresh(shape, totals, engine_slots=size.slots)
+        if state.pinned is None:  # a cache of 0 slots still holds a plan
+            self._issue(state, self.clock(), "first plan")
+            assert state.pinned is not None
+        top = state.pinned[:size.slots]
         pairs = tuple(zip((top // shape.num_experts).tolist(), (top % shape.num_experts).tolist(),
                           strict=True))
-        return Plan(version, size.slots, shape.total_pairs, pairs, state.ranking.source, size)
+        return Plan(state.version, size.slots, shape.total_pairs, pairs, state.pinned_source,
+                    size, state.reason)
 
     def version(self, fingerprint: str) -> int:
         """The latest plan version of a model (0 if never planned)."""
@@ -162,6 +233,29 @@ class Planner:
         # list() first: the metrics thread calls this while the event loop may add models.
         return {fp: s.version for fp, s in list(self._models.items())}
 
+    def shapes(self) -> list[ModelShape]:
+        return [s.shape for s in list(self._models.values())]
 
-def _version_key(ranking: Ranking, watch_slots: int) -> tuple:
-    return ranking.source, np.sort(ranking.order[:watch_slots]).tobytes()
+    def status(self) -> list[ModelStatus]:
+        out = []
+        for fp, s in list(self._models.items()):
+            share = (served_share(s.live.scores, s.pinned, s.watch_slots)
+                     if s.pinned is not None else 0.0)
+            out.append(ModelStatus(fp, s.shape.name, s.version, s.pinned_source or s.live.source,
+                                   s.drift, s.watch_slots, share))
+        return out
+
+    def profiles_to_save(self) -> list[Profile]:
+        """Profiles of the models whose scores changed since the last call; marks them saved."""
+        out = []
+        for fp, s in list(self._models.items()):
+            if s.dirty:
+                out.append(s.live.to_profile(fp, s.watch_slots))
+                s.dirty = False
+        return out
+
+    def mark_unsaved(self, fingerprint: str) -> None:
+        """A save failed: offer the profile again at the next save."""
+        state = self._models.get(fingerprint)
+        if state is not None:
+            state.dirty = True

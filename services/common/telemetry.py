@@ -1,4 +1,4 @@
-"""OpenTelemetry metrics setup shared by the services.
+"""OpenTelemetry setup shared by the services: metrics, traces, and W3C context over gRPC.
 
     provider = setup_metrics("strata-cachemgr", prometheus_port=9464)
     meter = provider.get_meter("strata.cachemgr")
@@ -9,6 +9,17 @@ Readers: a Prometheus scrape endpoint (`GET http://HOST:PORT/metrics`) when a po
 an OTLP exporter when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; both may be on. The provider is
 returned, never installed as the global one, so a process (a test run) may set up several; callers
 pass it to whatever creates instruments. Each provider has its own Prometheus registry.
+
+Traces:
+
+    tracer_provider = setup_tracing("strata-gateway")   # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT
+    tracer = tracer_provider.get_tracer("strata.gateway")
+    with tracer.start_as_current_span("chat") as span:
+        metadata = inject_metadata()                      # [("traceparent", ...)] for grpc
+    ...                                                   # the engine, in its servicer:
+    with tracer.start_as_current_span("generate", context=extract_context(
+            context.invocation_metadata())):
+        ...
 """
 
 from __future__ import annotations
@@ -16,11 +27,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 log = logging.getLogger("strata.telemetry")
 
@@ -79,3 +94,38 @@ def setup_metrics(service_name: str, prometheus_port: int | None,
     resource = Resource.create({SERVICE_NAME: service_name})
     return StrataMeterProvider(resource=resource, metric_readers=readers,
                                http_server=http_server, http_thread=http_thread)
+
+
+def setup_tracing(service_name: str,
+                  processors: Iterable[SpanProcessor] = ()) -> TracerProvider:
+    """A TracerProvider for the service, exporting over OTLP (gRPC, batched) when
+    OTEL_EXPORTER_OTLP_ENDPOINT is set, plus any `processors` given (tests pass an in-memory
+    one). Returned, not installed globally; `shutdown()` flushes it."""
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    otlp_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("traces: OTLP export to %s", otlp_endpoint)
+    for processor in processors:
+        provider.add_span_processor(processor)
+    return provider
+
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def inject_metadata(context: otel_context.Context | None = None) -> list[tuple[str, str]]:
+    """W3C trace context (`traceparent`, `tracestate`) of the current span, as gRPC metadata."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return list(carrier.items())
+
+
+def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """The remote parent carried in gRPC metadata (an empty context when there is none)."""
+    carrier = {key.lower(): value for key, value in metadata or ()
+               if isinstance(value, str)}
+    return _PROPAGATOR.extract(carrier)

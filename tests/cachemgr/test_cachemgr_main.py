@@ -29,13 +29,20 @@ def parse(argv, environ):
     return CacheMgrConfig.from_values(resolve(SETTINGS, parser.parse_args(argv), environ))
 
 
-def test_defaults_flags_and_env():
+def test_defaults_flags_and_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
     config = parse([], {})
-    assert config == CacheMgrConfig()
+    assert config == CacheMgrConfig(profile_path=tmp_path / "cachemgr" / "expert-profile.bin")
     assert (config.address, config.metrics_port, config.reserve_bytes) == (
         "127.0.0.1:50061", 9464, 700 * MiB)
-    assert config.redis_url is None and config.profile_path is None
-    assert config.device_memory_bytes is None
+    assert config.redis_url is None and config.device_memory_bytes is None
+    assert (config.profile_save_interval_s, config.profile_half_life_s, config.replan_drift,
+            config.replan_settle_s, config.sample_interval_s) == (60, 600, 0.02, 10, 2)
+    config = parse(["--data-dir", "/srv/cm", "--replan-drift", "5%"],
+                   {"STRATA_PROFILE_HALF_LIFE": "120", "STRATA_REPLAN_SETTLE": "0"})
+    assert config.profile_path == Path("/srv/cm/expert-profile.bin")
+    assert (config.replan_drift, config.profile_half_life_s, config.replan_settle_s) == (
+        0.05, 120, 0)
     config = parse(["--port", "7000", "--reserve", "1GiB", "--profile", "/tmp/p.bin"],
                    {"STRATA_REDIS_URL": "redis://h:6379/0", "STRATA_DEVICE_MEMORY": "8GiB",
                     "STRATA_METRICS_PORT": "0", "STRATA_CACHEMGR_PORT": "1"})
@@ -49,6 +56,9 @@ def test_defaults_flags_and_env():
     ({"STRATA_CACHEMGR_PORT": "70000"}, "STRATA_CACHEMGR_PORT"),
     ({"STRATA_REDIS_URL": "localhost:6379"}, "STRATA_REDIS_URL"),
     ({"STRATA_RESERVE": "lots"}, "STRATA_RESERVE"),
+    ({"STRATA_REPLAN_DRIFT": "150%"}, "STRATA_REPLAN_DRIFT"),
+    ({"STRATA_PROFILE_HALF_LIFE": "0"}, "STRATA_PROFILE_HALF_LIFE"),
+    ({"STRATA_PROFILE_SAVE_INTERVAL": "-1"}, "STRATA_PROFILE_SAVE_INTERVAL"),
 ])
 def test_bad_values_name_the_variable(environ, named):
     with pytest.raises(ConfigError, match=named):
@@ -56,7 +66,8 @@ def test_bad_values_name_the_variable(environ, named):
 
 
 def start_process(tmp_path, *args):
-    env = os.environ | {"PYTHONPATH": str(ROOT), "STRATA_REDIS_URL": ""}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "STRATA_REDIS_URL": "",
+                        "STRATA_HOME": str(tmp_path / "home")}
     return subprocess.Popen([sys.executable, "-m", "services.cachemgr", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

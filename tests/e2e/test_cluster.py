@@ -64,7 +64,7 @@ def test_models_lists_the_default_model(cluster):
 
 def test_cache_metrics_reach_the_cachemgr_endpoint(cluster):
     client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
-                                            max_tokens=4)
+                                            max_tokens=4, temperature=0)
     url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
     deadline = time.monotonic() + 20
     while True:
@@ -111,7 +111,7 @@ async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
             error = (await r.json())["error"]
             assert {"message", "type", "param", "code"} <= error.keys() and error["message"]
     reply = client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
-                                                    max_tokens=2)
+                                                    max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens >= 1
 
 

@@ -44,6 +44,16 @@ class CacheManagerStub:
                 request_serializer=strata_dot_v1_dot_cachemgr__pb2.RoutingReport.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_cachemgr__pb2.ReportAck.FromString,
                 _registered_method=True)
+        self.WatchPlans = channel.unary_stream(
+                '/strata.v1.CacheManager/WatchPlans',
+                request_serializer=strata_dot_v1_dot_cachemgr__pb2.WatchPlansRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_cachemgr__pb2.Plan.FromString,
+                _registered_method=True)
+        self.GetOverview = channel.unary_unary(
+                '/strata.v1.CacheManager/GetOverview',
+                request_serializer=strata_dot_v1_dot_cachemgr__pb2.OverviewRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_cachemgr__pb2.Overview.FromString,
+                _registered_method=True)
 
 
 class CacheManagerServicer:
@@ -63,6 +73,21 @@ class CacheManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPlans(self, request, context):
+        """Plan versions as they are issued: first the current plan (unless the engine already holds
+        it, see known_version), then one message per new version of the engine's model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOverview(self, request, context):
+        """What the cache manager knows of its engines, models and device (for `strata top`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +100,16 @@ def add_CacheManagerServicer_to_server(servicer, server):
                     servicer.ReportRouting,
                     request_deserializer=strata_dot_v1_dot_cachemgr__pb2.RoutingReport.FromString,
                     response_serializer=strata_dot_v1_dot_cachemgr__pb2.ReportAck.SerializeToString,
+            ),
+            'WatchPlans': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPlans,
+                    request_deserializer=strata_dot_v1_dot_cachemgr__pb2.WatchPlansRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_cachemgr__pb2.Plan.SerializeToString,
+            ),
+            'GetOverview': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOverview,
+                    request_deserializer=strata_dot_v1_dot_cachemgr__pb2.OverviewRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_cachemgr__pb2.Overview.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +166,60 @@ class CacheManager:
             '/strata.v1.CacheManager/ReportRouting',
             strata_dot_v1_dot_cachemgr__pb2.RoutingReport.SerializeToString,
             strata_dot_v1_dot_cachemgr__pb2.ReportAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.CacheManager/WatchPlans',
+            strata_dot_v1_dot_cachemgr__pb2.WatchPlansRequest.SerializeToString,
+            strata_dot_v1_dot_cachemgr__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOverview(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.CacheManager/GetOverview',
+            strata_dot_v1_dot_cachemgr__pb2.OverviewRequest.SerializeToString,
+            strata_dot_v1_dot_cachemgr__pb2.Overview.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,6 +3,7 @@
     strata up                 the whole cluster on this machine (redis, cachemgr, engine, gateway)
     strata gateway|engine|cachemgr   one service, configured by flags or STRATA_* variables
     strata model demo         write the built-in demo checkpoint
+    strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ COMMANDS = {
     "engine": _service_main("services.engine.__main__"),
     "cachemgr": _service_main("services.cachemgr.__main__"),
     "model": _model,
+    "top": _service_main("services.top"),
 }
 
 

@@ -4,6 +4,8 @@
     strata gateway|engine|cachemgr   one service, configured by flags or STRATA_* variables
     strata model demo         write the built-in demo checkpoint
     strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
+    strata bench run|sweep|soak|overload|longctx|dataset   measure a running cluster
+    strata plan [fit]         capacity table: memory -> coverage -> hit rate -> tok/s
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from pathlib import Path
 from services.common.settings import ConfigError, non_negative_int, parse_bytes, positive_int
 
 
-def _service_main(module: str):
+def _service_main(module: str, function: str = "main"):
     def run(argv: list[str]) -> int:
         import importlib
 
-        return importlib.import_module(module).main(argv)
+        return getattr(importlib.import_module(module), function)(argv)
     return run
 
 
@@ -82,6 +84,8 @@ COMMANDS = {
     "cachemgr": _service_main("services.cachemgr.__main__"),
     "model": _model,
     "top": _service_main("services.top"),
+    "bench": _service_main("services.bench.cli", "bench_main"),
+    "plan": _service_main("services.bench.plan_cli", "plan_main"),
 }
 
 

@@ -1,0 +1,147 @@
+"""Load benches: concurrency sweep, soak, overload burst, long-context ladder."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+
+from services.bench.client import Outcome
+from services.bench.stats import median, percentile
+from services.bench.suites import BenchContext, summarize
+
+
+async def _worker(ctx: BenchContext, prompt_tokens: int, max_tokens: int, seed: int,
+                  count: int | None, deadline: float | None) -> list[Outcome]:
+    """Closed loop: `count` requests back to back, or until `deadline` (perf_counter)."""
+    outcomes: list[Outcome] = []
+    i = 0
+    while (count is None or i < count) and (deadline is None or time.perf_counter() < deadline):
+        prompt = ctx.prompts.make(prompt_tokens, seed=seed * 10_000 + i)
+        outcomes.append(await ctx.gateway.complete(prompt, max_tokens))
+        i += 1
+    return outcomes
+
+
+async def bench_sweep(ctx: BenchContext, *, levels: Sequence[int] = (1, 2, 4, 8, 16),
+                      requests_per_client: int = 2, prompt_tokens: int = 32,
+                      max_tokens: int = 64) -> dict:
+    rows = []
+    for level in levels:
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(
+            _worker(ctx, prompt_tokens, max_tokens, level * 100 + c, requests_per_client, None)
+            for c in range(level)))
+        wall_s = time.perf_counter() - t0
+        outcomes = [o for client in per_client for o in client]
+        summary = summarize(outcomes)
+        row = {"concurrency": level, "wall_s": wall_s, **summary,
+               "aggregate_tok_s": summary["completion_tokens"] / wall_s if wall_s else None,
+               "requests": [o.to_dict() for o in outcomes]}
+        rows.append(row)
+        ctx.progress(f"concurrency {level}: {summary['num_ok']}/{len(outcomes)} ok, aggregate "
+                     f"{row['aggregate_tok_s']:.1f} tok/s, TTFT p50 "
+                     f"{_ms(summary['ttft_s_p50'])} p95 {_ms(summary['ttft_s_p95'])}")
+    return {"bench": "sweep", "requests_per_client": requests_per_client,
+            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "levels": rows}
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+async def bench_soak(ctx: BenchContext, *, duration_s: float, concurrency: int = 1,
+                     prompt_tokens: int = 32, max_tokens: int = 64) -> dict:
+    t0 = time.perf_counter()
+    deadline = t0 + duration_s
+
+    async def report() -> None:
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(min(30.0, max(1.0, duration_s / 10)))
+            ctx.progress(f"soak: {time.perf_counter() - t0:.0f}/{duration_s:.0f} s")
+
+    reporter = asyncio.create_task(report())
+    per_client = await asyncio.gather(*(
+        _worker(ctx, prompt_tokens, max_tokens, 500 + c, None, deadline)
+        for c in range(concurrency)))
+    reporter.cancel()
+    outcomes = sorted((o for client in per_client for o in client), key=lambda o: o.start_s)
+    half = (t0 - ctx.gateway.origin) + duration_s / 2
+    first = [o.ttft_s for o in outcomes if o.ok and o.start_s < half]
+    second = [o.ttft_s for o in outcomes if o.ok and o.start_s >= half]
+    p50_first, p50_second = median(first), median(second)
+    drift = p50_second / p50_first - 1.0 if p50_first and p50_second else None
+    ctx.progress(f"soak: {sum(o.ok for o in outcomes)}/{len(outcomes)} ok, TTFT drift "
+                 f"{'-' if drift is None else f'{drift:+.1%}'}")
+    return {"bench": "soak", "duration_s": duration_s, "concurrency": concurrency,
+            "wall_s": time.perf_counter() - t0, **summarize(outcomes),
+            "num_success": sum(o.ok for o in outcomes),
+            "ttft_s_p50_first_half": p50_first, "ttft_s_p50_second_half": p50_second,
+            "ttft_drift": drift, "requests": [o.to_dict() for o in outcomes]}
+
+
+def memory_drift(samples: Sequence[dict], warmup_share: float = 0.1) -> dict:
+    """Engine RSS growth from the first sample after the warm-up share to the last sample."""
+    rss = [(s["t_s"], s["engine_rss_mib"]) for s in samples if "engine_rss_mib" in s]
+    if len(rss) < 2:
+        return {"engine_rss_drift_mib": None, "note": "engine pid unknown or too few samples"}
+    start = rss[min(len(rss) - 2, int(len(rss) * warmup_share))]
+    end = rss[-1]
+    hours = (end[0] - start[0]) / 3600
+    return {"engine_rss_mib_start": start[1], "engine_rss_mib_end": end[1],
+            "engine_rss_drift_mib": end[1] - start[1],
+            "engine_rss_drift_mib_per_hour": (end[1] - start[1]) / hours if hours else None}
+
+
+async def bench_overload(ctx: BenchContext, *, num_requests: int = 32, prompt_tokens: int = 32,
+                         max_tokens: int = 32) -> dict:
+    t0 = time.perf_counter()
+    outcomes = await asyncio.gather(*(
+        ctx.gateway.complete(ctx.prompts.make(prompt_tokens, seed=900 + i), max_tokens)
+        for i in range(num_requests)))
+    accepted = [o for o in outcomes if o.ok]
+    rejected = [o for o in outcomes if not o.ok]
+    statuses: dict[str, int] = {}
+    for o in outcomes:
+        key = str(o.status) + (f" {o.drop_reason or o.error_code}" if not o.ok else "")
+        statuses[key] = statuses.get(key, 0) + 1
+    ctx.progress(f"overload: {len(accepted)} accepted, {len(rejected)} rejected ({statuses})")
+    return {"bench": "overload", "num_requests": num_requests, "wall_s": time.perf_counter() - t0,
+            "num_accepted": len(accepted), "num_rejected": len(rejected), "by_status": statuses,
+            "accepted_latency_s_p50": percentile([o.latency_s for o in accepted], 50),
+            "accepted_latency_s_max": max((o.latency_s for o in accepted), default=None),
+            "rejected_latency_s_p50": percentile([o.latency_s for o in rejected], 50),
+            "rejected_latency_s_max": max((o.latency_s for o in rejected), default=None),
+            "requests": [o.to_dict() for o in outcomes]}
+
+
+LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 0.97, 1.0, 1.25)
+
+
+async def bench_longctx(ctx: BenchContext, *, fractions: Sequence[float] = LADDER,
+                        max_tokens: int = 8) -> dict:
+    """Prompt lengths up to and past the window; at or past it the answer must be a clean 400
+    (OpenAI error envelope, context_length_exceeded) and the service must keep serving."""
+    window, rows = ctx.context_window, []
+    for i, fraction in enumerate(fractions):
+        target = max(1, round(window * fraction) - (max_tokens if fraction < 1 else 0))
+        outcome = await ctx.gateway.complete(ctx.prompts.make(target, seed=700 + i), max_tokens)
+        tokens = outcome.prompt_tokens or _tokens_from_error(outcome.error_message)
+        expect_ok = tokens < window if tokens is not None else fraction < 1
+        clean_400 = (outcome.status == 400 and outcome.error_code == "context_length_exceeded")
+        passed = outcome.ok if expect_ok else clean_400
+        rows.append({**outcome.to_dict(), "fraction": fraction, "target_prompt_tokens": target,
+                     "prompt_tokens": tokens, "expected": "ok" if expect_ok else "400",
+                     "passed": passed})
+        ctx.progress(f"longctx {fraction:g} x window ({tokens} tokens): status "
+                     f"{outcome.status}, {'pass' if passed else 'FAIL'}")
+    after = await ctx.gateway.complete(ctx.prompts.make(16, seed=799), 4)
+    return {"bench": "longctx", "context_window": window, "rungs": rows,
+            "passed": sum(r["passed"] for r in rows), "total": len(rows),
+            "serving_after": after.ok}
+
+
+def _tokens_from_error(message: str | None) -> int | None:
+    match = re.search(r"prompt is (\d+) tokens", message or "")
+    return int(match[1]) if match else None

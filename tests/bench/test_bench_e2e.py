@@ -1,0 +1,82 @@
+"""`strata bench run` / `longctx` / `dataset` against a real `strata up` cluster (small settings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.bench.cli import bench_main
+from services.bench.sampler import ResourceSampler
+
+pytestmark = pytest.mark.e2e
+
+_spec = importlib.util.spec_from_file_location(
+    "strata_e2e_cluster", Path(__file__).resolve().parents[1] / "e2e" / "conftest.py")
+e2e = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(e2e)  # start_cluster / stop_cluster, shared with tests/e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    running = e2e.start_cluster(tmp_path_factory.mktemp("bench-cluster"))
+    yield running
+    assert e2e.stop_cluster(running) == 0, running.output.read_text()
+
+
+def run_json(argv: list[str], capsys) -> dict:
+    assert bench_main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # exactly one JSON object, progress went to stderr
+    return json.loads(out)
+
+
+def test_bench_run_reports_cases_quality_and_files(cluster, tmp_path, capsys):
+    result = run_json(["run", "--url", cluster.base_url, "--out", str(tmp_path), "--repeat", "2",
+                       "--decode-tokens", "8", "--prefill-fractions", "0.0625",
+                       "--sample-interval-s", "0.5"], capsys)
+    assert [c["name"] for c in result["cases"]] == ["short_decode", "prefill_1_16_window"]
+    short = result["cases"][0]
+    assert short["num_ok"] == 2 and short["completion_tokens"] == 16
+    assert short["ttft_s_p50"] > 0 and short["decode_tok_s_p50"] > 0
+    assert short["prefill_tok_s_p50"] > 0 and 0 <= short["hit_rate_p50"] <= 1
+    assert 240 <= result["cases"][1]["prompt_tokens_p50"] <= 256
+    assert result["quality"]["total"] == 12
+    assert result["quality"]["passed"] == 12, (
+        "the demo model's greedy answers changed; if on purpose: strata bench run --record-quality")
+    assert result["total_wall_s"] > 0 and result["target"]["context_window"] == 4096
+    engine = result["engine"]
+    assert 0 < engine["slots"] <= engine["total_pairs"] == 256 and engine["pid"]
+    assert result["resources"]["num_samples"] >= 2
+    assert result["resources"]["engine_rss_mib_last"] > 0
+    for path in [result["report"]["json"], result["report"]["markdown"],
+                 *result["report"]["plots"]]:
+        assert Path(path).stat().st_size > 0
+    full = json.loads(Path(result["report"]["json"]).read_text())
+    assert len(full["cases"][0]["requests"]) == 2
+
+
+def test_longctx_over_window_is_a_clean_400_and_dataset_pairs_the_log(cluster, tmp_path,
+                                                                       capsys):
+    result = run_json(["longctx", "--url", cluster.base_url, "--out", str(tmp_path / "l"),
+                       "--fractions", "0.05", "1.0", "1.5"], capsys)
+    assert [r["status"] for r in result["rungs"]] == [200, 400, 400]
+    assert result["passed"] == 3 and result["serving_after"]
+    data = run_json(["dataset", str(cluster.log_dir / "engine.log"), "--out",
+                     str(tmp_path / "d")], capsys)
+    served = cluster.engine_log().count("strata serve: prompt")
+    assert data["num_requests"] == served > 0 and data["num_rejected"] == 0
+
+
+def test_sampler_reads_cpu_ram_and_a_process_rss():
+    import os
+    import time
+
+    with ResourceSampler(interval_s=0.05, engine_pid=os.getpid()) as sampler:
+        time.sleep(0.2)
+    summary = sampler.summary(tokens_generated=10)
+    assert summary["num_samples"] >= 2 and summary["engine_rss_mib_last"] > 0
+    assert summary["j_per_token"] is None or summary["j_per_token"] >= 0

@@ -1,27 +1,47 @@
-"""`python -m services.gateway`: parse settings, serve until interrupted."""
+"""`python -m services.gateway`: parse settings, serve until SIGTERM/SIGINT, drain, exit."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 
 from aiohttp import web
 
 from services.common.logs import setup_logging
 from services.common.settings import ConfigError, add_settings, resolve
-from services.gateway.app import init_app
+from services.gateway.app import drain, init_app
 from services.gateway.config import SETTINGS, GatewayConfig
 
 log = logging.getLogger("strata.gateway")
 
 
+async def serve(config: GatewayConfig) -> None:
+    """Serve until a signal; then drain (readiness fails at once, admitted requests get
+    `drain_timeout_s` to finish) and stop. A client that disconnects cancels its handler."""
+    app = init_app(config)
+    # Requests still running after the drain are cut off promptly, not waited for again.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("gateway listening on http://%s:%d, engines %s%s", config.host, config.port,
+             ",".join(config.engine_addrs) or "(none static)",
+             f", registry {config.redis_url}" if config.redis_url else "")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await drain(app, config.drain_timeout_s)
+    await runner.cleanup()  # cancels whatever is still running
+    log.info("gateway stopped")
+
+
 def run(config: GatewayConfig) -> None:
-    """Serve until SIGINT/SIGTERM. A client that disconnects cancels its handler (and engine call)."""
-    log.info("gateway listening on http://%s:%d, engines %s", config.host, config.port,
-             ",".join(config.engine_addrs))
-    web.run_app(init_app(config), host=config.host, port=config.port, handler_cancellation=True,
-                print=None, access_log=None)
+    asyncio.run(serve(config))
 
 
 def main(argv: list[str] | None = None) -> int:

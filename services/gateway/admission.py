@@ -1,27 +1,40 @@
 """Admission control: exact caps on work at the engines and on the queue in front of them.
 
-    enter() ──> granted (a slot at the least-loaded ready engine)
-            ──> queued (FIFO, at most max_queue) ──acquire()──> granted | queue_timeout
-            ──> Rejected("queue_full" | "no_engine")  at once, before any engine work
+    enter(tokens) ──> granted (a slot at the least-loaded ready engine)
+                  ──> queued (FIFO here, at most max_queue and max_queued_tokens in all)
+                         ──acquire()──> granted | queue_timeout | no_engine
+                  ──> Rejected("queue_full" | "no_engine" | "draining")  at once, before any
+                      engine work
 
-A slot freed by release() goes straight to the oldest waiter, so the caps hold exactly: never more
-than max_inflight requests per engine, never more than max_queue waiting. Pure asyncio; no
-transport imports, so the caps are tested directly.
+The counts live in a ledger (ledger.py): this process's, or Redis shared by every gateway, where
+each step is one atomic script, so the caps hold exactly across replicas. Waiters here are served
+oldest first by one dispatcher task, woken by every local release and readiness change, and
+polling every `poll_s` while others' releases (shared ledger) may free a slot. No transport
+imports, so the caps are tested directly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import math
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from services.gateway.ledger import Ledger
+
+log = logging.getLogger("strata.gateway.admission")
 
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
 NO_ENGINE = "no_engine"
+DRAINING = "draining"
+UNAVAILABLE_REASONS = (NO_ENGINE, DRAINING)  # 503; the rest are 429
 
 _MAX_RETRY_AFTER_S = 600
 _EWMA_WEIGHT = 0.2  # of the newest request duration in the running mean
@@ -41,6 +54,8 @@ class Ticket:
     """One request's place: queued, then granted an engine, then released."""
 
     ticket_id: int
+    lease: str
+    tokens: int
     entered_at: float
     engine: str | None = None
     granted_at: float | None = None
@@ -53,23 +68,31 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, engines: Sequence[str], max_inflight: int, max_queue: int, *,
+    def __init__(self, ledger: Ledger, engines: Iterable[str] = (), *,
                  no_engine_retry_s: float = 2.0, prior_duration_s: float = 1.0,
-                 initially_ready: bool = True,
+                 initially_ready: bool = True, poll_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        assert engines and max_inflight >= 1 and max_queue >= 0
-        self.max_inflight = max_inflight
-        self.max_queue = max_queue
-        self._inflight = dict.fromkeys(engines, 0)
+        self.ledger = ledger
+        self.limits = ledger.limits
         self._ready = dict.fromkeys(engines, initially_ready)
+        self._inflight = dict.fromkeys(self._ready, 0)  # this gateway's granted tickets
         self._waiting: OrderedDict[int, Ticket] = OrderedDict()
         self._ids = itertools.count()
+        self._lease_prefix = uuid.uuid4().hex[:12]  # this gateway's leases in a shared ledger
         self._clock = clock
+        self._poll_s = poll_s
         self._no_engine_retry_s = no_engine_retry_s
         # Exponentially weighted mean of how long a granted request holds its slot; the prior
         # only stands until the first request completes.
         self._mean_duration_s = prior_duration_s
         self.num_completed = 0
+        self.draining = False
+        self._shared_waiting = 0  # the queue length the ledger last reported (all gateways)
+        self._wakeup = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # -- figures -------------------------------------------------------------------------------
 
@@ -81,13 +104,21 @@ class Admission:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def load(self, engine: str) -> int:
+        """Requests this gateway runs at `engine` now."""
+        return self._inflight.get(engine, 0)
+
+    @property
+    def engines(self) -> list[str]:
+        return list(self._ready)
+
     @property
     def ready_engines(self) -> list[str]:
         return [e for e, ready in self._ready.items() if ready]
 
     @property
     def capacity(self) -> int:
-        return self.max_inflight * len(self.ready_engines)
+        return self.limits.max_inflight * len(self.ready_engines)
 
     @property
     def mean_duration_s(self) -> float:
@@ -101,39 +132,81 @@ class Admission:
         if not self.capacity:
             return max(1, math.ceil(self._no_engine_retry_s))
         drain_per_s = self.capacity / self._mean_duration_s
-        wait_s = (self.num_waiting + 1) / drain_per_s
+        ahead = max(self.num_waiting, self._shared_waiting if self.ledger.mode == "redis" else 0)
+        wait_s = (ahead + 1) / drain_per_s
         return min(_MAX_RETRY_AFTER_S, max(1, math.ceil(wait_s)))
 
-    # -- engine readiness ----------------------------------------------------------------------
+    # -- engines -------------------------------------------------------------------------------
 
     def set_ready(self, engine: str, ready: bool) -> None:
-        if self._ready[engine] == ready:
+        if self._ready.get(engine) == ready:
             return
         self._ready[engine] = ready
+        self._inflight.setdefault(engine, 0)
         if ready:
-            self._dispatch()
+            self._wake()
         elif not self.capacity:
             # Nobody can serve the queue: tell waiters now instead of at their deadline.
             for ticket in list(self._waiting.values()):
                 self._drop(ticket, self._no_engine())
 
+    def remove_engine(self, engine: str) -> None:
+        """An engine left the registry: no new work goes there (running work finishes)."""
+        self.set_ready(engine, False)
+        if not self._inflight.get(engine):
+            self._ready.pop(engine, None)
+            self._inflight.pop(engine, None)
+
+    # -- draining ------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Refuse new requests (503 draining); queued and running ones carry on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is queued or running here; False if time ran out."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop the dispatcher and pending ledger releases (at shutdown)."""
+        tasks = [t for t in (self._dispatcher, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # -- the request path ----------------------------------------------------------------------
 
-    def enter(self) -> Ticket:
-        """Grant, queue or reject at once; never waits. Raises Rejected."""
-        if not self.capacity:
+    async def enter(self, tokens: int = 0) -> Ticket:
+        """Grant, queue or reject; never waits for a slot. Raises Rejected."""
+        if self.draining:
+            raise Rejected(DRAINING, max(1, math.ceil(self._no_engine_retry_s)),
+                           "the gateway is shutting down; another replica can take the request")
+        engines = self.ready_engines
+        if not engines:
             raise self._no_engine()
-        ticket = Ticket(next(self._ids), self._clock())
-        engine = self._free_engine()
-        if engine is not None and not self._waiting:
-            self._grant(ticket, engine)
-        elif len(self._waiting) < self.max_queue:
+        ticket_id = next(self._ids)
+        ticket = Ticket(ticket_id, f"{self._lease_prefix}:{ticket_id}", tokens, self._clock())
+        entered = await self.ledger.enter(ticket.lease, engines, tokens)
+        self._shared_waiting = entered.num_waiting
+        if entered.engine is not None:
+            self._grant(ticket, entered.engine)
+        elif entered.queued:
             ticket._granted = asyncio.get_running_loop().create_future()
             self._waiting[ticket.ticket_id] = ticket
+            self._idle.clear()
+            self._wake()
         else:
+            lim = self.limits
             raise Rejected(QUEUE_FULL, self.retry_after_s(),
-                           f"{self.num_inflight} requests running and {self.num_waiting} queued "
-                           f"(limits {self.max_inflight} per engine, queue {self.max_queue})")
+                           f"{self.num_inflight} requests running here and "
+                           f"{entered.num_waiting} queued (limits {lim.max_inflight} per engine, "
+                           f"queue {lim.max_queue} requests / {lim.max_queued_tokens} prompt "
+                           f"tokens; this one ~{tokens})")
         return ticket
 
     async def acquire(self, ticket: Ticket, timeout_s: float | None = None) -> str:
@@ -141,7 +214,7 @@ class Admission:
         if ticket.engine is not None:
             return ticket.engine
         assert ticket._granted is not None
-        if ticket._granted.done():  # dropped while the request was still being read
+        if ticket._granted.done():  # granted or dropped while the request was still being read
             return ticket._granted.result()
         try:
             async with asyncio.timeout(timeout_s):
@@ -160,42 +233,83 @@ class Admission:
             return
         ticket.released = True
         self._waiting.pop(ticket.ticket_id, None)
-        if ticket.engine is None:
-            if ticket._granted is not None and not ticket._granted.done():
-                ticket._granted.cancel()
-            return
-        self._inflight[ticket.engine] -= 1
-        assert self._inflight[ticket.engine] >= 0
-        if observed and ticket.granted_at is not None:
-            duration_s = max(self._clock() - ticket.granted_at, 1e-3)
-            weight = 1.0 if self.num_completed == 0 else _EWMA_WEIGHT  # the prior yields at once
-            self._mean_duration_s += weight * (duration_s - self._mean_duration_s)
-            self.num_completed += 1
-        self._dispatch()
+        if ticket._granted is not None and not ticket._granted.done():
+            ticket._granted.cancel()
+        if ticket.engine is not None:
+            self._inflight[ticket.engine] -= 1
+            assert self._inflight[ticket.engine] >= 0
+            if observed and ticket.granted_at is not None:
+                duration_s = max(self._clock() - ticket.granted_at, 1e-3)
+                weight = 1.0 if self.num_completed == 0 else _EWMA_WEIGHT  # the prior yields
+                self._mean_duration_s += weight * (duration_s - self._mean_duration_s)
+                self.num_completed += 1
+        self._ledger_release(ticket.lease, ticket.engine)
+        self._check_idle()
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _free_engine(self) -> str | None:
-        candidates = [e for e in self.ready_engines if self._inflight[e] < self.max_inflight]
-        return min(candidates, key=self._inflight.__getitem__, default=None)
-
     def _grant(self, ticket: Ticket, engine: str) -> None:
-        self._inflight[engine] += 1
+        self._inflight[engine] = self._inflight.get(engine, 0) + 1
         ticket.engine = engine
         ticket.granted_at = self._clock()
+        self._idle.clear()
 
-    def _dispatch(self) -> None:
-        while self._waiting and (engine := self._free_engine()) is not None:
-            _, ticket = self._waiting.popitem(last=False)
-            self._grant(ticket, engine)
-            assert ticket._granted is not None
-            ticket._granted.set_result(engine)
+    def _wake(self) -> None:
+        self._wakeup.set()
+        if self._waiting and (self._dispatcher is None or self._dispatcher.done()):
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+
+    async def _dispatch(self) -> None:
+        """Grant queued tickets oldest first while the ledger has slots."""
+        while self._waiting:
+            self._wakeup.clear()
+            for ticket in list(self._waiting.values()):
+                engines = self.ready_engines
+                if not engines:
+                    break
+                try:
+                    engine = await self.ledger.grant_queued(ticket.lease, engines)
+                except Exception:
+                    log.exception("granting a queued request failed; retrying")
+                    break
+                if engine is None:
+                    break
+                if ticket.released:  # left (or dropped) while the ledger answered: hand it back
+                    self._ledger_release(ticket.lease, engine)
+                    continue
+                self._waiting.pop(ticket.ticket_id, None)
+                self._grant(ticket, engine)
+                assert ticket._granted is not None
+                ticket._granted.set_result(engine)
+            if not self._waiting:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._poll_s):
+                    await self._wakeup.wait()
+
+    def _ledger_release(self, lease: str, engine: str | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._release_then_wake(lease, engine))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_then_wake(self, lease: str, engine: str | None) -> None:
+        try:
+            await self.ledger.release(lease, engine)
+        except Exception:
+            log.exception("releasing lease %s failed", lease)
+        self._wake()
 
     def _drop(self, ticket: Ticket, error: Rejected) -> None:
         self._waiting.pop(ticket.ticket_id, None)
         ticket.released = True
         if ticket._granted is not None and not ticket._granted.done():
             ticket._granted.set_exception(error)
+        self._ledger_release(ticket.lease, None)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._waiting and not self.num_inflight:
+            self._idle.set()
 
     def _no_engine(self) -> Rejected:
         return Rejected(NO_ENGINE, self.retry_after_s(),

@@ -9,46 +9,89 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from services.gateway import handlers
+from services.common.registry import EngineRegistry, RegistryUnavailable
+from services.gateway import handlers, health, openapi
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
-from services.gateway.handlers import ADMISSION, CONFIG, POOL
+from services.gateway.ledger import Ledger, Limits, LocalLedger, SharedLedger
+from services.gateway.middleware import (
+    ApiKeys,
+    auth_middleware,
+    error_middleware,
+    limits_middleware,
+)
+from services.gateway.state import ADMISSION, CONFIG, POOL
 
 log = logging.getLogger("strata.gateway")
 
+REGISTRY = web.AppKey("registry", EngineRegistry)
+
 
 def init_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[handlers.error_middleware, handlers.auth_middleware],
+    keys = ApiKeys(config.key_hashes)
+    app = web.Application(middlewares=[error_middleware, limits_middleware, auth_middleware(keys)],
                           client_max_size=config.max_body_bytes)
-    admission = Admission(config.engine_addrs, config.max_inflight, config.max_queue,
-                          no_engine_retry_s=config.health_interval_s, initially_ready=False)
+    limits = Limits(config.max_inflight, config.max_queue, config.max_queued_tokens)
+    ledger: Ledger = (SharedLedger(config.redis_url, limits, lease_ttl_s=config.lease_ttl_s,
+                                   retry_s=config.redis_retry_s, timeout_s=config.redis_timeout_s)
+                      if config.redis_url else LocalLedger(limits))
+    admission = Admission(ledger, config.engine_addrs, no_engine_retry_s=config.health_interval_s,
+                          initially_ready=False, poll_s=config.queue_poll_s)
     app[CONFIG] = config
     app[ADMISSION] = admission
     app[POOL] = EnginePool(config.engine_addrs, probe_timeout_s=config.engine_timeout_s,
-                           on_ready_change=admission.set_ready)
+                           on_ready_change=admission.set_ready,
+                           on_removed=admission.remove_engine,
+                           breaker_threshold=config.breaker_threshold,
+                           breaker_cooldown_s=config.breaker_cooldown_s)
+    app[health.DEEP] = health.DeepCheck()
+    if config.redis_url:
+        app[REGISTRY] = EngineRegistry(config.redis_url, timeout_s=config.redis_timeout_s)
+    app.cleanup_ctx.append(_limits)
     app.cleanup_ctx.append(_engines)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/health/live", handlers.live)
+    app.router.add_get("/v1/models", health.models)
+    app.router.add_get("/livez", health.livez)
+    app.router.add_get("/health/live", health.livez)
+    app.router.add_get("/readyz", health.readyz)
+    app.router.add_get("/health", health.health)
+    app.router.add_get("/openapi.json", openapi.handler)
+    if keys.enabled:
+        log.info("API keys required (%d accepted)", len(config.key_hashes))
     return app
 
 
+async def _limits(app: web.Application) -> AsyncIterator[None]:
+    ledger = app[ADMISSION].ledger
+    if isinstance(ledger, SharedLedger):
+        await ledger.start()
+    try:
+        yield
+    finally:
+        await app[ADMISSION].close()
+        if isinstance(ledger, SharedLedger):
+            await ledger.close()
+
+
 async def _engines(app: web.Application) -> AsyncIterator[None]:
-    """Open the engine channels, probe them once, keep probing while the app runs."""
+    """Open the engine channels, probe them once, keep probing (and reading the registry)."""
     config, pool = app[CONFIG], app[POOL]
     await pool.start()
+    registry = app.get(REGISTRY)
+    if registry is not None:
+        await _read_registry(pool, registry, quiet=False)
     statuses = await pool.probe_all()
     for address, status in statuses.items():
         if status is None:
             log.warning("engine %s does not answer GetStatus yet; requests get 503 no_engine "
                         "until it does (retrying every %.1f s)", address, config.health_interval_s)
-    log.info("gateway: %d engine(s), %d ready; caps %d in flight per engine, %d queued",
-             len(statuses), sum(bool(s and s.ready) for s in statuses.values()),
-             config.max_inflight, config.max_queue)
-    task = asyncio.create_task(_probe_forever(pool, config.health_interval_s))
+    log.info("gateway: %d engine(s), %d ready; caps %d in flight per engine, %d queued "
+             "(%d prompt tokens); limits %s", len(statuses),
+             sum(bool(s and s.ready) for s in statuses.values()), config.max_inflight,
+             config.max_queue, config.max_queued_tokens, app[ADMISSION].ledger.mode)
+    task = asyncio.create_task(_probe_forever(pool, registry, config.health_interval_s))
     try:
         yield
     finally:
@@ -56,12 +99,45 @@ async def _engines(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await pool.close()
+        if registry is not None:
+            await registry.close()
 
 
-async def _probe_forever(pool: EnginePool, interval_s: float) -> None:
+async def _read_registry(pool: EnginePool, registry: EngineRegistry, *, quiet: bool) -> None:
+    """Adopt the registry's engines; keep the last known list while Redis is away."""
+    try:
+        found = await registry.engines()
+    except RegistryUnavailable as exc:
+        if not quiet:
+            log.warning("%s; using the engines known so far", exc)
+        return
+    await pool.sync_registry([e.address for e in found])
+
+
+async def _probe_forever(pool: EnginePool, registry: EngineRegistry | None,
+                         interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
+            if registry is not None:
+                await _read_registry(pool, registry, quiet=True)
             await pool.probe_all()
         except Exception:  # a probe bug must not stop probing
             log.exception("engine probe failed unexpectedly; retrying in %.1f s", interval_s)
+
+
+async def drain(app: web.Application, timeout_s: float) -> bool:
+    """SIGTERM: fail readiness and refuse new requests at once, let the admitted ones finish
+    within `timeout_s`. True if everything finished in time."""
+    admission = app[ADMISSION]
+    admission.drain()
+    log.info("draining: /readyz answers 503, new requests get 503 draining; waiting up to "
+             "%.0f s for %d running and %d queued requests", timeout_s, admission.num_inflight,
+             admission.num_waiting)
+    finished = await admission.wait_idle(timeout_s)
+    if finished:
+        log.info("drained: every admitted request finished")
+    else:
+        log.warning("drain timeout: %d running and %d queued requests are cut off",
+                    admission.num_inflight, admission.num_waiting)
+    return finished

@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from services.common.settings import Setting, non_negative_int, positive_int
+from services.common.settings import (
+    ConfigError,
+    Setting,
+    non_negative_int,
+    optional_str,
+    parse_bool,
+    parse_bytes,
+    positive_int,
+)
+
+_SHA256_HEX = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
+
+
+def hash_key(key: str) -> bytes:
+    """How API keys are stored and compared: the SHA-256 digest of the key's UTF-8 bytes."""
+    return hashlib.sha256(key.encode()).digest()
 
 
 def _addresses(text: str) -> tuple[str, ...]:
+    """host:port list; `none` when every engine comes from the registry (--redis-url)."""
+    if text.strip().lower() == "none":
+        return ()
     addresses = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not addresses:
-        raise ValueError("needs at least one host:port engine address")
     for address in addresses:
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
@@ -21,6 +40,28 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 def _keys(text: str) -> frozenset[str]:
     return frozenset(part.strip() for part in text.split(",") if part.strip())
+
+
+def load_key_file(path: str) -> frozenset[bytes]:
+    """One SHA-256 hex digest per line (optionally `sha256:`-prefixed); `#` comments allowed.
+    Make a line with `printf %s "$KEY" | sha256sum`."""
+    hashes = set()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the key file: {exc.strerror}") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _SHA256_HEX.fullmatch(line)
+        if not match:
+            raise ValueError(f"{path} line {number}: not a SHA-256 hex digest (64 hex digits); "
+                             "keys are stored hashed: printf %s KEY | sha256sum")
+        hashes.add(bytes.fromhex(match.group(1)))
+    if not hashes:
+        raise ValueError(f"{path} holds no key hashes")
+    return frozenset(hashes)
 
 
 def _port(text: str) -> int:
@@ -37,19 +78,44 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "STRATA_GATEWAY_HOST", str, "127.0.0.1", "address the HTTP server binds"),
     Setting("port", "STRATA_GATEWAY_PORT", _port, 8000, "HTTP port"),
     Setting("engine", "STRATA_ENGINE_ADDR", _addresses, ("127.0.0.1:50051",),
-            "engine gRPC addresses, comma-separated host:port"),
+            "engine gRPC addresses, comma-separated host:port; 'none': registry only"),
     Setting("max_inflight", "STRATA_MAX_INFLIGHT", positive_int, 4,
             "requests in flight at each engine"),
     Setting("max_queue", "STRATA_MAX_QUEUE", non_negative_int, 16,
             "requests waiting for an engine slot; beyond this the gateway answers 429"),
     Setting("queue_timeout_s", "STRATA_QUEUE_TIMEOUT_S", _positive_float, 30.0,
             "longest a request waits in the queue before a 429"),
+    Setting("max_queued_tokens", "STRATA_MAX_QUEUED_TOKENS", positive_int, 131072,
+            "estimated prompt tokens waiting in the queue (body bytes / 4); beyond it: 429"),
     Setting("api_keys", "STRATA_API_KEYS", _keys, frozenset(),
-            "accepted bearer API keys, comma-separated; empty disables auth"),
+            "accepted bearer API keys, comma-separated; empty (and no key file) disables auth"),
+    Setting("api_keys_file", "STRATA_API_KEYS_FILE", load_key_file, None,
+            "file of accepted API keys as SHA-256 hex digests, one per line"),
+    Setting("redis_url", "STRATA_REDIS_URL", optional_str, None,
+            "Redis for the engine registry and limits shared by gateway replicas"),
+    Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", _positive_float, 600.0,
+            "deadline of one request from arrival, passed to the engine as the gRPC deadline"),
+    Setting("drain_timeout_s", "STRATA_DRAIN_TIMEOUT_S", _non_negative_float, 25.0,
+            "on SIGTERM, how long running requests get to finish before the gateway exits"),
+    Setting("max_body_bytes", "STRATA_MAX_BODY_BYTES", parse_bytes, 2 * 1024 * 1024,
+            "largest request body; larger ones get 413"),
+    Setting("log_prompts", "STRATA_LOG_PROMPTS", parse_bool, False,
+            "log prompt text (off: prompts never reach the log)"),
+    Setting("health_cache_s", "STRATA_HEALTH_CACHE_S", _positive_float, 5.0,
+            "how long /health reuses its last 1-token generation"),
+    Setting("lease_ttl_s", "STRATA_LEASE_TTL_S", _positive_float, 15.0,
+            "shared-limit leases of a gateway that dies expire after this long"),
 )
 
 
@@ -61,20 +127,40 @@ class GatewayConfig:
     max_inflight: int = 4
     max_queue: int = 16
     queue_timeout_s: float = 30.0
+    max_queued_tokens: int = 131072
     api_keys: frozenset[str] = frozenset()
+    api_key_hashes: frozenset[bytes] | None = None  # from --api-keys-file
+    redis_url: str | None = None
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 25.0
+    max_body_bytes: int = 2 * 1024 * 1024
+    log_prompts: bool = False
+    health_cache_s: float = 5.0
+    lease_ttl_s: float = 15.0
     # Not operator settings: tests shorten them.
-    health_interval_s: float = 2.0
+    health_interval_s: float = 2.0  # engine probes and registry reads
     engine_timeout_s: float = 2.0  # for GetStatus probes
-    max_body_bytes: int = 8 * 1024 * 1024
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
+    redis_retry_s: float = 1.0
+    redis_timeout_s: float = 0.5
+    queue_poll_s: float = 0.05  # shared limits: how often waiters look for slots freed elsewhere
 
     def __post_init__(self) -> None:
-        assert self.engine_addrs, "at least one engine address"
+        if not self.engine_addrs and not self.redis_url:
+            raise ConfigError("no engines: give --engine addresses, or --redis-url to find "
+                             "engines in the registry")
         assert self.max_inflight >= 1 and self.max_queue >= 0
+
+    @property
+    def key_hashes(self) -> frozenset[bytes]:
+        """Every accepted API key as a SHA-256 digest; empty means auth is off."""
+        return frozenset(hash_key(k) for k in self.api_keys) | (self.api_key_hashes or frozenset())
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> GatewayConfig:
         """Build from `resolve(SETTINGS, args)`; keys left out keep their defaults."""
-        renamed = {"engine": "engine_addrs"}
+        renamed = {"engine": "engine_addrs", "api_keys_file": "api_key_hashes"}
         fields = cls.__dataclass_fields__
         kwargs = {renamed.get(k, k): v for k, v in values.items() if renamed.get(k, k) in fields}
         if isinstance(kwargs.get("engine_addrs"), str):

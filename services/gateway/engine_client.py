@@ -1,8 +1,10 @@
 """gRPC edge to the engines: proto messages in, frozen dataclasses out.
 
-`EnginePool` holds one channel per engine address, probes `GetStatus` to learn which engines are
-ready (and which model they serve), and opens `Generate` calls. A call is an async context
-manager: leaving it early (client gone, error) cancels the RPC so the engine stops working on it.
+`EnginePool` holds one channel per engine address (static `--engine` addresses plus those found in
+the registry), probes `GetStatus` to learn which engines are ready (and which model they serve),
+keeps a circuit breaker per engine, and opens `Generate` calls with a deadline and the request id
+and trace context in metadata. A call is an async context manager: leaving it early (client
+gone, error) cancels the RPC so the engine stops working on it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from types import TracebackType
 import grpc
 
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.gateway.breaker import CircuitBreaker
 from services.gateway.errors import EngineError
 from services.gateway.schemas import GenerateInput
 
@@ -24,6 +27,7 @@ log = logging.getLogger("strata.gateway.engine")
 
 _DRAIN_TIMEOUT_S = 5.0
 _draining: set[asyncio.Task[None]] = set()  # strong references until the status arrives
+_closing: set[asyncio.Task[None]] = set()  # channels of engines that left, closing gracefully
 
 _FINISH_REASONS = {
     engine_pb2.FINISH_REASON_STOP: "stop",
@@ -50,9 +54,25 @@ class Started:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     num_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,17 +112,29 @@ def _event(pb: engine_pb2.GenerateEvent) -> Event:
     if kind == "started":
         return Started(pb.started.prompt_tokens, pb.started.context_window, pb.started.engine_id)
     if kind == "delta":
-        return Delta(pb.delta.text, len(pb.delta.token_ids))
+        return Delta(pb.delta.text, len(pb.delta.token_ids),
+                     tuple(_logprob(lp) for lp in pb.delta.logprobs))
     if kind == "finished":
         return Finished(_FINISH_REASONS.get(pb.finished.reason, "abort"),
                         _stats(pb.finished.stats), pb.finished.error)
     raise EngineError("INTERNAL", f"unknown event kind {kind!r} from the engine", "?")
 
 
+def _bytes(token: str, raw: bytes) -> bytes:
+    return raw or token.encode()
+
+
+def _logprob(pb: engine_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(pb.token, pb.logprob, _bytes(pb.token, pb.bytes),
+                        tuple(TopLogprob(t.token, t.logprob, _bytes(t.token, t.bytes))
+                              for t in pb.top))
+
+
 def _request(spec: GenerateInput, request_id: str) -> engine_pb2.GenerateRequest:
     s = spec.sampling
     sampling = engine_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                         max_tokens=s.max_tokens, stop=list(s.stop))
+                                         max_tokens=s.max_tokens, stop=list(s.stop),
+                                         logprobs=s.logprobs, top_logprobs=s.top_logprobs)
     if s.seed is not None:
         sampling.seed = s.seed
     if spec.is_chat:
@@ -112,14 +144,17 @@ def _request(spec: GenerateInput, request_id: str) -> engine_pb2.GenerateRequest
     return engine_pb2.GenerateRequest(request_id=request_id, prompt=spec.prompt, sampling=sampling)
 
 
+# gRPC codes that say the engine (not the request) is in trouble: they count against its breaker.
+_ENGINE_FAULTS = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DATA_LOSS"})
+
+
 class GenerateCall:
     """One Generate RPC. `async with` it; iterate events; exit cancels it if unfinished."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, engine: str,
-                 on_unavailable: Callable[[str], None]) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, engine: str, pool: EnginePool) -> None:
         self._call = call
         self.engine = engine
-        self._on_unavailable = on_unavailable
+        self._pool = pool
         self.finished = False
 
     async def __aenter__(self) -> GenerateCall:
@@ -155,6 +190,7 @@ class GenerateCall:
         event = _event(message)
         if isinstance(event, Finished):
             self.finished = True
+            self._pool.record_success(self.engine)
         return event
 
     async def events(self) -> AsyncIterator[Event]:
@@ -162,29 +198,75 @@ class GenerateCall:
             yield event
 
     def _error(self, exc: grpc.aio.AioRpcError) -> EngineError:
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self._on_unavailable(self.engine)
-        return EngineError(code.name, exc.details() or "", self.engine)
+        code = exc.code().name
+        if code in _ENGINE_FAULTS:
+            self._pool.record_failure(self.engine, code, unreachable=code == "UNAVAILABLE")
+        return EngineError(code, exc.details() or "", self.engine)
 
 
 class EnginePool:
-    """Channels to the engines, their last known status, and the readiness callback."""
+    """Channels to the engines, their last known status, breakers, and the readiness callback."""
 
     def __init__(self, addresses: Sequence[str], *, probe_timeout_s: float,
-                 on_ready_change: Callable[[str, bool], None]) -> None:
-        self.addresses = tuple(addresses)
+                 on_ready_change: Callable[[str, bool], None],
+                 on_removed: Callable[[str], None] = lambda address: None,
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0) -> None:
+        self.static_addresses = tuple(addresses)
         self._probe_timeout_s = probe_timeout_s
         self._on_ready_change = on_ready_change
+        self._on_removed = on_removed
+        self._breaker_args = (breaker_threshold, breaker_cooldown_s)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
-        self.statuses: dict[str, EngineStatus | None] = dict.fromkeys(self.addresses)
+        self.statuses: dict[str, EngineStatus | None] = {}
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.discovered: set[str] = set()  # addresses found in the registry
+        self._reported: dict[str, bool] = {}  # readiness last told to on_ready_change
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(self.statuses)
 
     async def start(self) -> None:
-        for address in self.addresses:
-            channel = grpc.aio.insecure_channel(address)
-            self._channels[address] = channel
-            self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
+        for address in self.static_addresses:
+            self.add(address)
+
+    def add(self, address: str) -> None:
+        if address in self._channels:
+            return
+        channel = grpc.aio.insecure_channel(address)
+        self._channels[address] = channel
+        self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
+        self.statuses[address] = None
+        self.breakers[address] = CircuitBreaker(*self._breaker_args)
+
+    async def remove(self, address: str) -> None:
+        """Forget an engine that left the registry (calls already open keep their channel)."""
+        self.statuses[address] = None
+        self._sync_ready(address)
+        self._reported.pop(address, None)
+        self.statuses.pop(address, None)
+        self.breakers.pop(address, None)
+        self._stubs.pop(address, None)
+        self.discovered.discard(address)
+        self._on_removed(address)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            task = asyncio.create_task(channel.close(grace=_DRAIN_TIMEOUT_S))
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+    async def sync_registry(self, registered: Sequence[str]) -> None:
+        """Make the discovered engines exactly `registered` (static ones always stay)."""
+        for address in registered:
+            if address not in self.statuses:
+                log.info("engine %s found in the registry", address)
+                self.add(address)
+                self.discovered.add(address)
+        for address in list(self.discovered):
+            if address not in registered and address not in self.static_addresses:
+                log.info("engine %s left the registry; no new requests go there", address)
+                await self.remove(address)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close(grace=None) for c in self._channels.values()))
@@ -194,45 +276,86 @@ class EnginePool:
     @property
     def models(self) -> list[str]:
         """Models served by ready engines, from the last probes (the cache)."""
-        return sorted({s.model for s in self.statuses.values() if s is not None and s.ready})
+        return sorted({s.model for a, s in self.statuses.items()
+                       if s is not None and self._is_ready(a)})
 
     async def probe(self, address: str) -> EngineStatus | None:
-        """GetStatus on one engine; records and returns its status, None when it does not answer."""
-        try:
-            pb = await self._stubs[address].GetStatus(engine_pb2.GetStatusRequest(),
-                                                      timeout=self._probe_timeout_s)
-            status: EngineStatus | None = EngineStatus(
-                pb.engine_id, pb.model, pb.ready, pb.running, pb.waiting, pb.context_window)
-        except grpc.aio.AioRpcError as exc:
-            if self.statuses.get(address) is not None:
-                log.warning("engine %s stopped answering GetStatus (%s: %s); routing around it "
-                            "until it answers again", address, exc.code().name, exc.details())
-            status = None
-        was_ready = self._is_ready(self.statuses.get(address))
+        """GetStatus on one engine; records and returns its status, None when it does not answer
+        (or its breaker is open: the engine gets no traffic, probes included, until cooldown)."""
+        breaker = self.breakers.get(address)
+        stub = self._stubs.get(address)
+        if breaker is None or stub is None:
+            return None
+        status: EngineStatus | None = None
+        if breaker.allows():
+            try:
+                pb = await stub.GetStatus(engine_pb2.GetStatusRequest(),
+                                          timeout=self._probe_timeout_s)
+                status = EngineStatus(pb.engine_id, pb.model, pb.ready, pb.running, pb.waiting,
+                                      pb.context_window)
+                breaker.record_success()
+            except grpc.aio.AioRpcError as exc:
+                if self.statuses.get(address) is not None:
+                    log.warning("engine %s stopped answering GetStatus (%s: %s); routing around "
+                                "it until it answers again", address, exc.code().name,
+                                exc.details())
+                if breaker.record_failure():
+                    self._log_open(address, breaker)
+        if address not in self.statuses:  # removed while the probe ran
+            return None
         self.statuses[address] = status
-        if self._is_ready(status) != was_ready:
-            if status is not None and status.ready:
-                log.info("engine %s ready: model %s, context window %d tokens", address,
-                         status.model, status.context_window)
-            self._on_ready_change(address, self._is_ready(status))
+        if self._sync_ready(address) and status is not None:
+            log.info("engine %s ready: model %s, context window %d tokens", address,
+                     status.model, status.context_window)
         return status
 
     async def probe_all(self) -> dict[str, EngineStatus | None]:
-        results = await asyncio.gather(*(self.probe(a) for a in self.addresses))
-        return dict(zip(self.addresses, results, strict=True))
+        addresses = self.addresses
+        results = await asyncio.gather(*(self.probe(a) for a in addresses))
+        return dict(zip(addresses, results, strict=True))
 
-    def mark_unavailable(self, address: str) -> None:
-        """A Generate call got UNAVAILABLE: stop routing there until a probe succeeds."""
-        if self._is_ready(self.statuses.get(address)):
+    def record_success(self, address: str) -> None:
+        if (breaker := self.breakers.get(address)) is not None:
+            breaker.record_success()
+
+    def record_failure(self, address: str, code: str, *, unreachable: bool) -> None:
+        """A Generate call failed with an engine fault. UNAVAILABLE: stop routing there until a
+        probe succeeds; any fault: count it, and open the breaker after too many in a row."""
+        breaker = self.breakers.get(address)
+        if breaker is None:
+            return
+        if breaker.record_failure():
+            self._log_open(address, breaker)
+        if unreachable and self.statuses.get(address) is not None:
             log.warning("engine %s is unreachable (UNAVAILABLE on Generate); routing around it",
                         address)
             self.statuses[address] = None
-            self._on_ready_change(address, False)
+        self._sync_ready(address)
 
-    def generate(self, address: str, spec: GenerateInput, request_id: str) -> GenerateCall:
-        call = self._stubs[address].Generate(_request(spec, request_id))
-        return GenerateCall(call, address, self.mark_unavailable)
+    def generate(self, address: str, spec: GenerateInput, request_id: str, *,
+                 metadata: Sequence[tuple[str, str]] = (),
+                 timeout_s: float | None = None) -> GenerateCall:
+        call = self._stubs[address].Generate(
+            _request(spec, request_id), timeout=timeout_s,
+            metadata=(("x-request-id", request_id), *metadata))
+        return GenerateCall(call, address, self)
+
+    def _sync_ready(self, address: str) -> bool:
+        """Tell on_ready_change if readiness changed; True when it just became ready."""
+        ready = self._is_ready(address)
+        if self._reported.get(address, False) == ready:
+            return False
+        self._reported[address] = ready
+        self._on_ready_change(address, ready)
+        return ready
+
+    def _is_ready(self, address: str) -> bool:
+        status = self.statuses.get(address)
+        breaker = self.breakers.get(address)
+        return (status is not None and status.ready and breaker is not None
+                and breaker.allows())
 
     @staticmethod
-    def _is_ready(status: EngineStatus | None) -> bool:
-        return status is not None and status.ready
+    def _log_open(address: str, breaker: CircuitBreaker) -> None:
+        log.warning("engine %s: circuit breaker open after %d consecutive failures; no traffic "
+                    "for %.1f s, then one trial", address, breaker.failures, breaker.cooldown_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.admission import Rejected
+from services.gateway.admission import UNAVAILABLE_REASONS, Rejected
 
 
 class GatewayError(Exception):
@@ -45,6 +45,15 @@ class ModelNotFound(GatewayError):
     def __init__(self, model: str, served: list[str]) -> None:
         super().__init__(f"model {model!r} is not served here; available: {', '.join(served)}",
                          "model", "model_not_found")
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, num_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"the request body is {num_bytes} bytes; the limit is {limit_bytes}",
+                         None, "request_too_large")
 
 
 class Unauthorized(GatewayError):
@@ -92,7 +101,7 @@ def http_error(exc: BaseException, request_id: str = "", retry_after_s: int = 1)
         return HttpError(exc.status, envelope(exc.message, exc.type, exc.param, exc.code),
                          dict(exc.headers))
     if isinstance(exc, Rejected):
-        status = 503 if exc.reason == "no_engine" else 429
+        status = 503 if exc.reason in UNAVAILABLE_REASONS else 429
         type_ = "service_unavailable" if status == 503 else "rate_limit_exceeded"
         return HttpError(status, envelope(f"request dropped ({exc.reason}): {exc}; retry in "
                                           f"{exc.retry_after_s} s", type_, None, exc.reason),
@@ -118,6 +127,10 @@ def _engine_error(exc: EngineError, request_id: str, retry_after_s: int) -> Http
         return HttpError(429, envelope(f"the engine is at capacity: {details}",
                                        "rate_limit_exceeded", None, "engine_busy"),
                          _drop_headers("engine_busy", retry_after_s))
+    if exc.code == "DEADLINE_EXCEEDED":
+        return HttpError(504, envelope(f"the request ran past its deadline at the engine "
+                                       f"({details}); request id {request_id}", "timeout_error",
+                                       None, "deadline_exceeded"))
     if exc.code == "UNAVAILABLE":
         return HttpError(503, envelope(f"the engine is unreachable: {details}",
                                        "service_unavailable", None, "no_engine"),

@@ -1,12 +1,12 @@
-"""HTTP handlers: OpenAI routes, health, and the middlewares that wrap them.
+"""Generation handlers: `/v1/chat/completions` and `/v1/completions`.
 
-Request path for a generation:
+    (middlewares: request id, trace, body limit, auth)
+    -> estimate prompt tokens from the body size -> admission.enter()   429/503 here, before
+       the body is parsed or tokenized
+    -> read + parse body -> check model -> admission.acquire() (queue deadline)
+    -> engine Generate (deadline, request id, traceparent) -> JSON body | SSE stream -> release
 
-    auth (headers only) -> admission.enter() -> read + parse body -> check model
-        -> admission.acquire() -> engine Generate -> JSON body | SSE stream -> release
-
-`enter()` answers 429/503 before the body is read, so a rejected request costs nothing. The
-server runs with handler_cancellation, so a client that leaves cancels the handler: a queued
+The server runs with handler_cancellation, so a client that leaves cancels the handler: a queued
 request gives up its place, a running one cancels its gRPC call (GenerateCall's exit).
 """
 
@@ -14,135 +14,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import re
+import math
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
 from services.gateway import sse
-from services.gateway.admission import Admission, Rejected
-from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import Delta, EnginePool, Finished, GenerateCall, Started
+from services.gateway.admission import Rejected
+from services.gateway.engine_client import Delta, Finished, GenerateCall, Started, TokenLogprob
 from services.gateway.errors import (
     EngineAborted,
     EngineError,
     InvalidRequest,
     ModelNotFound,
-    Unauthorized,
     http_error,
 )
+from services.gateway.middleware import log_failure
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, Renderer, usage
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
+from services.gateway.state import ADMISSION, CONFIG, POOL, TRACE, request_id
 
 log = logging.getLogger("strata.gateway")
 
-CONFIG = web.AppKey("config", GatewayConfig)
-ADMISSION = web.AppKey("admission", Admission)
-POOL = web.AppKey("pool", EnginePool)
-REQUEST_ID = web.RequestKey("request_id", str)
-
-_VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_PUBLIC_PATHS = ("/health",)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Admission estimates a request's prompt tokens from its body size, before anything parses or
+# tokenizes it: one token per 4 bytes, the usual average of BPE tokenizers on English text. The
+# JSON framing and field names count as prompt, which errs towards rejecting; text that
+# tokenizes densely (code, CJK: 1-3 bytes per token) is underestimated.
+BYTES_PER_TOKEN = 4
 
 
-# -- middlewares -------------------------------------------------------------------------------
+def estimate_prompt_tokens(num_body_bytes: int) -> int:
+    return math.ceil(num_body_bytes / BYTES_PER_TOKEN)
 
 
-def request_id(request: web.Request) -> str:
-    return request[REQUEST_ID]
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request ids, and the one place exceptions become OpenAI error envelopes."""
-    given = request.headers.get("X-Request-Id", "")
-    request[REQUEST_ID] = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-    try:
-        response = await handler(request)
-    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too big
-        if exc.status < 400:
-            raise
-        response = _error_response(request, exc.status, {"error": {
-            "message": f"{exc.reason}: {request.method} {request.path}",
-            "type": "invalid_request_error", "param": None, "code": _slug(exc.reason)}}, {})
-    except Exception as exc:
-        error = http_error(exc, request_id(request), request.app[ADMISSION].retry_after_s())
-        _log_failure(request, exc, error.status)
-        response = _error_response(request, error.status, error.body, error.headers)
-    if not response.prepared:
-        response.headers["X-Request-Id"] = request_id(request)
-    return response
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    keys = request.app[CONFIG].api_keys
-    if keys and not request.path.startswith(_PUBLIC_PATHS):
-        header = request.headers.get("Authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in keys):
-            raise Unauthorized("invalid API key")
-    return await handler(request)
-
-
-def _error_response(request: web.Request, status: int, body: dict[str, Any],
-                    headers: dict[str, str]) -> web.Response:
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _log_failure(request: web.Request, exc: Exception, status: int) -> None:
-    where = f"{request.method} {request.path} request {request_id(request)}"
-    if status >= 500 and not isinstance(exc, EngineError | EngineAborted | Rejected):
-        log.exception("%s failed with an unexpected error; answered 500", where)
-    elif status >= 500 or isinstance(exc, EngineError | EngineAborted):
-        log.warning("%s: %s -> %d", where, exc, status)
-    else:
-        log.info("%s: %s -> %d", where, exc, status)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
-
-
-# -- info routes -------------------------------------------------------------------------------
-
-
-async def models(request: web.Request) -> web.Response:
-    served = await _served_models(request.app)
-    return web.json_response({"object": "list", "data": [
-        {"id": m, "object": "model", "created": 0, "owned_by": "strata"} for m in served]})
-
-
-async def health(request: web.Request) -> web.Response:
-    """Deep health: asks every engine now. 200 when one is ready, else 503."""
-    pool, admission = request.app[POOL], request.app[ADMISSION]
-    statuses = await pool.probe_all()
-    engines = [{"address": a, "ready": bool(s and s.ready), "engine_id": s and s.engine_id,
-                "model": s and s.model, "running": s and s.running, "waiting": s and s.waiting}
-               for a, s in statuses.items()]
-    ready = any(e["ready"] for e in engines)
-    return web.json_response({
-        "status": "ok" if ready else "no_engine", "engines": engines,
-        "inflight": admission.num_inflight, "queued": admission.num_waiting,
-        "capacity": admission.capacity}, status=200 if ready else 503)
-
-
-async def live(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def _served_models(app: web.Application) -> list[str]:
+async def served_models(app: web.Application) -> list[str]:
     pool = app[POOL]
     if not pool.models:  # the cache is empty or stale: ask the engines again
         await pool.probe_all()
@@ -150,9 +60,6 @@ async def _served_models(app: web.Application) -> list[str]:
         raise Rejected("no_engine", app[ADMISSION].retry_after_s(),
                        "no engine answers GetStatus")
     return pool.models
-
-
-# -- generation --------------------------------------------------------------------------------
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -176,6 +83,12 @@ class _Run:
     queue_wait_s: float
     first_token_at: float | None = None
     num_deltas: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def on_delta(self, delta: Delta) -> None:
+        self.first_token_at = self.first_token_at or time.monotonic()
+        self.num_deltas += delta.num_tokens or 1
+        self.logprobs.extend(delta.logprobs)
 
     def figures(self, finished: Finished) -> Figures:
         s = finished.stats
@@ -194,29 +107,41 @@ class _Run:
     def log_done(self, finished: Finished) -> None:
         u, f = self.usage(finished), self.figures(finished)
         log.info("request %s done (%s): %d prompt + %d completion tokens, queue %.0f ms, "
-                 "ttft %.0f ms, %.1f tok/s, hit rate %.3f, spill %.3f, engine %s",
+                 "ttft %.0f ms, %.1f tok/s, hit rate %.3f, spill %.3f, engine %s, trace %s",
                  request_id(self.request), finished.reason, u["prompt_tokens"],
                  u["completion_tokens"], f.queue_wait_ms, f.ttft_ms, f.decode_tok_s,
-                 f.expert_hit_rate, f.spill_ratio, f.engine_id)
+                 f.expert_hit_rate, f.spill_ratio, f.engine_id, self.request[TRACE].trace_id)
 
 
 async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
                     renderer_cls: type[Renderer]) -> web.StreamResponse:
     app = request.app
-    admission, pool = app[ADMISSION], app[POOL]
+    config, admission, pool = app[CONFIG], app[ADMISSION], app[POOL]
     arrived_at = time.monotonic()
-    ticket = admission.enter()  # 429 / 503 before the body is even read
+    deadline = arrived_at + config.request_timeout_s
+    raw = None
+    num_bytes = request.content_length
+    if num_bytes is None:  # chunked upload: the size is only known once read (bounded)
+        raw = await request.read()
+        num_bytes = len(raw)
+    ticket = await admission.enter(estimate_prompt_tokens(num_bytes))  # 429/503 before parsing
     engine_used = False
     try:
-        spec = parse(await _read_json(request))
-        served = await _served_models(app)
+        spec = parse(_json(raw if raw is not None else await request.read()))
+        _log_start(request, spec)
+        served = await served_models(app)
         if spec.model not in served:  # the engines may have been restarted with another model
             await pool.probe_all()
-            if spec.model not in (served := await _served_models(app)):
+            if spec.model not in (served := await served_models(app)):
                 raise ModelNotFound(spec.model, served)
-        engine = await admission.acquire(ticket, app[CONFIG].queue_timeout_s)
+        engine = await admission.acquire(ticket, min(config.queue_timeout_s,
+                                                     deadline - time.monotonic()))
         engine_used = True
-        async with pool.generate(engine, spec, request_id(request)) as call:
+        trace = request[TRACE]
+        call = pool.generate(engine, spec, request_id(request),
+                             metadata=tuple(trace.headers().items()),
+                             timeout_s=max(deadline - time.monotonic(), 0.001))
+        async with call:
             event = await call.next_event()  # a bad prompt fails here, before any output
             if not isinstance(event, Started):
                 raise EngineError("INTERNAL", f"expected Started first, got {event!r}", engine)
@@ -236,28 +161,41 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
         admission.release(ticket, observed=engine_used)
 
 
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
+def _json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}",
                              code="invalid_json") from None
+
+
+def _log_start(request: web.Request, spec: GenerateInput) -> None:
+    """Prompt text reaches the log only with --log-prompts."""
+    if not request.app[CONFIG].log_prompts:
+        return
+    prompt = spec.prompt if spec.prompt is not None else json.dumps(
+        [{"role": m.role, "content": m.content} for m in spec.messages], ensure_ascii=False)
+    log.info("request %s prompt: %s", request_id(request), prompt)
+
+
+def _logprobs(run: _Run, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]
+              ) -> list[TokenLogprob] | tuple[TokenLogprob, ...] | None:
+    return logprobs if run.spec.sampling.logprobs else None
 
 
 async def _complete(run: _Run) -> web.Response:
     parts: list[str] = []
     async for event in run.call.events():
         if isinstance(event, Delta):
-            run.first_token_at = run.first_token_at or time.monotonic()
-            run.num_deltas += event.num_tokens or 1
+            run.on_delta(event)
             parts.append(event.text)
         elif isinstance(event, Finished):
             if event.reason == "abort":
                 raise EngineAborted(event.error, run.call.engine)
             run.log_done(event)
             figures = run.figures(event)
-            body = run.renderer.full("".join(parts), event.reason, run.usage(event), figures)
+            body = run.renderer.full("".join(parts), event.reason, run.usage(event), figures,
+                                     _logprobs(run, run.logprobs))
             return web.json_response(body, headers=figures.headers())
     raise EngineError("INTERNAL", "the event stream ended without a Finished event",
                       run.call.engine)
@@ -274,9 +212,9 @@ async def _stream(run: _Run) -> web.StreamResponse:
         await response.write(sse.event(run.renderer.chunk(first=True)))
         async for event in run.call.events():
             if isinstance(event, Delta):
-                run.first_token_at = run.first_token_at or time.monotonic()
-                run.num_deltas += event.num_tokens or 1
-                await response.write(sse.event(run.renderer.chunk(text=event.text)))
+                run.on_delta(event)
+                await response.write(sse.event(run.renderer.chunk(
+                    text=event.text, logprobs=_logprobs(run, event.logprobs))))
             elif isinstance(event, Finished):
                 if event.reason == "abort":
                     raise EngineAborted(event.error, run.call.engine)
@@ -289,7 +227,7 @@ async def _stream(run: _Run) -> web.StreamResponse:
                  request_id(run.request))
     except Exception as exc:  # headers are sent: the error goes out as an event, and no [DONE]
         error = http_error(exc, request_id(run.request))
-        _log_failure(run.request, exc, error.status)
+        log_failure(run.request, exc, error.status)
         with contextlib.suppress(ConnectionResetError):
             await response.write(sse.event(error.body))
     return response

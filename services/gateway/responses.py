@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.gateway.engine_client import TokenLogprob
+
+# Sampled-token log-probabilities for one choice; None when the request did not ask for them.
+Logprobs = Sequence["TokenLogprob"] | None
 
 
 @dataclass(frozen=True)
@@ -57,15 +64,18 @@ class Renderer:
         return {"id": self.response_id, "object": obj, "created": self.created,
                 "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage_: dict[str, int],
-             figures: Figures) -> dict[str, Any]:
-        return {**self._base(self.object_full), "choices": [self._full_choice(text, finish_reason)],
-                "usage": usage_, "strata": figures.as_dict()}
+    def full(self, text: str, finish_reason: str, usage_: dict[str, int], figures: Figures,
+             logprobs: Logprobs = None) -> dict[str, Any]:
+        choice = {**self._full_choice(text, finish_reason), "logprobs": self._logprobs(logprobs)}
+        return {**self._base(self.object_full), "choices": [choice], "usage": usage_,
+                "strata": figures.as_dict()}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None,
-              first: bool = False, figures: Figures | None = None) -> dict[str, Any]:
-        body = {**self._base(self.object_chunk),
-                "choices": [self._chunk_choice(text, finish_reason, first)]}
+              first: bool = False, figures: Figures | None = None,
+              logprobs: Logprobs = None) -> dict[str, Any]:
+        choice = {**self._chunk_choice(text, finish_reason, first),
+                  "logprobs": self._logprobs(logprobs) if logprobs else None}
+        body = {**self._base(self.object_chunk), "choices": [choice]}
         if figures is not None:
             body["strata"] = figures.as_dict()
         return body
@@ -75,6 +85,9 @@ class Renderer:
                 "strata": figures.as_dict()}
 
     def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _logprobs(self, logprobs: Logprobs) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,
@@ -89,14 +102,23 @@ class ChatRenderer(Renderer):
 
     def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason, "logprobs": None}
+                "finish_reason": finish_reason}
+
+    def _logprobs(self, logprobs: Logprobs) -> dict[str, Any] | None:
+        """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
+        if logprobs is None:
+            return None
+        return {"content": [{
+            "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
+                             for t in lp.top]} for lp in logprobs], "refusal": None}
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,
                       first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason}
 
 
 class CompletionRenderer(Renderer):
@@ -104,9 +126,26 @@ class CompletionRenderer(Renderer):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
+    def __init__(self, request_id: str, model: str) -> None:
+        super().__init__(request_id, model)
+        self._text_offset = 0  # characters of completion text already described by logprobs
+
     def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish_reason}
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,
                       first: bool) -> dict[str, Any]:
-        return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": finish_reason}
+
+    def _logprobs(self, logprobs: Logprobs) -> dict[str, Any] | None:
+        """Legacy completions shape: parallel lists per token, top alternatives as dicts."""
+        if logprobs is None:
+            return None
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self._text_offset)
+            self._text_offset += len(lp.token)
+        return {"tokens": [lp.token for lp in logprobs],
+                "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+                "text_offset": offsets}

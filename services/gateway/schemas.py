@@ -8,13 +8,20 @@ many optional ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.errors import InvalidRequest
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Bounds on every numeric parameter (the proto fields are int32 / uint64).
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_TOP_K = 1 << 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,8 @@ class Sampling:
     seed: int | None = None
     max_tokens: int = 0  # 0: up to the context window
     stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position, needs logprobs
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,22 @@ def parse_chat(body: Any) -> GenerateInput:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages per request", "messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
     max_tokens = _first_present(body, "max_completion_tokens", "max_tokens")
+    sampling = _sampling(body, max_tokens, default_max_tokens=0)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidRequest("'logprobs' must be true or false", "logprobs")
+    top_logprobs = 0
+    if body.get("top_logprobs") is not None:
+        top_logprobs = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if top_logprobs and not logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return GenerateInput(
-        model=_model(body), sampling=_sampling(body, max_tokens, default_max_tokens=0),
-        messages=parsed, **_stream(body))
+        model=_model(body), messages=parsed, **_stream(body),
+        sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs))
 
 
 def parse_completion(body: Any) -> GenerateInput:
@@ -72,17 +92,19 @@ def parse_completion(body: Any) -> GenerateInput:
                              "supported)", "prompt")
     if body.get("echo"):
         raise InvalidRequest("'echo' is not supported", "echo")
-    if body.get("logprobs") is not None:
-        raise InvalidRequest("'logprobs' is not supported", "logprobs")
+    top_logprobs = None
+    if body.get("logprobs") is not None:  # legacy form: the number of alternatives, 0-20
+        top_logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
     if body.get("suffix"):
         raise InvalidRequest("'suffix' is not supported", "suffix")
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise InvalidRequest("'best_of' must be 1", "best_of")
     max_tokens = _first_present(body, "max_tokens")
-    return GenerateInput(
-        model=_model(body), prompt=prompt, **_stream(body),
-        sampling=_sampling(body, max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS))
+    sampling = _sampling(body, max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+    if top_logprobs is not None:
+        sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
+    return GenerateInput(model=_model(body), prompt=prompt, **_stream(body), sampling=sampling)
 
 
 # -- pieces ------------------------------------------------------------------------------------
@@ -112,9 +134,6 @@ def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
                                  "only 'text'", "response_format", code="unsupported_parameter")
     if body.get("tools"):
         raise InvalidRequest("'tools' is not supported yet", "tools", code="unsupported_parameter")
-    if body.get("logprobs"):
-        raise InvalidRequest("'logprobs' is not supported yet", "logprobs",
-                             code="unsupported_parameter")
 
 
 def _message(raw: Any, index: int) -> Message:
@@ -122,7 +141,7 @@ def _message(raw: Any, index: int) -> Message:
     if not isinstance(raw, dict):
         raise InvalidRequest(f"{param} must be an object with 'role' and 'content'", param)
     role = raw.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidRequest(f"{param}.role must be one of system, user, assistant; got {role!r}",
                              f"{param}.role")
     content = raw.get("content")
@@ -168,18 +187,25 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
         raise InvalidRequest(f"'n' must be 1 (one choice per request); got {n!r}", "n")
     max_tokens = default_max_tokens
     if max_tokens_key is not None:
-        max_tokens = _int(body, max_tokens_key, low=1)
+        max_tokens = _int(body, max_tokens_key, low=1, high=MAX_TOKENS_LIMIT)
     temperature = _float(body, "temperature", 1.0, low=0.0, high=2.0)
     top_p = _float(body, "top_p", 1.0, low=0.0, high=1.0)
     if top_p == 0.0:
         raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
     top_k = 0
     if body.get("top_k") is not None:
-        top_k = _int(body, "top_k", low=-1)
+        top_k = _int(body, "top_k", low=-1, high=MAX_TOP_K)
         top_k = max(top_k, 0)  # -1 (vLLM's "off") means the same as 0
     seed = None
     if body.get("seed") is not None:
         seed = _int(body, "seed", low=0, high=2**64 - 1)
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if _float(body, penalty, 0.0, low=-2.0, high=2.0) != 0.0:
+            raise InvalidRequest(f"'{penalty}' is not supported yet (only 0)", penalty,
+                                 code="unsupported_parameter")
+    if body.get("logit_bias"):
+        raise InvalidRequest("'logit_bias' is not supported yet", "logit_bias",
+                             code="unsupported_parameter")
     return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     max_tokens=max_tokens, stop=_stop(body.get("stop")))
 
@@ -191,6 +217,9 @@ def _stop(stop: Any) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequest("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences of at most "
+                             f"{MAX_STOP_CHARS} characters", "stop")
     return tuple(stop)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -12,6 +12,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.common.redis_server import EmbeddedRedis
 from services.gateway.app import init_app
 from services.gateway.config import GatewayConfig
 
@@ -29,7 +30,10 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     abort_after: int | None = None  # send Finished(ABORT) after this many tokens
     status_code: grpc.StatusCode | None = None  # fail Generate with this at once
     ready: bool = True
+    hold: asyncio.Event | None = None  # when set up, tokens wait until the test sets it
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)  # request id -> metadata
+    deadlines: dict[str, float | None] = field(default_factory=dict)  # request id -> seconds left
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     running: int = 0
@@ -42,6 +46,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request, context):
         self.requests.append(request)
         rid = request.request_id
+        self.metadata[rid] = dict(context.invocation_metadata())
+        self.deadlines[rid] = context.time_remaining()
         if self.status_code is not None:
             await context.abort(self.status_code, f"scripted {self.status_code.name}")
         prompt_tokens = _count_tokens(request)
@@ -55,6 +61,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
             yield engine_pb2.GenerateEvent(started=engine_pb2.Started(
                 prompt_tokens=prompt_tokens, context_window=self.context_window,
                 engine_id="engine-0"))
+            if self.hold is not None:
+                await self.hold.wait()
             limit = request.sampling.max_tokens or len(self.tokens)
             emitted = self.tokens[:limit]
             for i, text in enumerate(emitted):
@@ -64,7 +72,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
                     yield _finished(engine_pb2.FINISH_REASON_ABORT, prompt_tokens, i, "scripted abort")
                     return
                 await asyncio.sleep(self.token_delay_s)
-                yield engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(text=text, token_ids=[i]))
+                yield engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(
+                    text=text, token_ids=[i], logprobs=_logprobs(request.sampling, i, text)))
             reason = (engine_pb2.FINISH_REASON_LENGTH if len(emitted) < len(self.tokens)
                       else engine_pb2.FINISH_REASON_STOP)
             self.finished.append(rid)
@@ -74,6 +83,17 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
             raise
         finally:
             self.running -= 1
+
+
+def _logprobs(sampling: engine_pb2.SamplingParams, i: int,
+              text: str) -> list[engine_pb2.TokenLogprob]:
+    """Token i has logprob -(i+1)/10; its k-th alternative is 'alt{k}' at -(i+1)/10 - k - 1."""
+    if not sampling.logprobs:
+        return []
+    lp = -(i + 1) / 10
+    top = [engine_pb2.TopLogprob(token_id=1000 + k, token=f"alt{k}", logprob=lp - k - 1)
+           for k in range(sampling.top_logprobs)]
+    return [engine_pb2.TokenLogprob(token_id=i, token=text, logprob=lp, top=top)]
 
 
 def _count_tokens(request: engine_pb2.GenerateRequest) -> int:
@@ -92,15 +112,27 @@ def _finished(reason: int, prompt_tokens: int, completion_tokens: int,
                                                                  error=error))
 
 
+async def start_engine(servicer: ScriptedEngine, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """A real gRPC server on loopback (port 0: a free one); restartable on the same port."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[ScriptedEngine, str]]:
     servicer = ScriptedEngine()
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await start_engine(servicer)
     yield servicer, f"127.0.0.1:{port}"
     await server.stop(grace=None)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
 
 
 GatewayFactory = Callable[..., Awaitable[str]]
@@ -114,7 +146,8 @@ async def make_gateway(engine) -> AsyncIterator[GatewayFactory]:
 
     async def start(**overrides) -> str:
         config = replace(GatewayConfig(host="127.0.0.1", port=0, engine_addrs=(address,),
-                                       health_interval_s=0.2, engine_timeout_s=1.0), **overrides)
+                                       health_interval_s=0.2, engine_timeout_s=1.0,
+                                       breaker_cooldown_s=0.3, redis_retry_s=0.2), **overrides)
         runner = web.AppRunner(init_app(config), handler_cancellation=True)
         await runner.setup()
         runners.append(runner)

@@ -1,10 +1,11 @@
-"""Admission caps and Retry-After, driven directly (no HTTP, no engine)."""
+"""Admission caps and Retry-After, driven directly on a local ledger (no HTTP, no engine)."""
 
 import asyncio
 
 import pytest
 
 from services.gateway.admission import Admission, Rejected
+from services.gateway.ledger import Limits, LocalLedger
 
 
 class Clock:
@@ -15,52 +16,85 @@ class Clock:
         return self.now
 
 
+def make(engines=("e0",), max_inflight=1, max_queue=2, max_queued_tokens=10**6, **kwargs):
+    ledger = LocalLedger(Limits(max_inflight, max_queue, max_queued_tokens))
+    return Admission(ledger, engines, **kwargs)
+
+
+async def settle():
+    for _ in range(5):  # ledger releases and the dispatcher run as tasks
+        await asyncio.sleep(0)
+
+
 async def test_exact_caps_and_fifo_handoff():
-    admission = Admission(["e0"], max_inflight=1, max_queue=2)
-    running = admission.enter()
+    admission = make(max_inflight=1, max_queue=2)
+    running = await admission.enter()
     assert running.engine == "e0"
-    first, second = admission.enter(), admission.enter()
+    first, second = await admission.enter(), await admission.enter()
     assert (first.engine, second.engine) == (None, None)
     with pytest.raises(Rejected) as info:
-        admission.enter()
+        await admission.enter()
     assert info.value.reason == "queue_full" and info.value.retry_after_s >= 1
     waits = [asyncio.create_task(admission.acquire(t)) for t in (first, second)]
-    await asyncio.sleep(0)
+    await settle()
     admission.release(running, observed=True)
     assert await waits[0] == "e0"
+    await settle()
     assert not waits[1].done()
     assert (admission.num_inflight, admission.num_waiting) == (1, 1)
     admission.release(first)
     assert await waits[1] == "e0"
     admission.release(second)
     admission.release(second)  # idempotent
+    await settle()
     assert (admission.num_inflight, admission.num_waiting) == (0, 0)
+    assert admission.ledger.inflight == {"e0": set()} and admission.ledger.queued == {}
+
+
+async def test_queued_prompt_token_cap():
+    admission = make(max_inflight=1, max_queue=10, max_queued_tokens=100)
+    await admission.enter(tokens=5000)  # granted at once: not queued, not counted
+    big = await admission.enter(tokens=500)  # the first in an empty queue always fits
+    assert big.engine is None
+    with pytest.raises(Rejected) as info:
+        await admission.enter(tokens=1)
+    assert info.value.reason == "queue_full" and "prompt tokens" in str(info.value)
+    admission.release(big)
+    await settle()
+    small = [await admission.enter(tokens=50) for _ in range(2)]
+    with pytest.raises(Rejected):
+        await admission.enter(tokens=1)  # 100 of 100 queued tokens used
+    assert admission.num_waiting == len(small) == 2
 
 
 async def test_cancelled_waiter_leaves_the_queue():
-    admission = Admission(["e0"], max_inflight=1, max_queue=1)
-    running = admission.enter()
-    queued = admission.enter()
+    admission = make(max_inflight=1, max_queue=1)
+    running = await admission.enter()
+    queued = await admission.enter()
     wait = asyncio.create_task(admission.acquire(queued))
-    await asyncio.sleep(0)
+    await settle()
     wait.cancel()
     with pytest.raises(asyncio.CancelledError):
         await wait
+    await settle()
     assert admission.num_waiting == 0
-    replacement = admission.enter()  # the place is free again
+    replacement = await admission.enter()  # the place is free again
     assert replacement.engine is None
     admission.release(running)
     assert await admission.acquire(replacement) == "e0"
 
 
 async def test_waiter_cancelled_after_grant_hands_the_slot_on():
-    admission = Admission(["e0"], max_inflight=1, max_queue=2)
-    running = admission.enter()
-    a, b = admission.enter(), admission.enter()
+    admission = make(max_inflight=1, max_queue=2)
+    running = await admission.enter()
+    a, b = await admission.enter(), await admission.enter()
     wait_a = asyncio.create_task(admission.acquire(a))
     wait_b = asyncio.create_task(admission.acquire(b))
-    await asyncio.sleep(0)
-    admission.release(running)  # grants a ...
+    await settle()
+    admission.release(running)
+    while a.engine is None:  # the dispatcher grants a ...
+        await asyncio.sleep(0)
+    assert not wait_a.done()
     wait_a.cancel()  # ... which leaves before it resumes
     with pytest.raises(asyncio.CancelledError):
         await wait_a
@@ -69,9 +103,9 @@ async def test_waiter_cancelled_after_grant_hands_the_slot_on():
 
 
 async def test_queue_timeout():
-    admission = Admission(["e0"], max_inflight=1, max_queue=1)
-    admission.enter()
-    queued = admission.enter()
+    admission = make(max_inflight=1, max_queue=1)
+    await admission.enter()
+    queued = await admission.enter()
     with pytest.raises(Rejected) as info:
         await admission.acquire(queued, timeout_s=0.01)
     assert info.value.reason == "queue_timeout"
@@ -79,17 +113,17 @@ async def test_queue_timeout():
 
 
 async def test_least_loaded_engine_and_readiness():
-    admission = Admission(["e0", "e1"], max_inflight=2, max_queue=1, initially_ready=False)
+    admission = make(("e0", "e1"), max_inflight=2, max_queue=1, initially_ready=False)
     with pytest.raises(Rejected) as info:
-        admission.enter()
+        await admission.enter()
     assert info.value.reason == "no_engine"
     admission.set_ready("e0", True)
     admission.set_ready("e1", True)
-    engines = [admission.enter().engine for _ in range(4)]
+    engines = [(await admission.enter()).engine for _ in range(4)]
     assert sorted(engines) == ["e0", "e0", "e1", "e1"] and engines[:2] != ["e0", "e0"]
-    queued = admission.enter()
+    queued = await admission.enter()
     wait = asyncio.create_task(admission.acquire(queued))
-    await asyncio.sleep(0)
+    await settle()
     admission.set_ready("e0", False)
     assert not wait.done()  # e1 may still free a slot
     admission.set_ready("e1", False)
@@ -99,32 +133,43 @@ async def test_least_loaded_engine_and_readiness():
 
 
 async def test_engine_coming_back_serves_the_queue():
-    admission = Admission(["e0", "e1"], max_inflight=1, max_queue=1)
+    admission = make(("e0", "e1"), max_inflight=1, max_queue=1)
     admission.set_ready("e1", False)
-    admission.enter()
-    queued = admission.enter()
+    await admission.enter()
+    queued = await admission.enter()
     admission.set_ready("e1", True)
     assert await admission.acquire(queued) == "e1"
 
 
+async def test_draining_refuses_new_and_waits_for_admitted():
+    admission = make(max_inflight=1, max_queue=1)
+    running = await admission.enter()
+    admission.drain()
+    with pytest.raises(Rejected) as info:
+        await admission.enter()
+    assert info.value.reason == "draining"
+    assert not await admission.wait_idle(0.01)
+    asyncio.get_running_loop().call_later(0.02, admission.release, running)
+    assert await admission.wait_idle(1.0)
+
+
 async def test_retry_after_from_observed_duration_and_drain_rate():
     clock = Clock()
-    admission = Admission(["e0", "e1"], max_inflight=2, max_queue=8, clock=clock,
-                          prior_duration_s=1.0)
+    admission = make(("e0", "e1"), max_inflight=2, max_queue=8, clock=clock,
+                     prior_duration_s=1.0)
     # capacity 4 at 1 s each: 4 requests/s drain; a newcomer behind nobody waits 1/4 s -> 1
     assert admission.retry_after_s() == 1
-    ticket = admission.enter()
+    ticket = await admission.enter()
     clock.now += 8.0
     admission.release(ticket, observed=True)  # the first observation replaces the prior
+    await settle()
     assert admission.mean_duration_s == pytest.approx(8.0)
-    tickets = [admission.enter() for _ in range(4 + 5)]  # 4 running, 5 queued
+    tickets = [await admission.enter() for _ in range(4 + 5)]  # 4 running, 5 queued
     # (5 queued + 1) requests drain at 4 / 8 s = 0.5 per second -> 12 s
     assert admission.retry_after_s() == 12
     clock.now += 3.0
     admission.release(tickets[0], observed=True)  # mean 8 + 0.2 * (3 - 8) = 7 s
+    await settle()
     assert admission.mean_duration_s == pytest.approx(7.0)
     # 4 queued now: (4 + 1) / (4 / 7) = 8.75 -> 9
     assert admission.retry_after_s() == 9
-    unobserved = admission.enter()
-    admission.release(unobserved)  # a request that never used the engine: no new figure
-    assert admission.mean_duration_s == pytest.approx(7.0)

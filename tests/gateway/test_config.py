@@ -19,6 +19,30 @@ def test_defaults():
     c = config([], {})
     assert (c.host, c.port, c.engine_addrs) == ("127.0.0.1", 8000, ("127.0.0.1:50051",))
     assert (c.max_inflight, c.max_queue, c.api_keys) == (4, 16, frozenset())
+    assert (c.max_queued_tokens, c.redis_url, c.api_key_hashes, c.log_prompts) == (
+        131072, None, None, False)
+    assert (c.request_timeout_s, c.drain_timeout_s, c.max_body_bytes) == (600.0, 25.0, 2 << 20)
+    assert c.key_hashes == frozenset()  # auth off
+
+
+def test_new_settings_from_env(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("a" * 64 + "\n")
+    c = config(["--log-prompts"], {
+        "STRATA_ENGINE_ADDR": "none", "STRATA_REDIS_URL": "redis://r:6379/0",
+        "STRATA_MAX_QUEUED_TOKENS": "5000", "STRATA_API_KEYS_FILE": str(keys),
+        "STRATA_MAX_BODY_BYTES": "64KiB", "STRATA_DRAIN_TIMEOUT_S": "3",
+        "STRATA_REQUEST_TIMEOUT_S": "9.5", "STRATA_HEALTH_CACHE_S": "2",
+        "STRATA_LEASE_TTL_S": "6"})
+    assert c.engine_addrs == () and c.redis_url == "redis://r:6379/0"
+    assert (c.max_queued_tokens, c.max_body_bytes, c.drain_timeout_s) == (5000, 65536, 3.0)
+    assert (c.request_timeout_s, c.health_cache_s, c.lease_ttl_s) == (9.5, 2.0, 6.0)
+    assert c.log_prompts and c.key_hashes == frozenset({bytes.fromhex("a" * 64)})
+
+
+def test_no_engines_at_all_is_a_config_error():
+    with pytest.raises(ConfigError, match="--redis-url"):
+        config([], {"STRATA_ENGINE_ADDR": "none"})
 
 
 def test_env_and_flags():
@@ -35,6 +59,9 @@ def test_env_and_flags():
     ({"STRATA_MAX_QUEUE": "-1"}, "STRATA_MAX_QUEUE"),
     ({"STRATA_ENGINE_ADDR": "nohost"}, "STRATA_ENGINE_ADDR"),
     ({"STRATA_GATEWAY_PORT": "70000"}, "STRATA_GATEWAY_PORT"),
+    ({"STRATA_MAX_QUEUED_TOKENS": "0"}, "STRATA_MAX_QUEUED_TOKENS"),
+    ({"STRATA_DRAIN_TIMEOUT_S": "-1"}, "STRATA_DRAIN_TIMEOUT_S"),
+    ({"STRATA_LOG_PROMPTS": "maybe"}, "STRATA_LOG_PROMPTS"),
 ])
 def test_bad_values_name_the_variable(environ, named):
     with pytest.raises(ConfigError, match=named):

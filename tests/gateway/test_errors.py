@@ -8,7 +8,7 @@ import pytest
 from services.gateway import handlers
 
 from .conftest import MODEL
-from .test_overload import BODY, _health
+from .test_overload import BODY, _health, _wait_ready
 
 GOOD = BODY
 
@@ -117,7 +117,7 @@ async def test_engine_status_codes_map_to_http(gateway, client, engine, code, st
     servicer.status_code = None
     if code == grpc.StatusCode.UNAVAILABLE:  # routed around until the engine answers a probe
         async with aiohttp.ClientSession() as http:
-            assert (await _health(http, gateway))["status"] == "ok"
+            await _wait_ready(http, gateway)
     reply = await client.chat.completions.create(model=MODEL, messages=GOOD["messages"])
     assert reply.choices[0].message.content == "Hello, world!"
 

@@ -25,8 +25,17 @@ async def _wait_for(predicate, timeout_s=3.0):
 
 
 async def _health(http, base):
-    async with http.get(base + "/health") as resp:
+    """Cheap gateway state (/readyz): counts, engines; never calls an engine."""
+    async with http.get(base + "/readyz") as resp:
         return await resp.json()
+
+
+async def _wait_ready(http, base, timeout_s=5.0):
+    """Until /readyz is 200 (the gateway probes engines every 0.2 s in tests)."""
+    deadline = time.monotonic() + timeout_s
+    while (await _health(http, base))["status"] != "ok":
+        assert time.monotonic() < deadline, "the gateway did not become ready"
+        await asyncio.sleep(0.05)
 
 
 async def test_exact_caps_under_overload(make_gateway, engine):

@@ -1,0 +1,115 @@
+"""Middlewares around every route: request id and trace context, the one place exceptions become
+OpenAI error envelopes, the body-size limit, and API keys.
+
+API keys are held only as SHA-256 digests; a presented key is hashed and compared with every
+stored digest in constant time, so neither the key file nor the timing gives keys away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway import tracing
+from services.gateway.admission import Rejected
+from services.gateway.errors import (
+    EngineAborted,
+    EngineError,
+    PayloadTooLarge,
+    Unauthorized,
+    http_error,
+)
+from services.gateway.state import ADMISSION, CONFIG, REQUEST_ID, TRACE, request_id
+
+log = logging.getLogger("strata.gateway")
+
+_VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+PUBLIC_PATHS = frozenset({"/health", "/health/live", "/livez", "/readyz", "/openapi.json"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request ids, trace context, and the one place exceptions become OpenAI error envelopes."""
+    given = request.headers.get("X-Request-Id", "")
+    request[REQUEST_ID] = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    request[TRACE] = tracing.from_headers(request.headers)
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too big
+        if exc.status < 400:
+            raise
+        response = web.json_response({"error": {
+            "message": f"{exc.reason}: {request.method} {request.path}",
+            "type": "invalid_request_error", "param": None, "code": _slug(exc.reason)}},
+            status=exc.status)
+    except Exception as exc:
+        error = http_error(exc, request_id(request), request.app[ADMISSION].retry_after_s())
+        log_failure(request, exc, error.status)
+        response = web.json_response(error.body, status=error.status, headers=error.headers)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id(request)
+    return response
+
+
+@web.middleware
+async def limits_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse an announced over-size body before anything reads it (aiohttp's client_max_size
+    catches the rest, e.g. chunked bodies, while reading)."""
+    limit = request.app[CONFIG].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(request.content_length, limit)
+    return await handler(request)
+
+
+class ApiKeys:
+    def __init__(self, digests: frozenset[bytes]) -> None:
+        self._digests = tuple(digests)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def accepts(self, key: str) -> bool:
+        digest = hashlib.sha256(key.encode()).digest()
+        matched = False
+        for stored in self._digests:  # every digest, no early exit
+            matched |= hmac.compare_digest(digest, stored)
+        return matched
+
+
+def auth_middleware(keys: ApiKeys) -> Any:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if keys.enabled and request.path not in PUBLIC_PATHS:
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            if not keys.accepts(key.strip()):
+                raise Unauthorized("invalid API key")
+        return await handler(request)
+
+    return auth
+
+
+def log_failure(request: web.Request, exc: BaseException, status: int) -> None:
+    where = (f"{request.method} {request.path} request {request_id(request)} "
+             f"trace {request[TRACE].trace_id}")
+    if status >= 500 and not isinstance(exc, EngineError | EngineAborted | Rejected):
+        log.error("%s failed with an unexpected error; answered 500", where, exc_info=exc)
+    elif status >= 500 or isinstance(exc, EngineError | EngineAborted):
+        log.warning("%s: %s -> %d", where, exc, status)
+    else:
+        log.info("%s: %s -> %d", where, exc, status)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")

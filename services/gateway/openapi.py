@@ -1,0 +1,165 @@
+"""The OpenAPI 3.1 document for the gateway's HTTP API, served at `/openapi.json`.
+
+Written by hand next to schemas.py, whose bounds it repeats (test_openapi checks they agree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.schemas import (
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}
+_SAMPLING = {
+    "model": {"type": "string", "minLength": 1},
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"],
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": MAX_TOP_K,
+              "description": "Strata extension; 0 or -1 disables"},
+    "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**64 - 1},
+    "n": {"type": ["integer", "null"], "const": 1},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                       {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
+                        "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+                       {"type": "null"}]},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                         "description": "only 0 is supported"},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                          "description": "only 0 is supported"},
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "null"]}}}}},
+    "ChatMessage": {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "content": {"oneOf": [
+            {"type": "string"}, {"type": "null"},
+            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                        "properties": {"type": {"const": "text"},
+                                                       "text": {"type": "string"}}}}]}}},
+    "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+        **_SAMPLING,
+        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                     "items": _ref("ChatMessage")},
+        "max_tokens": {**_MAX_TOKENS, "type": ["integer", "null"]},
+        "max_completion_tokens": {**_MAX_TOKENS, "type": ["integer", "null"]},
+        "logprobs": {"type": ["boolean", "null"]},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                         "description": "needs logprobs: true"},
+        "response_format": {"type": ["object", "null"], "properties": {
+            "type": {"const": "text", "description": "json_object / json_schema: 400 for now"}}},
+    }},
+    "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+        **_SAMPLING,
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1, "maxItems": 1,
+                              "items": {"type": "string", "minLength": 1}}]},
+        "max_tokens": {**_MAX_TOKENS, "type": ["integer", "null"], "default": 16},
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                     "description": "alternatives per token (legacy form)"},
+        "echo": {"type": ["boolean", "null"], "const": False},
+        "best_of": {"type": ["integer", "null"], "const": 1},
+    }},
+    "StrataFigures": {"type": "object", "description": "per-request figures", "properties": {
+        k: {"type": "number"} for k in ("queue_wait_ms", "ttft_ms", "engine_queue_ms",
+                                         "decode_tok_s", "expert_hit_rate", "spill_ratio",
+                                         "reused_prompt_tokens")} | {
+        "engine_id": {"type": "string"}}},
+    "Health": {"type": "object", "properties": {
+        "status": {"enum": ["ok", "no_engine", "draining", "generation_failed"]},
+        "engines": {"type": "array", "items": {"type": "object"}},
+        "inflight": {"type": "integer"}, "queued": {"type": "integer"},
+        "capacity": {"type": "integer"}, "limits": {"enum": ["local", "redis"]}}},
+}
+
+_DROP_HEADERS = {
+    "Retry-After": {"schema": {"type": "integer", "minimum": 1},
+                    "description": "seconds, from the observed drain rate"},
+    "x-strata-drop-reason": {"schema": {
+        "enum": ["queue_full", "queue_timeout", "no_engine", "draining", "engine_busy"]}},
+}
+
+
+def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description,
+                           "content": {"application/json": {"schema": _ref("Error")}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def _generation(summary: str, request: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary, "security": [{"bearer": []}, {}],
+        "parameters": [{"name": "X-Request-Id", "in": "header", "required": False,
+                        "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:\\-]{1,128}$"}},
+                       {"name": "traceparent", "in": "header", "required": False,
+                        "schema": {"type": "string"}}],
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "JSON body, or text/event-stream when stream is true (ends "
+                                   "with `data: [DONE]`; a failure mid-stream ends with an "
+                                   "error event and no [DONE])",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            "400": _error("invalid parameter"), "401": _error("missing or invalid API key"),
+            "404": _error("model not served"), "413": _error("body over --max-body-bytes"),
+            "429": _error("queue full or queue timeout", _DROP_HEADERS),
+            "500": _error("engine failure"),
+            "503": _error("no engine ready, or the gateway is draining", _DROP_HEADERS),
+            "504": _error("request deadline passed")}}}
+
+
+def _probe(summary: str, schema: str | None = None) -> dict[str, Any]:
+    content = {"application/json": {"schema": _ref(schema) if schema else {"type": "object"}}}
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": "ok", "content": content},
+        "503": {"description": "not ready / unhealthy", "content": content}}}}
+
+
+DOCUMENT: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "Strata gateway", "version": "1",
+             "description": "OpenAI-compatible API for Strata MoE engines"},
+    "paths": {
+        "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+        "/v1/completions": _generation("Text completion", "CompletionRequest"),
+        "/v1/models": {"get": {"summary": "Models served by ready engines",
+                               "security": [{"bearer": []}, {}],
+                               "responses": {"200": {"description": "model list"},
+                                             "503": _error("no engine", _DROP_HEADERS)}}},
+        "/livez": _probe("Process is up"),
+        "/readyz": _probe("An engine is ready and the gateway is not draining", "Health"),
+        "/health": _probe("Deep: a real 1-token generation (cached a few seconds)", "Health"),
+        "/openapi.json": {"get": {"summary": "This document",
+                                  "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+    },
+    "components": {"schemas": _SCHEMAS,
+                   "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+}
+
+
+async def handler(request: web.Request) -> web.Response:
+    return web.json_response(DOCUMENT)

@@ -1,0 +1,20 @@
+"""Typed keys for what the gateway keeps on its aiohttp application and requests."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from services.gateway.admission import Admission
+from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import EnginePool
+from services.gateway.tracing import TraceContext
+
+CONFIG = web.AppKey("config", GatewayConfig)
+ADMISSION = web.AppKey("admission", Admission)
+POOL = web.AppKey("pool", EnginePool)
+REQUEST_ID = web.RequestKey("request_id", str)
+TRACE = web.RequestKey("trace", TraceContext)
+
+
+def request_id(request: web.Request) -> str:
+    return request[REQUEST_ID]

@@ -1,0 +1,133 @@
+"""Every supported parameter through the official openai client, streaming and not, plus what
+reaches the engine: sampling fields, request id, W3C trace context and the deadline."""
+
+import aiohttp
+import openai
+import pytest
+
+from .conftest import MODEL
+
+MESSAGES = [{"role": "user", "content": "say hello"}]
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+
+
+def _sent(servicer):
+    return servicer.requests[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_every_parameter(client, engine, stream):
+    servicer, _ = engine
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0.7, top_p=0.9, seed=11,
+                  stop=["\n\n", "END"], max_completion_tokens=3, n=1, logprobs=True,
+                  top_logprobs=2, response_format={"type": "text"}, presence_penalty=0,
+                  frequency_penalty=0, user="tester", extra_body={"top_k": 40},
+                  extra_headers={"X-Request-Id": f"all-params-{stream}"})
+    if stream:
+        chunks = [c async for c in await client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs)]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert chunks[-1].usage.completion_tokens == 3
+    else:
+        reply = await client.chat.completions.create(**kwargs)
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        content = reply.choices[0].logprobs.content
+    assert (text, finish) == ("Hello, world", "length")
+    assert [e.token for e in content] == ["Hello", ",", " world"]
+    assert [e.logprob for e in content] == pytest.approx([-0.1, -0.2, -0.3])
+    assert content[0].bytes == list(b"Hello")
+    assert [t.token for t in content[2].top_logprobs] == ["alt0", "alt1"]
+    assert content[2].top_logprobs[1].logprob == pytest.approx(-2.3)
+    sent = _sent(servicer)
+    s = sent.sampling
+    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
+    assert (s.seed, list(s.stop), s.max_tokens, s.top_k) == (11, ["\n\n", "END"], 3, 40)
+    assert (s.logprobs, s.top_logprobs) == (True, 2)
+    assert sent.request_id == f"all-params-{stream}"
+
+
+async def test_chat_max_tokens_and_no_logprobs(client, engine):
+    servicer, _ = engine
+    reply = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert reply.choices[0].message.content == "Hello" and reply.choices[0].logprobs is None
+    assert _sent(servicer).sampling.max_tokens == 1 and not _sent(servicer).sampling.logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_every_parameter(client, engine, stream):
+    servicer, _ = engine
+    kwargs = dict(model=MODEL, prompt="once upon", max_tokens=2, temperature=0.0, top_p=1.0,
+                  seed=5, stop="END", logprobs=3, n=1, best_of=1, echo=False,
+                  extra_body={"top_k": 1})
+    if stream:
+        chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        offsets = [o for p in parts for o in p.text_offset]
+        tops = [t for p in parts for t in p.top_logprobs]
+    else:
+        reply = await client.completions.create(**kwargs)
+        text, lp = reply.choices[0].text, reply.choices[0].logprobs
+        tokens, offsets, tops = lp.tokens, lp.text_offset, lp.top_logprobs
+        assert lp.token_logprobs == pytest.approx([-0.1, -0.2])
+    assert text == "Hello,"
+    assert tokens == ["Hello", ","] and offsets == [0, 5]
+    assert list(tops[0]) == ["alt0", "alt1", "alt2"]
+    s = _sent(servicer).sampling
+    assert (s.max_tokens, s.seed, list(s.stop), s.top_k, s.logprobs, s.top_logprobs) == (
+        2, 5, ["END"], 1, True, 3)
+
+
+async def test_trace_context_request_id_and_deadline_reach_the_engine(make_gateway, engine):
+    servicer, _ = engine
+    base = await make_gateway(request_timeout_s=30.0)
+    body = {"model": MODEL, "messages": MESSAGES}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(base + "/v1/chat/completions", json=body,
+                             headers={"traceparent": TRACEPARENT, "X-Request-Id": "t-1"}) as r:
+            assert r.status == 200
+        async with http.post(base + "/v1/chat/completions", json=body,
+                             headers={"X-Request-Id": "t-2"}) as r:
+            assert r.status == 200
+    continued, started = servicer.metadata["t-1"], servicer.metadata["t-2"]
+    assert continued["x-request-id"] == "t-1"
+    version, trace_id, span_id, flags = continued["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", TRACE_ID, "01")
+    assert span_id != "b7ad6b7169203331"  # the gateway is a hop of its own
+    new_trace = started["traceparent"].split("-")[1]
+    assert len(new_trace) == 32 and new_trace != TRACE_ID and int(new_trace, 16)
+    assert 25.0 < servicer.deadlines["t-1"] < 30.5  # the gRPC deadline is the request's
+
+
+async def test_deadline_exceeded_is_504(make_gateway, engine):
+    servicer, _ = engine
+    servicer.token_delay_s = 0.2
+    base = await make_gateway(request_timeout_s=0.3)
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.APIStatusError) as info:
+            await c.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert info.value.status_code == 504
+    assert info.value.body["code"] == "deadline_exceeded"
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"top_k": 10**9}, "top_k"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+])
+async def test_unsupported_or_out_of_bounds_is_a_clear_400(client, engine, patch, param):
+    servicer, _ = engine
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=patch)
+    assert info.value.body["param"] == param
+    assert servicer.requests == []

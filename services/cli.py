@@ -5,6 +5,8 @@
     strata model demo         write the built-in demo checkpoint
     strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
     strata bench run|sweep|soak|overload|longctx|dataset   measure a running cluster
+    strata bench cache        cache policies on held-out prompts (static, LRU, default, Belady)
+    strata cache profile|replay   build expert-profile.bin from traces; replay a routing trace
     strata plan [fit]         capacity table: memory -> coverage -> hit rate -> tok/s
 """
 
@@ -24,6 +26,25 @@ def _service_main(module: str, function: str = "main"):
 
         return getattr(importlib.import_module(module), function)(argv)
     return run
+
+
+def _bench(argv: list[str]) -> int:
+    if argv[:1] == ["cache"]:  # the cache-policy bench runs the model in-process
+        from services.cachetools.bench_cmd import main as bench_cache
+
+        return bench_cache(argv[1:])
+    from services.bench.cli import bench_main
+
+    return bench_main(argv)
+
+
+def _cache(argv: list[str]) -> int:
+    commands = {"profile": "services.cachetools.profile_cmd",
+                "replay": "services.cachetools.replay_cmd"}
+    if not argv or argv[0] not in commands:
+        print("usage: strata cache profile|replay ...  (--help on each)", file=sys.stderr)
+        return 2
+    return _service_main(commands[argv[0]])(argv[1:])
 
 
 def _up(argv: list[str]) -> int:
@@ -84,7 +105,8 @@ COMMANDS = {
     "cachemgr": _service_main("services.cachemgr.__main__"),
     "model": _model,
     "top": _service_main("services.top"),
-    "bench": _service_main("services.bench.cli", "bench_main"),
+    "bench": _bench,
+    "cache": _cache,
     "plan": _service_main("services.bench.plan_cli", "plan_main"),
 }
 

@@ -2,7 +2,7 @@
 
     redis (embedded, unless STRATA_REDIS_URL) -> cachemgr -> engine -> gateway
 
-Each child is started once the one before it is ready (gRPC health SERVING, or HTTP /health 200
+Each child is started once the one before it is ready (gRPC health SERVING, or HTTP /readyz 200
 for the gateway). Their output is echoed with a name prefix and kept in DIR/<name>.log. A child that
 dies is reported with its last log lines and the rest are stopped. Ctrl-C / SIGTERM stops every
 child, gateway first, so in-flight requests drain before the engine goes.
@@ -141,7 +141,7 @@ class Cluster:
                         grpc_serving(engine)),
             self._child("gateway", "services.gateway",
                         ["--port", str(c.port), "--engine", engine, *admission],
-                        http_ok(f"http://127.0.0.1:{c.port}/health")),
+                        http_ok(f"http://127.0.0.1:{c.port}/readyz")),
         ]
 
     def start(self) -> None:

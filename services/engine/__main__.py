@@ -45,7 +45,10 @@ async def serve(config: EngineConfig) -> None:
     device = resolve_device(config.device)
     runner = ModelRunner(config.model_dir, device=device,
                          device_memory_bytes=device_budget(config, device),
-                         reserved_bytes=config.reserve)
+                         reserved_bytes=config.reserve, policy=config.policy_spec,
+                         placement=config.placement, prefetch=config.prefetch,
+                         record_routing=config.record_routing,
+                         draft_head_bytes=config.draft_reserve)
     engine = Engine(runner)
     status = StatusSource(engine, "", runner.model_name, device)
     server, port, health = await start_server(engine, status, config.host, config.port)
@@ -62,7 +65,9 @@ async def serve(config: EngineConfig) -> None:
             plan = local_plan(runner, config.profile)
     else:
         plan = local_plan(runner, config.profile)
-    runner.fill_cache(plan.pairs[: plan.slots], source=plan.source)
+    # The whole ranking: the pre-fill takes the first `slots` pairs; a routing trace keeps all
+    # of it so replays at other sizes start from the same ranking.
+    runner.fill_cache(plan.pairs, source=plan.source)
     status.plan_version, status.plan_source = plan.version, plan.source
     engine.start()
     await set_serving(health, True)
@@ -87,6 +92,7 @@ async def serve(config: EngineConfig) -> None:
             await reporter
         await link.report(engine.totals, plan.version)  # type: ignore[union-attr]
         await link.close()  # type: ignore[union-attr]
+    runner.close()
     log.info("engine %s stopped after %d requests", engine_id, engine.totals.requests_finished)
 
 

@@ -11,7 +11,17 @@ from services.common.settings import (
     Setting,
     non_negative_int,
     optional_str,
+    parse_bool,
     parse_bytes,
+)
+from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from services.engine.cache.policy import (
+    DEFAULT_CRF_LAMBDA,
+    DEFAULT_PINNED_FRACTION,
+    DEFAULT_POLICY,
+    DEFAULT_PREFETCH,
+    POLICIES,
+    PolicySpec,
 )
 
 DEFAULT_CPU_DEVICE_MEMORY = 768 * 2**20
@@ -27,6 +37,29 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise ValueError("must be > 0")
+    return value
+
+
+def _choice(options: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return text
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
+def _crf_lambda(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError("must be > 0 and <= 1")
     return value
 
 
@@ -48,6 +81,22 @@ SETTINGS = (
             "expert-profile.bin used to pre-fill the cache when no cache manager is set"),
     Setting("report_interval_s", "STRATA_REPORT_INTERVAL_S", _positive_float, 2.0,
             "seconds between routing reports to the cache manager"),
+    Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
+            "device memory kept for a draft head, besides --reserve (0: none configured)"),
+    Setting("policy", "STRATA_CACHE_POLICY", _choice(POLICIES), DEFAULT_POLICY,
+            "eviction order of the dynamic cache region: " + ", ".join(POLICIES)
+            + " (static: every slot pinned from the profile)"),
+    Setting("pinned_fraction", "STRATA_PINNED_FRACTION", _fraction, DEFAULT_PINNED_FRACTION,
+            "share of the slots pinned with the profile's hottest pairs; the rest is dynamic"),
+    Setting("crf_lambda", "STRATA_CRF_LAMBDA", _crf_lambda, DEFAULT_CRF_LAMBDA,
+            "crf policy: decay per pair access (towards 0: frequency, 1: recency)"),
+    Setting("placement", "STRATA_PLACEMENT", _choice(PLACEMENTS), DEFAULT_PLACEMENT,
+            "where misses run: exact (cost model among placements bit-identical to a hit; "
+            "on CUDA always copy), auto (cost model, fastest), host, copy"),
+    Setting("prefetch", "STRATA_PREFETCH", parse_bool, DEFAULT_PREFETCH,
+            "prefetch the next layer's predicted experts (its router on this layer's input)"),
+    Setting("record_routing", "STRATA_RECORD_ROUTING", optional_str, None,
+            "write every step's routed pairs to this trace file (for strata cache replay)"),
 )
 
 
@@ -63,6 +112,13 @@ class EngineConfig:
     cachemgr: str | None = None
     profile: str | None = None
     report_interval_s: float = 2.0
+    draft_reserve: int = 0
+    policy: str = DEFAULT_POLICY
+    pinned_fraction: float = DEFAULT_PINNED_FRACTION
+    crf_lambda: float = DEFAULT_CRF_LAMBDA
+    placement: str = DEFAULT_PLACEMENT
+    prefetch: bool = DEFAULT_PREFETCH
+    record_routing: str | None = None
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> EngineConfig:
@@ -75,6 +131,10 @@ class EngineConfig:
         from services.engine.model.demo import ensure_default_model
 
         return ensure_default_model()
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return PolicySpec(self.policy, self.pinned_fraction, self.crf_lambda)
 
     def resolved_engine_id(self, bound_port: int) -> str:
         return self.engine_id or f"{socket.gethostname()}:{bound_port}"

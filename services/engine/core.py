@@ -66,9 +66,17 @@ class RequestStats:
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
     decode_tok_s: float = 0.0
+    # Decode-phase expert cache figures (see services/engine/cache/stats.py).
     lookups: int = 0
     hits: int = 0
     spilled: int = 0
+    misses_host: int = 0  # missed tokens computed on the host
+    misses_copied: int = 0  # missed tokens whose expert was copied over the link first
+    prefetch_predicted: int = 0  # distinct pairs predicted for the next layer
+    prefetch_predicted_routed: int = 0  # ... that the layer then routed to
+    prefetch_routed: int = 0  # distinct pairs routed in layers that had a prediction
+    prefill_lookups: int = 0
+    prefill_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -77,6 +85,16 @@ class RequestStats:
     @property
     def spill_ratio(self) -> float:
         return self.spilled / self.lookups if self.lookups else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        p = self.prefetch_predicted
+        return self.prefetch_predicted_routed / p if p else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        r = self.prefetch_routed
+        return self.prefetch_predicted_routed / r if r else 0.0
 
 
 @dataclass(frozen=True)
@@ -270,7 +288,7 @@ class Engine:
             decode_ms=decode_s * 1e3,
             ttft_ms=((first_token_at or decode_done) - handle.submitted_at) * 1e3,
             decode_tok_s=num_generated / decode_s if decode_s > 0 and num_generated else 0.0,
-            lookups=routing.lookups, hits=routing.hits, spilled=routing.spilled)
+            **_cache_figures(routing))
         self._log_request(stats)
         error = "cancelled by the client" if reason == "abort" else ""
         return Finished(reason, stats, error)
@@ -349,8 +367,22 @@ class Engine:
             s.prefill_ms, s.completion_tokens, s.decode_ms, s.decode_tok_s)
         serve_log.info(
             "strata serve: decode expert cache hit rate: %.1f%% (%d hits / %d lookups); "
-            "%d more served from host RAM (%.2f%% of all %d routed)",
-            100 * s.hit_rate, s.hits, s.lookups, s.spilled, 100 * s.spill_ratio, s.lookups)
+            "%d more served from host RAM (%.2f%% of all %d routed); "
+            "misses by placement: %d host-computed, %d copied over the link%s",
+            100 * s.hit_rate, s.hits, s.lookups, s.spilled, 100 * s.spill_ratio, s.lookups,
+            s.misses_host, s.misses_copied,
+            f"; prefetch precision {100 * s.prefetch_precision:.1f}% recall "
+            f"{100 * s.prefetch_recall:.1f}%" if s.prefetch_predicted else "")
+
+
+def _cache_figures(routing: object) -> dict[str, int]:
+    """RequestStats' cache fields from a runner Sequence's RoutingStats."""
+    d, p = routing.decode, routing.prefill  # type: ignore[attr-defined]
+    return dict(lookups=d.lookups, hits=d.hits, spilled=d.spilled, misses_host=d.misses_host,
+                misses_copied=d.misses_copied, prefetch_predicted=d.predicted,
+                prefetch_predicted_routed=d.predicted_routed,
+                prefetch_routed=d.routed_with_prediction, prefill_lookups=p.lookups,
+                prefill_hits=p.hits)
 
 
 class _TextStream:

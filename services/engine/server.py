@@ -70,7 +70,12 @@ def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:
         completion_tokens=s.completion_tokens, queue_ms=s.queue_ms, prefill_ms=s.prefill_ms,
         decode_ms=s.decode_ms, ttft_ms=s.ttft_ms, decode_tok_s=s.decode_tok_s,
         lookups=s.lookups, hits=s.hits, spilled=s.spilled, hit_rate=s.hit_rate,
-        spill_ratio=s.spill_ratio)
+        spill_ratio=s.spill_ratio, misses_host=s.misses_host, misses_copied=s.misses_copied,
+        prefetch_predicted=s.prefetch_predicted,
+        prefetch_predicted_routed=s.prefetch_predicted_routed,
+        prefetch_routed=s.prefetch_routed, prefetch_precision=s.prefetch_precision,
+        prefetch_recall=s.prefetch_recall, prefill_lookups=s.prefill_lookups,
+        prefill_hits=s.prefill_hits)
 
 
 def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
@@ -154,7 +159,28 @@ class StatusSource:
                 plan_source=self.plan_source, lookups=lookups, hits=totals.hits,
                 spilled=totals.spilled,
                 hit_rate=totals.hits / lookups if lookups else 0.0,
-                spill_ratio=totals.spilled / lookups if lookups else 0.0))
+                spill_ratio=totals.spilled / lookups if lookups else 0.0,
+                **_cache_policy_status(runner)))
+
+
+def _cache_policy_status(runner: object) -> dict:
+    """Policy, placement and lifetime decode figures of the runner's expert cache (read from
+    another thread than the loop's: plain ints, and a copy of the reasons)."""
+    cache = getattr(runner, "cache", None)
+    if cache is None:  # a test double without an expert cache
+        return {}
+    d = cache.decode
+    residency = cache.residency
+    cost = cache.placer.cost
+    return dict(
+        policy=residency.spec.name, pinned_slots=residency.num_pinned,
+        dynamic_slots=residency.num_dynamic, placement=cache.placer.mode,
+        link_gb_s=runner.link.bytes_per_s / 1e9,  # type: ignore[attr-defined]
+        host_expert_tokens_s=cost.host.tokens_per_s if cost else 0.0, prefetch=cache.prefetch,
+        misses_host=d.misses_host, misses_copied=d.misses_copied,
+        placement_reasons=dict(d.reasons), prefetch_precision=d.prefetch_precision,
+        prefetch_recall=d.prefetch_recall, prefetch_fills=d.prefetch_fills,
+        demand_fills=d.fills + cache.prefill.fills, evictions=residency.evictions)
 
 
 async def start_server(engine: Engine, status: StatusSource, host: str, port: int

@@ -104,12 +104,12 @@ async def test_overload_gives_exactly_queue_plus_inflight_answers(cluster):
 ])
 async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
         cluster, payload, status):
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{cluster.base_url}/chat/completions", data=payload,
-                                headers={"Content-Type": "application/json"}) as r:
-            assert r.status == status
-            error = (await r.json())["error"]
-            assert {"message", "type", "param", "code"} <= error.keys() and error["message"]
+    async with (aiohttp.ClientSession() as session,
+                session.post(f"{cluster.base_url}/chat/completions", data=payload,
+                             headers={"Content-Type": "application/json"}) as r):
+        assert r.status == status
+        error = (await r.json())["error"]
+        assert {"message", "type", "param", "code"} <= error.keys() and error["message"]
     reply = client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
                                                     max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens >= 1

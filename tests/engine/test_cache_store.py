@@ -83,15 +83,21 @@ def test_lookups_counted_per_routed_token(host):
     pool.fill([(0, 0), (1, 1)])
     cache = ExpertCache(host, pool, num_layers=3, num_experts=8)
     x = torch.randn(4, D)
-    hit = cache.expert_forward(0, 0, x)  # 4 tokens, resident
-    miss = cache.expert_forward(0, 1, x[:3])  # 3 tokens, not resident
-    cache.expert_forward(1, 1, x[:1])
-    assert (cache.lookups, cache.hits, cache.spilled) == (8, 5, 3)
+    cache.begin_step(4, prefill=False)
+    # 4 tokens: expert 0 (resident) for all of them, expert 1 (not resident) for 3
+    top_idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 2]])
+    cache.route(0, top_idx, [4, 3, 1, 0, 0, 0, 0, 0])
+    hit = cache.expert_forward(0, 0, x)
+    miss = cache.expert_forward(0, 1, x[:3])
+    cache.layer_done(0)
+    assert cache.step_token_hits.tolist() == [1, 1, 1, 1]
+    assert (cache.lookups, cache.hits, cache.spilled) == (8, 4, 4)
+    assert cache.decode.misses_host == 4 and cache.prefill.lookups == 0
     assert torch.equal(hit, host.layout.forward(x, host.blob((0, 0))))
     assert torch.equal(miss, host.layout.forward(x[:3], host.blob((0, 1))))
     counts = cache.take_routing_counts()
     assert counts.dtype.name == "int64" and counts.shape == (3, 8)
-    assert counts[0, 0] == 4 and counts[0, 1] == 3 and counts[1, 1] == 1 and counts.sum() == 8
+    assert counts[0, 0] == 4 and counts[0, 1] == 3 and counts[0, 2] == 1 and counts.sum() == 8
     assert cache.take_routing_counts().sum() == 0
 
 

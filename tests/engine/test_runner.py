@@ -89,6 +89,35 @@ def test_greedy_identical_at_any_coverage(tiny_dir, prompt):
     assert torch.equal(l0, l25) and torch.equal(l0, l100)  # bit-identical, not just close
 
 
+@pytest.fixture(scope="module")
+def reference_greedy(tiny_dir):
+    """Greedy tokens and final logits with no cache at all (every expert from the host)."""
+    _, tokens, logits = greedy(runner_with_slots(tiny_dir, 0), PROMPT)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("policy", ["static", "lru", "lfu", "crf"])
+def test_greedy_identical_for_every_policy_size_and_placement(tiny_dir, reference_greedy, policy):
+    from services.engine.cache.policy import PolicySpec
+
+    want_tokens, want_logits = reference_greedy
+    cases = [(5, 0.25, "exact", True), (12, 0.5, "copy", False), (12, 0.0, "host", True),
+             (TOTAL_PAIRS, 0.25, "auto", True)]
+    for slots, pinned, placement, prefetch in cases:
+        runner = runner_with_slots(tiny_dir, slots, policy=PolicySpec(policy, pinned),
+                                   placement=placement, prefetch=prefetch)
+        runner.fill_cache(runner.layer_order_pairs()[::-1])
+        seq, tokens, logits = greedy(runner, PROMPT)
+        assert tokens == want_tokens and torch.equal(logits, want_logits), (slots, placement)
+        d = seq.stats.decode
+        assert d.hits + d.misses_host + d.misses_copied == d.lookups
+        if placement in ("host", "copy"):
+            assert (d.misses_host if placement == "host" else d.misses_copied) == d.spilled
+            assert set(d.reasons) <= {f"{placement}:forced"}
+        if prefetch and policy != "static":
+            assert d.predicted > 0 and 0 < d.prefetch_precision <= 1
+
+
 def test_routing_counts_match_lookups(tiny_dir):
     runner = runner_with_slots(tiny_dir, 0)
     runner.take_routing_counts()
@@ -159,8 +188,8 @@ def test_chunked_prefill_matches_one_pass(tiny_dir):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("miss_mode", ["copy", "host"])
-def test_cuda_cache_paths(tiny_dir, miss_mode):
+@pytest.mark.parametrize("placement", ["copy", "host", "exact"])
+def test_cuda_cache_paths(tiny_dir, placement):
     _, want, want_logits = greedy(runner_with_slots(tiny_dir, 0), PROMPT)
     results = []
     for slots in (0, 6, TOTAL_PAIRS):
@@ -169,7 +198,7 @@ def test_cuda_cache_paths(tiny_dir, miss_mode):
             device="cuda",
             device_memory_bytes=slots * 3 * 64 * 32 * 4,
             reserved_bytes=0,
-            miss_mode=miss_mode,
+            placement=placement,
         )
         assert runner.cache.host.blobs.is_pinned()
         assert runner.fill_cache(runner.layer_order_pairs()).verified
@@ -178,5 +207,5 @@ def test_cuda_cache_paths(tiny_dir, miss_mode):
         torch.testing.assert_close(logits.cpu(), want_logits, atol=1e-4, rtol=0)
         results.append((tokens, logits.cpu()))
     assert all(tokens == want for tokens, _ in results)
-    if miss_mode == "copy":  # misses run on the device too: bit-identical at any coverage
+    if placement != "host":  # misses run on the device too: bit-identical at any coverage
         assert all(torch.equal(logits, results[0][1]) for _, logits in results)

@@ -1,7 +1,8 @@
 """Slot pool: S pair-sized slots in one device tensor [S, numel], plus the residency map.
 
-`fill(ranked_pairs)` copies the blobs of the first S distinct pairs from the host store and
-verifies slot 0 by comparing checksums of its device bytes and its host copy.
+`fill(ranked_pairs)` copies the blobs of the first S distinct pairs from the host store (the
+residency policy decides which are pinned) and verifies slot 0 by comparing checksums of its
+device bytes and its host copy. Fills during serving go through ExpertCache (copy stream).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.cache.host_store import HostStore, blob_checksum
-from services.engine.cache.policy import Pair, ResidencyPolicy, StaticResidency
+from services.engine.cache.policy import Pair, Residency, StaticResidency
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class SlotPool:
         num_slots: int,
         host: HostStore,
         device: torch.device,
-        policy: ResidencyPolicy | None = None,
+        policy: Residency | None = None,
     ):
         self.host = host
         self.device = device

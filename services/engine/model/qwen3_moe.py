@@ -31,9 +31,27 @@ log = logging.getLogger("strata.engine")
 
 
 class ExpertSource(Protocol):
+    """Where routed experts run (services.engine.cache.expert_cache.ExpertCache); per MoE layer
+    and step: route() once, predict() when wanted, expert_forward() per expert, layer_done()."""
+
+    @property
+    def wants_predictions(self) -> bool:
+        """Whether predict() should be called this step (prefetch on, or routing recorded)."""
+        ...
+
+    def route(self, layer: int, top_idx: torch.Tensor, counts: list[int]) -> None:
+        """This step's routing of `layer` (top_idx [T, K] on the host, counts [E] per expert)."""
+        ...
+
+    def predict(self, layer: int, predicted: torch.Tensor) -> None:
+        """Experts [T, K] predicted for `layer` before it runs."""
+        ...
+
     def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` of `layer` applied to x [T, D] -> [T, D] (unweighted)."""
         ...
+
+    def layer_done(self, layer: int) -> None: ...
 
 
 class KVCache:
@@ -122,6 +140,8 @@ class Qwen3MoeModel:
         self.rope_cos, self.rope_sin = rope_tables(
             config.head_dim, config.rope_theta, config.context_window, device
         )
+        moe = [i for i, w in enumerate(layers) if w.router_t is not None]
+        self.next_moe_layer = {i: j for i, j in zip(moe, moe[1:], strict=False)}
 
     def setup_caches(self, max_num_tokens: int) -> list[KVCache]:
         c = self.config
@@ -195,8 +215,16 @@ class Qwen3MoeModel:
         top_w = top_w.to(x.dtype)
         # Group routed (token, k) entries by expert; experts accumulate in ascending id order
         # whatever their residency, so results never depend on the cache.
-        flat_idx = top_idx.flatten().cpu()  # [T*K]
+        top_idx_host = top_idx.cpu()  # [T, K]
+        flat_idx = top_idx_host.flatten()  # [T*K]
         counts = torch.bincount(flat_idx, minlength=c.num_experts).tolist()  # [E]
+        experts.route(layer_idx, top_idx_host, counts)  # one lookup per distinct expert
+        nxt = self.next_moe_layer.get(layer_idx)
+        if nxt is not None and experts.wants_predictions:
+            # Prefetch: the next MoE layer's router on this layer's input predicts its experts
+            # (softmax is monotonic, so top-K of the logits is top-K of the probabilities).
+            next_logits = x @ self.layers[nxt].router_t  # [T, E]
+            experts.predict(nxt, torch.topk(next_logits, K, dim=-1).indices)  # [T, K]
         order = torch.argsort(flat_idx, stable=True).to(x.device)  # [T*K], grouped by expert
         token_of = order // K  # [T*K]
         weight_of = top_w.flatten()[order]  # [T*K]
@@ -209,6 +237,7 @@ class Qwen3MoeModel:
             y = experts.expert_forward(layer_idx, expert, x[tokens])  # [n, D]
             out.index_add_(0, tokens, y * weight_of[start : start + n, None])
             start += n
+        experts.layer_done(layer_idx)
         return out
 
 

@@ -111,7 +111,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_prompt_tokens", "completion_tokens", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "decode_tok_s", "lookups", "hits", "spilled", "hit_rate", "spill_ratio")
+    __slots__ = ("prompt_tokens", "reused_prompt_tokens", "completion_tokens", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "decode_tok_s", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "misses_host", "misses_copied", "prefetch_predicted", "prefetch_predicted_routed", "prefetch_routed", "prefetch_precision", "prefetch_recall", "prefill_lookups", "prefill_hits")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,15 @@ class RequestStats(_message.Message):
     SPILLED_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     SPILL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MISSES_HOST_FIELD_NUMBER: _ClassVar[int]
+    MISSES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_PREDICTED_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_RECALL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HITS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     reused_prompt_tokens: int
     completion_tokens: int
@@ -138,7 +147,16 @@ class RequestStats(_message.Message):
     spilled: int
     hit_rate: float
     spill_ratio: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ...) -> None: ...
+    misses_host: int
+    misses_copied: int
+    prefetch_predicted: int
+    prefetch_predicted_routed: int
+    prefetch_routed: int
+    prefetch_precision: float
+    prefetch_recall: float
+    prefill_lookups: int
+    prefill_hits: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., prefetch_predicted: _Optional[int] = ..., prefetch_predicted_routed: _Optional[int] = ..., prefetch_routed: _Optional[int] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefill_lookups: _Optional[int] = ..., prefill_hits: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "stats", "error")
@@ -165,7 +183,14 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatus(_message.Message):
-    __slots__ = ("slots", "total_pairs", "coverage", "slot_bytes", "device_memory_bytes", "reserved_bytes", "plan_version", "plan_source", "lookups", "hits", "spilled", "hit_rate", "spill_ratio")
+    __slots__ = ("slots", "total_pairs", "coverage", "slot_bytes", "device_memory_bytes", "reserved_bytes", "plan_version", "plan_source", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "policy", "pinned_slots", "dynamic_slots", "placement", "link_gb_s", "host_expert_tokens_s", "prefetch", "misses_host", "misses_copied", "placement_reasons", "prefetch_precision", "prefetch_recall", "prefetch_fills", "demand_fills", "evictions")
+    class PlacementReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAIRS_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +204,21 @@ class CacheStatus(_message.Message):
     SPILLED_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     SPILL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    LINK_GB_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_EXPERT_TOKENS_S_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    MISSES_HOST_FIELD_NUMBER: _ClassVar[int]
+    MISSES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_REASONS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_RECALL_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FILLS_FIELD_NUMBER: _ClassVar[int]
+    DEMAND_FILLS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     slots: int
     total_pairs: int
     coverage: float
@@ -192,7 +232,22 @@ class CacheStatus(_message.Message):
     spilled: int
     hit_rate: float
     spill_ratio: float
-    def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ...) -> None: ...
+    policy: str
+    pinned_slots: int
+    dynamic_slots: int
+    placement: str
+    link_gb_s: float
+    host_expert_tokens_s: float
+    prefetch: bool
+    misses_host: int
+    misses_copied: int
+    placement_reasons: _containers.ScalarMap[str, int]
+    prefetch_precision: float
+    prefetch_recall: float
+    prefetch_fills: int
+    demand_fills: int
+    evictions: int
+    def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., placement_reasons: _Optional[_Mapping[str, int]] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefetch_fills: _Optional[int] = ..., demand_fills: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
     __slots__ = ("engine_id", "model", "ready", "running", "waiting", "context_window", "device", "requests_finished", "tokens_generated", "cache")

@@ -1,0 +1,168 @@
+"""Miss placement: run a missed expert on the host, or copy its blob over the link and run it on
+the device — whichever the cost model says is sooner, within the exactness setting.
+
+    host_s(n) = host.fixed_s + host.per_token_s * n  (+ moving n activations both ways on CUDA)
+    copy_s(n) = slot_bytes / link_bytes_per_s + device.fixed_s + device.per_token_s * n
+
+Both terms are measured at start-up: a link probe (pinned host -> device copies on CUDA; a host
+memcpy on CPU, where "the device" is the host) and timed runs of one expert on 1 and 16 tokens.
+Since both costs are linear in n, the choice reduces to one crossover: the host below it.
+
+Placement modes (`--placement`):
+  exact  only placements bit-identical to a hit. On CPU both are (same math on the same
+         memory), so the cost model decides; on CUDA every miss is copied (a host matmul can
+         differ from the device's in the last bits, and greedy tokens could then drift).
+         The price on CUDA: a miss that the host would have computed sooner waits for its copy.
+  auto   the cost model over both placements (fastest; on CUDA last-bit differences possible)
+  host   every miss on the host;  copy: every miss copied to the device
+Reasons are counted per missed pair as "<placement>:<why>", why in cheaper | exact | forced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.cache.layout import ExpertLayout
+
+log = logging.getLogger("strata.engine")
+
+PLACEMENTS = ("exact", "auto", "host", "copy")
+DEFAULT_PLACEMENT = "exact"
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    bytes_per_s: float  # best of the samples
+    samples_gb_s: tuple[float, ...]
+    kind: str  # "pcie" (host -> CUDA device) or "memcpy" (CPU: host -> host)
+
+    def log_line(self) -> str:
+        samples = " ".join(f"{s:.1f}" for s in self.samples_gb_s)
+        note = "" if self.kind == "pcie" else " [no link on CPU: host memcpy]"
+        return (f"PCIe probe: {self.bytes_per_s / 1e9:.1f} GB/s host->device "
+                f"(best of {samples}){note}")
+
+
+def probe_link(device: torch.device, num_bytes: int | None = None, tries: int = 4) -> LinkProbe:
+    """Time `tries` copies of a host buffer to `device`; the best is the link's speed."""
+    on_cuda = device.type == "cuda"
+    num_bytes = num_bytes or (256 if on_cuda else 8) * 2**20
+    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=on_cuda)
+    src.fill_(1)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)  # warm-up (allocations, page faults)
+    samples = []
+    for _ in range(tries):
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=on_cuda)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        samples.append(num_bytes / max(time.perf_counter() - t0, 1e-9) / 1e9)
+    return LinkProbe(max(samples) * 1e9, tuple(samples), "pcie" if on_cuda else "memcpy")
+
+
+@dataclass(frozen=True)
+class ExpertTiming:
+    """Seconds to run one expert on n tokens: fixed_s + per_token_s * n."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * num_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.seconds(1)
+
+
+def time_expert(layout: ExpertLayout, blob: torch.Tensor, tries: int = 5) -> ExpertTiming:
+    """Time one expert in `blob`'s place (host or device) on 1 and 16 tokens: the best of
+    `tries` rounds of several runs each (a short run is easily disturbed)."""
+    device = blob.device
+    on_cuda = device.type == "cuda"
+    best = {}
+    for n, runs in ((1, 16), (16, 4)):
+        x = torch.randn(n, layout.hidden_size, dtype=blob.dtype, device=device)
+        layout.forward(x, blob)  # warm-up
+        times = []
+        for _ in range(tries):
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                layout.forward(x, blob)
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) / runs)
+        best[n] = min(times)
+    per_token = max(0.0, (best[16] - best[1]) / 15)
+    return ExpertTiming(max(0.0, best[1] - per_token), per_token)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    slot_bytes: int
+    link_bytes_per_s: float
+    host: ExpertTiming
+    device: ExpertTiming
+    activation_s: float = 0.0  # moving a token's activations to the host and back (CUDA)
+
+    def host_s(self, num_tokens: int) -> float:
+        return self.host.seconds(num_tokens) + self.activation_s
+
+    def copy_s(self, num_tokens: int) -> float:
+        return self.slot_bytes / self.link_bytes_per_s + self.device.seconds(num_tokens)
+
+    @property
+    def host_below_tokens(self) -> float:
+        """The crossover: misses with fewer tokens than this are sooner on the host."""
+        slope = self.host.per_token_s - self.device.per_token_s
+        gap = self.copy_s(0) - self.host_s(0)
+        if slope <= 0:
+            return float("inf") if gap > 0 else 0.0
+        return max(0.0, gap / slope)
+
+
+class Placer:
+    """Chooses each miss's placement; `choose(n)` -> ("host" | "copy", reason)."""
+
+    def __init__(self, mode: str, cost: CostModel | None, on_cuda: bool):
+        if mode not in PLACEMENTS:
+            raise ValueError(f"unknown placement {mode!r} (choose from {PLACEMENTS})")
+        assert cost is not None or mode in ("host", "copy") or (mode == "exact" and on_cuda)
+        self.mode = mode
+        self.cost = cost
+        self.on_cuda = on_cuda
+        self._fixed: tuple[str, str] | None = None
+        if mode in ("host", "copy"):
+            self._fixed = (mode, f"{mode}:forced")
+        elif mode == "exact" and on_cuda:
+            self._fixed = ("copy", "copy:exact")
+
+    def choose(self, num_tokens: int) -> tuple[str, str]:
+        if self._fixed is not None:
+            return self._fixed
+        assert self.cost is not None
+        if num_tokens < self.cost.host_below_tokens:
+            return "host", "host:cheaper"
+        return "copy", "copy:cheaper"
+
+    def describe(self) -> str:
+        if self.cost is None:
+            return f"placement {self.mode}: {self._fixed[0] if self._fixed else '?'} for every miss"
+        c = self.cost
+        text = (f"placement {self.mode}: host {c.host.fixed_s * 1e3:.3f} ms + "
+                f"{c.host.per_token_s * 1e3:.4f} ms/token ({c.host.tokens_per_s:.0f} tokens/s "
+                f"for one expert), copy {c.slot_bytes / c.link_bytes_per_s * 1e3:.3f} ms/slot "
+                f"+ device {c.device.fixed_s * 1e3:.3f} ms + {c.device.per_token_s * 1e3:.4f} "
+                f"ms/token")
+        if self._fixed is not None:
+            return f"{text} -> every miss {self._fixed[0]} ({self._fixed[1]})"
+        return f"{text} -> host below {c.host_below_tokens:.1f} tokens per expert, else copy"

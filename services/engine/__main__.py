@@ -78,11 +78,18 @@ async def serve(config: EngineConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    reporter = (asyncio.create_task(link.report_forever(engine.totals, plan.version,
-                                                        config.report_interval_s))
-                if link else None)
+    registration = await _register(config, engine, engine_id, runner.model_name, port)
+    reporter = watcher = None
+    if link:
+        reporter = asyncio.create_task(link.report_forever(
+            engine.totals, lambda: status.plan_version, config.report_interval_s))
+        watcher = _watch_plans(link, engine, runner, status)
     await stop.wait()
     log.info("engine %s stopping: finishing the running request", engine_id)
+    if registration:
+        await registration.stop()
+    if watcher:
+        await watcher.stop()
     await set_serving(health, False)
     await server.stop(grace=5.0)
     engine.stop()
@@ -90,10 +97,43 @@ async def serve(config: EngineConfig) -> None:
         reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reporter
-        await link.report(engine.totals, plan.version)  # type: ignore[union-attr]
+        await link.report(engine.totals, status.plan_version)  # type: ignore[union-attr]
         await link.close()  # type: ignore[union-attr]
     runner.close()
     log.info("engine %s stopped after %d requests", engine_id, engine.totals.requests_finished)
+
+
+async def _register(config: EngineConfig, engine: object, engine_id: str, model: str,
+                    port: int) -> object | None:
+    """Heartbeat into the Redis engine registry, so gateways find this engine and its load."""
+    if not config.redis_url:
+        return None
+    from services.common.registry import EngineLoad, EngineRegistration
+
+    registration = EngineRegistration(
+        config.redis_url, engine_id=engine_id, address=config.advertised_address(port),
+        model=model,
+        load=lambda: EngineLoad(engine.num_running, engine.num_waiting, True))  # type: ignore[attr-defined]
+    await registration.start()
+    return registration
+
+
+def _watch_plans(link: object, engine: object, runner: object, status: object) -> object:
+    """Apply each new plan version from the cache manager between engine steps."""
+    from services.engine.plan_watch import PlanWatcher
+
+    def apply(plan: object) -> None:
+        def fill() -> None:  # on the engine's loop thread, which owns the cache
+            runner.fill_cache(plan.pairs, source=f"plan v{plan.version} ({plan.source})")  # type: ignore[attr-defined]
+            status.plan_version, status.plan_source = plan.version, plan.source  # type: ignore[attr-defined]
+        engine.call_between_steps(fill)  # type: ignore[attr-defined]
+
+    watcher = PlanWatcher(link.address, link.engine_id, link.shape(), apply,  # type: ignore[attr-defined]
+                          device_memory_bytes=link.device_memory_bytes,  # type: ignore[attr-defined]
+                          reserved_bytes=link.reserved_bytes,  # type: ignore[attr-defined]
+                          known_version=status.plan_version)  # type: ignore[attr-defined]
+    watcher.start()
+    return watcher
 
 
 def run(config: EngineConfig) -> None:

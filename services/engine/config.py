@@ -81,6 +81,12 @@ SETTINGS = (
             "expert-profile.bin used to pre-fill the cache when no cache manager is set"),
     Setting("report_interval_s", "STRATA_REPORT_INTERVAL_S", _positive_float, 2.0,
             "seconds between routing reports to the cache manager"),
+    Setting("redis_url", "STRATA_REDIS_URL", optional_str, None,
+            "Redis for the engine registry (heartbeat with load) that gateways discover engines "
+            "from (default: none, gateways use static addresses)"),
+    Setting("advertise", "STRATA_ENGINE_ADVERTISE", optional_str, None,
+            "host:port gateways dial, as registered (default: bind address, or the hostname "
+            "when binding all interfaces)"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
             "device memory kept for a draft head, besides --reserve (0: none configured)"),
     Setting("policy", "STRATA_CACHE_POLICY", _choice(POLICIES), DEFAULT_POLICY,
@@ -112,6 +118,8 @@ class EngineConfig:
     cachemgr: str | None = None
     profile: str | None = None
     report_interval_s: float = 2.0
+    redis_url: str | None = None
+    advertise: str | None = None
     draft_reserve: int = 0
     policy: str = DEFAULT_POLICY
     pinned_fraction: float = DEFAULT_PINNED_FRACTION
@@ -135,6 +143,12 @@ class EngineConfig:
     @property
     def policy_spec(self) -> PolicySpec:
         return PolicySpec(self.policy, self.pinned_fraction, self.crf_lambda)
+
+    def advertised_address(self, bound_port: int) -> str:
+        if self.advertise:
+            return self.advertise
+        host = socket.gethostname() if self.host in {"0.0.0.0", "::", "[::]"} else self.host
+        return f"{host}:{bound_port}"
 
     def resolved_engine_id(self, bound_port: int) -> str:
         return self.engine_id or f"{socket.gethostname()}:{bound_port}"

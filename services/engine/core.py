@@ -179,6 +179,7 @@ class Engine:
         self.context_window: int = runner.config.context_window  # type: ignore[attr-defined]
         self.totals = EngineTotals()
         self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
         self._wakeup = threading.Condition()
         self._running = 0
         self._stopping = False
@@ -198,6 +199,13 @@ class Engine:
             handle = self._waiting.popleft()
             handle.sink(Finished("abort", RequestStats(prompt_tokens=len(handle.prompt_ids)),
                                  "engine shutting down"))
+
+    def call_between_steps(self, fn: Callable[[], None]) -> None:
+        """Run fn on the loop thread, which owns the runner, before the next step (a new plan's
+        cache fill, say); exceptions are logged, not raised."""
+        with self._wakeup:
+            self._between_steps.append(fn)
+            self._wakeup.notify()
 
     @property
     def num_waiting(self) -> int:
@@ -244,12 +252,21 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not self._waiting and not self._stopping:
+                while not self._waiting and not self._between_steps and not self._stopping:
                     self._wakeup.wait()
                 if self._stopping:
                     return
-                handle = self._waiting.popleft()
-                self._running = 1
+                chores = list(self._between_steps)
+                self._between_steps.clear()
+                handle = self._waiting.popleft() if self._waiting else None
+                self._running = int(handle is not None)
+            for chore in chores:
+                try:
+                    chore()
+                except Exception:
+                    log.exception("work between engine steps failed; the engine keeps serving")
+            if handle is None:
+                continue
             try:
                 finished = self._serve(handle)
             except Exception as exc:  # the loop must outlive any one request

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -58,7 +59,7 @@ class CacheManagerLink:
         self._failures = 0
         self._unsent: np.ndarray | None = None  # counts of reports that could not be sent
 
-    def _shape(self) -> cachemgr_pb2.ModelShape:
+    def shape(self) -> cachemgr_pb2.ModelShape:
         r = self.runner
         return cachemgr_pb2.ModelShape(
             fingerprint=r.fingerprint, name=r.model_name,  # type: ignore[attr-defined]
@@ -68,7 +69,7 @@ class CacheManagerLink:
 
     async def get_plan(self, timeout_s: float = 10.0) -> Plan:
         reply = await self._stub.GetPlan(cachemgr_pb2.GetPlanRequest(
-            engine_id=self.engine_id, model=self._shape(),
+            engine_id=self.engine_id, model=self.shape(),
             device_memory_bytes=self.device_memory_bytes, reserved_bytes=self.reserved_bytes),
             timeout=timeout_s, wait_for_ready=True)
         return Plan(reply.version, reply.slots, tuple((p.layer, p.expert) for p in reply.pairs),
@@ -86,7 +87,7 @@ class CacheManagerLink:
         delta = [a - b for a, b in zip(now, self._reported, strict=True)]
         try:
             ack = await self._stub.ReportRouting(cachemgr_pb2.RoutingReport(
-                engine_id=self.engine_id, model=self._shape(), counts=counts.ravel().tolist(),
+                engine_id=self.engine_id, model=self.shape(), counts=counts.ravel().tolist(),
                 lookups=delta[0], hits=delta[1], spilled=delta[2], tokens_generated=delta[3],
                 slots=self.runner.slots, device_memory_bytes=self.device_memory_bytes,  # type: ignore[attr-defined]
                 reserved_bytes=self.reserved_bytes, plan_version=plan_version), timeout=5.0)
@@ -105,10 +106,11 @@ class CacheManagerLink:
         self._reported = now
         return ack.plan_version
 
-    async def report_forever(self, totals: object, plan_version: int, interval_s: float) -> None:
+    async def report_forever(self, totals: object, plan_version: Callable[[], int],
+                             interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await self.report(totals, plan_version)
+            await self.report(totals, plan_version())
 
     async def close(self) -> None:
         await self._channel.close()

@@ -27,6 +27,8 @@ class RunningCluster:
     process: subprocess.Popen[str]
     port: int
     metrics_port: int
+    engine_port: int
+    cachemgr_port: int
     log_dir: Path
     output: Path
 
@@ -39,7 +41,7 @@ class RunningCluster:
 
 
 def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0) -> RunningCluster:
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, engine_port, cachemgr_port = (free_port() for _ in range(4))
     log_dir = tmp / "logs"
     output = tmp / "up.out"
     env = {**os.environ, "STRATA_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1"}
@@ -47,7 +49,7 @@ def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0) -> RunningCl
     with output.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--quiet", "--port", str(port),
-             "--engine-port", str(free_port()), "--cachemgr-port", str(free_port()),
+             "--engine-port", str(engine_port), "--cachemgr-port", str(cachemgr_port),
              "--metrics-port", str(metrics_port), "--log-dir", str(log_dir), *extra],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout_s
@@ -56,7 +58,8 @@ def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0) -> RunningCl
             process.kill()
             pytest.fail(f"strata up did not come up:\n{output.read_text()}")
         time.sleep(0.2)
-    return RunningCluster(process, port, metrics_port, log_dir, output)
+    return RunningCluster(process, port, metrics_port, engine_port, cachemgr_port, log_dir,
+                          output)
 
 
 def stop_cluster(cluster: RunningCluster) -> int:

@@ -122,3 +122,31 @@ def test_over_long_prompt_is_a_400_with_both_token_counts(cluster):
             max_tokens=4)
     message = caught.value.body["message"]
     assert "4096" in message and re.search(r"\b\d{4,5} tokens", message), message
+
+
+def test_engine_holds_the_cache_managers_plan_and_is_registered(cluster):
+    import grpc
+
+    from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+    from services.common.registry import EngineRegistry
+
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.engine_port}") as channel:
+        status = engine_pb2_grpc.EngineStub(channel).GetStatus(engine_pb2.GetStatusRequest(),
+                                                               timeout=5)
+    assert status.cache.plan_version >= 1 and status.cache.plan_source
+    redis_url = re.search(r"redis: embedded server at (\S+)", cluster.output.read_text()).group(1)
+    engines = asyncio.run(EngineRegistry(redis_url).engines())
+    assert [e.address for e in engines] == [f"127.0.0.1:{cluster.engine_port}"]
+
+
+def test_strata_top_shows_the_engine(cluster):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "services.cli", "top", "--once", "--json",
+                          "--cachemgr", f"127.0.0.1:{cluster.cachemgr_port}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    engines = json.loads(out.stdout)["cachemgr"]["engines"]
+    assert len(engines) == 1 and int(engines[0]["slots"]) > 0, engines

@@ -45,23 +45,26 @@ ARG STRATA_UID=10001
 RUN groupadd --system --gid "${STRATA_UID}" strata \
  && useradd --system --uid "${STRATA_UID}" --gid strata --home-dir /data --no-create-home \
       --shell /usr/sbin/nologin strata \
- && mkdir -p /data/models /data/profile \
+ && mkdir -p /data/models /data/cachemgr \
  && chown -R strata:strata /data
 COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     STRATA_HOME=/data
-USER strata
+# Numeric, so the runtime (and Kubernetes' runAsNonRoot) can tell it is not root without
+# reading /etc/passwd.
+USER ${STRATA_UID}:${STRATA_UID}
 WORKDIR /data
 
-# gateway HTTP, engine gRPC, cachemgr gRPC, cachemgr Prometheus /metrics
-EXPOSE 8000 50051 50061 9464
+# gateway HTTP, engine gRPC, cachemgr gRPC; Prometheus /metrics of cachemgr, gateway, engine
+EXPOSE 8000 50051 50061 9464 9465 9466
 
-# Fits the default command (the gateway): 200 from /health once an engine is ready. Containers that
-# run the engine or the cachemgr override it with a gRPC health check (deploy/compose.yaml does).
+# Fits the default command (the gateway): 200 from /readyz once an engine is reachable (cheap;
+# /health would run a generation every check). Containers that run the engine or the cachemgr
+# override it with a gRPC health check (deploy/compose.yaml does).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('STRATA_GATEWAY_PORT', '8000'), timeout=4)"]
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('STRATA_GATEWAY_PORT', '8000'), timeout=4)"]
 
 ENTRYPOINT ["strata"]
 CMD ["gateway"]

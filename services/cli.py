@@ -62,6 +62,10 @@ def _up(argv: list[str]) -> int:
     parser.add_argument("--cachemgr-port", type=positive_int, default=50061)
     parser.add_argument("--metrics-port", type=positive_int, default=9464,
                         help="cache manager's Prometheus endpoint")
+    parser.add_argument("--gateway-metrics-port", type=positive_int, default=None,
+                        help="gateway's Prometheus endpoint (default: 9465, or a free port)")
+    parser.add_argument("--engine-metrics-port", type=positive_int, default=None,
+                        help="engine's Prometheus endpoint (default: 9466, or a free port)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where each service's log goes (default: $STRATA_HOME/run)")
     parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
@@ -75,7 +79,9 @@ def _up(argv: list[str]) -> int:
         model=args.model, device_memory=args.device_memory, max_inflight=args.max_inflight,
         max_queue=args.max_queue, port=args.port, engine_port=args.engine_port,
         cachemgr_port=args.cachemgr_port, metrics_port=args.metrics_port,
-        log_dir=args.log_dir or strata_home() / "run", echo=not args.quiet))
+        log_dir=args.log_dir or strata_home() / "run", echo=not args.quiet,
+        gateway_metrics_port=args.gateway_metrics_port,
+        engine_metrics_port=args.engine_metrics_port))
 
 
 def _model(argv: list[str]) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -111,6 +112,25 @@ class UpConfig:
     log_dir: Path
     ready_timeout_s: float = 600.0
     echo: bool = True
+    gateway_metrics_port: int | None = None  # None: 9465 if free, else any free port
+    engine_metrics_port: int | None = None  # None: 9466 if free, else any free port
+
+
+DEFAULT_GATEWAY_METRICS_PORT = 9465
+DEFAULT_ENGINE_METRICS_PORT = 9466
+
+
+def metrics_port(given: int | None, default: int) -> int:
+    """The port given, else the default when nothing listens there, else a free one."""
+    if given is not None:
+        return given
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", default))
+            return default
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
 
 class Cluster:
@@ -132,15 +152,22 @@ class Cluster:
             [f"--max-queue={c.max_queue}"] if c.max_queue is not None else [])
         cachemgr = f"127.0.0.1:{c.cachemgr_port}"
         engine = f"127.0.0.1:{c.engine_port}"
+        gateway_metrics = metrics_port(c.gateway_metrics_port, DEFAULT_GATEWAY_METRICS_PORT)
+        engine_metrics = metrics_port(c.engine_metrics_port, DEFAULT_ENGINE_METRICS_PORT)
+        self._say(f"metrics: cachemgr http://127.0.0.1:{c.metrics_port}/metrics, gateway "
+                  f"http://127.0.0.1:{gateway_metrics}/metrics, engine "
+                  f"http://127.0.0.1:{engine_metrics}/metrics")
         return [
             self._child("cachemgr", "services.cachemgr",
                         ["--port", str(c.cachemgr_port), "--metrics-port", str(c.metrics_port),
                          "--redis-url", redis_url, *memory], grpc_serving(cachemgr)),
             self._child("engine", "services.engine",
-                        ["--port", str(c.engine_port), "--cachemgr", cachemgr, *model, *memory],
+                        ["--port", str(c.engine_port), "--cachemgr", cachemgr,
+                         "--metrics-port", str(engine_metrics), *model, *memory],
                         grpc_serving(engine)),
             self._child("gateway", "services.gateway",
-                        ["--port", str(c.port), "--engine", engine, *admission],
+                        ["--port", str(c.port), "--engine", engine,
+                         "--metrics-port", str(gateway_metrics), *admission],
                         http_ok(f"http://127.0.0.1:{c.port}/readyz")),
         ]
 

@@ -4,6 +4,7 @@
     metrics.record_request(model="qwen3-moe", duration_s=1.4, time_to_first_token_s=0.16,
                            input_tokens=26, output_tokens=192)
     metrics.set_load(running=3, waiting=1, kv_usage=0.42)  # read at each collection
+    metrics.set_load_source(lambda: (engine.num_running, engine.num_waiting, None))  # or this
 
 Instruments (GenAI semantic conventions, with their prescribed explicit bucket boundaries):
 
@@ -19,15 +20,15 @@ kv_cache_usage_perc are the same figures):
     strata.requests.running ({request})   strata.requests.waiting ({request})
     strata.kv_cache.usage (1)             share of KV cache blocks in use
 
-Attributes: gen_ai.operation.name, gen_ai.provider.name ("strata"), gen_ai.request.model,
-error.type (failed requests only). Prometheus names: gen_ai_server_time_to_first_token_seconds,
+Attributes: gen_ai.operation.name, gen_ai.provider.name ("strata"), gen_ai.request.model (left
+out when unknown: a request refused before its body was read), error.type (failed requests only). Prometheus names: gen_ai_server_time_to_first_token_seconds,
 gen_ai_client_token_usage (histograms: _bucket/_sum/_count), strata_requests_running, ...
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -71,6 +72,7 @@ class GenAIMetrics:
             explicit_bucket_boundaries_advisory=TOKEN_USAGE_BUCKETS)
         self._lock = threading.Lock()
         self._load: tuple[int, int, float | None] = (0, 0, None)
+        self._load_source: Callable[[], tuple[int, int, float | None]] | None = None
         meter.create_observable_gauge("strata.requests.running", [self._observe(0)],
                                       unit="{request}", description="Requests being decoded")
         meter.create_observable_gauge("strata.requests.waiting", [self._observe(1)],
@@ -81,7 +83,9 @@ class GenAIMetrics:
     def attributes(self, model: str, operation: str | None = None,
                    error_type: str | None = None) -> dict[str, str]:
         out = {"gen_ai.operation.name": operation or self.operation,
-               "gen_ai.provider.name": self.provider, "gen_ai.request.model": model}
+               "gen_ai.provider.name": self.provider}
+        if model:
+            out["gen_ai.request.model"] = model
         if error_type:
             out["error.type"] = error_type
         return out
@@ -109,8 +113,17 @@ class GenAIMetrics:
         with self._lock:
             self._load = (running, waiting, kv_usage)
 
+    def set_load_source(self, source: Callable[[], tuple[int, int, float | None]]) -> None:
+        """Read (running, waiting, kv_usage or None) from `source` at each collection instead
+        (called on the collecting thread: it must only read plain figures)."""
+        self._load_source = source
+
     def _observe(self, index: int):
         def observe(_: CallbackOptions) -> Iterable[Observation]:
+            source = self._load_source
+            if source is not None:
+                value = source()[index]
+                return [] if value is None else [Observation(value)]
             with self._lock:
                 value = self._load[index]
             return [] if value is None else [Observation(value)]

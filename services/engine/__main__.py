@@ -43,15 +43,25 @@ async def serve(config: EngineConfig) -> None:
     from services.engine.server import StatusSource, set_serving, start_server
 
     device = resolve_device(config.device)
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     runner = ModelRunner(config.model_dir, device=device,
                          device_memory_bytes=device_budget(config, device),
                          reserved_bytes=config.reserve, policy=config.policy_spec,
                          placement=config.placement, prefetch=config.prefetch,
                          record_routing=config.record_routing,
-                         draft_head_bytes=config.draft_reserve)
-    engine = Engine(runner)
+                         draft_head_bytes=config.draft_reserve,
+                         kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
+                         kv_dtype=config.kv_dtype, prefix_reuse=config.prefix_reuse)
+    engine = Engine(runner, max_running=config.max_running,
+                    max_step_tokens=config.prefill_chunk)
     status = StatusSource(engine, "", runner.model_name, device)
-    server, port, health = await start_server(engine, status, config.host, config.port)
+    meter_provider, tracer_provider = _telemetry(config)
+    server, port, health = await start_server(engine, status, config.host, config.port,
+                                              meter_provider=meter_provider,
+                                              tracer_provider=tracer_provider)
     status.engine_id = engine_id = config.resolved_engine_id(port)
     link = None
     if config.cachemgr:
@@ -82,8 +92,9 @@ async def serve(config: EngineConfig) -> None:
     reporter = watcher = None
     if link:
         reporter = asyncio.create_task(link.report_forever(
-            engine.totals, lambda: status.plan_version, config.report_interval_s))
-        watcher = _watch_plans(link, engine, runner, status)
+            engine.totals, lambda: status.plan_version, config.report_interval_s,
+            load=lambda: (engine.num_running, engine.num_waiting)))
+        watcher = _watch_plans(link, engine, runner, status, config.plan_swap_slots)
     await stop.wait()
     log.info("engine %s stopping: finishing the running request", engine_id)
     if registration:
@@ -100,6 +111,8 @@ async def serve(config: EngineConfig) -> None:
         await link.report(engine.totals, status.plan_version)  # type: ignore[union-attr]
         await link.close()  # type: ignore[union-attr]
     runner.close()
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
     log.info("engine %s stopped after %d requests", engine_id, engine.totals.requests_finished)
 
 
@@ -118,16 +131,27 @@ async def _register(config: EngineConfig, engine: object, engine_id: str, model:
     return registration
 
 
-def _watch_plans(link: object, engine: object, runner: object, status: object) -> object:
-    """Apply each new plan version from the cache manager between engine steps."""
-    from services.engine.plan_watch import PlanWatcher
+def _telemetry(config: EngineConfig) -> tuple[object, object]:
+    """Request metrics on the Prometheus endpoint (`metrics_port`, 0: none) and/or OTLP; spans
+    over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+    from services.common.telemetry import setup_metrics, setup_tracing
 
-    def apply(plan: object) -> None:
-        def fill() -> None:  # on the engine's loop thread, which owns the cache
-            runner.fill_cache(plan.pairs, source=f"plan v{plan.version} ({plan.source})")  # type: ignore[attr-defined]
-            status.plan_version, status.plan_source = plan.version, plan.source  # type: ignore[attr-defined]
-        engine.call_between_steps(fill)  # type: ignore[attr-defined]
+    try:
+        meter_provider = setup_metrics("strata-engine", config.metrics_port or None, config.host)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the metrics port {config.host}:{config.metrics_port} "
+                          f"({exc.strerror}); choose another with --metrics-port / "
+                          "STRATA_ENGINE_METRICS_PORT (0 disables it)") from None
+    return meter_provider, setup_tracing("strata-engine")
 
+
+def _watch_plans(link: object, engine: object, runner: object, status: object,
+                 swap_slots: int) -> object:
+    """Apply each new plan version from the cache manager between engine steps, at most
+    `swap_slots` slots per step (the engine's loop thread owns the cache)."""
+    from services.engine.plan_watch import PlanApplier, PlanWatcher
+
+    apply = PlanApplier(engine, runner.cache, status, swap_slots)  # type: ignore[attr-defined]
     watcher = PlanWatcher(link.address, link.engine_id, link.shape(), apply,  # type: ignore[attr-defined]
                           device_memory_bytes=link.device_memory_bytes,  # type: ignore[attr-defined]
                           reserved_bytes=link.reserved_bytes,  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ from services.common.settings import (
     optional_str,
     parse_bool,
     parse_bytes,
+    positive_int,
 )
 from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from services.engine.cache.policy import (
@@ -30,6 +31,12 @@ DEFAULT_CPU_DEVICE_MEMORY = 768 * 2**20
 def _device(text: str) -> str:
     if text not in {"auto", "cpu", "cuda"} and not text.startswith("cuda:"):
         raise ValueError("must be auto, cpu, cuda or cuda:N")
+    return text
+
+
+def _kv_dtype(text: str) -> str:
+    if text not in {"auto", "int8"}:
+        raise ValueError("must be auto or int8")
     return text
 
 
@@ -87,6 +94,20 @@ SETTINGS = (
     Setting("advertise", "STRATA_ENGINE_ADVERTISE", optional_str, None,
             "host:port gateways dial, as registered (default: bind address, or the hostname "
             "when binding all interfaces)"),
+    Setting("max_running", "STRATA_MAX_RUNNING", positive_int, 8,
+            "sequences decoded together in one step (continuous batching); more wait"),
+    Setting("prefill_chunk", "STRATA_PREFILL_CHUNK", positive_int, 512,
+            "tokens per engine step: decode tokens first, then prefill chunks up to this"),
+    Setting("kv_memory", "STRATA_KV_MEMORY", parse_bytes, None,
+            "device memory for the paged KV cache (default: 4 context windows' worth)"),
+    Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", positive_int, 16,
+            "token positions per KV block (the unit of prefix reuse)"),
+    Setting("kv_dtype", "STRATA_KV_DTYPE", _kv_dtype, "auto",
+            "auto (the model's dtype) or int8 (per-block scales, about 1/4 of fp32)"),
+    Setting("prefix_reuse", "STRATA_PREFIX_REUSE", parse_bool, True,
+            "reuse KV blocks of an equal prompt prefix already in the cache"),
+    Setting("threads", "STRATA_ENGINE_THREADS", non_negative_int, 0,
+            "CPU threads for the engine's tensor work (0: torch's default, one per core)"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
             "device memory kept for a draft head, besides --reserve (0: none configured)"),
     Setting("policy", "STRATA_CACHE_POLICY", _choice(POLICIES), DEFAULT_POLICY,
@@ -103,6 +124,11 @@ SETTINGS = (
             "prefetch the next layer's predicted experts (its router on this layer's input)"),
     Setting("record_routing", "STRATA_RECORD_ROUTING", optional_str, None,
             "write every step's routed pairs to this trace file (for strata cache replay)"),
+    Setting("metrics_port", "STRATA_ENGINE_METRICS_PORT", non_negative_int, 9466,
+            "Prometheus scrape port for the request and load metrics at /metrics (0 disables it)"),
+    Setting("plan_swap_slots", "STRATA_PLAN_SWAP_SLOTS", positive_int, 64,
+            "a new plan version is applied between engine steps, at most this many cache slots "
+            "swapped per step (decode never waits for a whole refill)"),
 )
 
 
@@ -120,6 +146,13 @@ class EngineConfig:
     report_interval_s: float = 2.0
     redis_url: str | None = None
     advertise: str | None = None
+    max_running: int = 8
+    prefill_chunk: int = 512
+    kv_memory: int | None = None
+    kv_block_size: int = 16
+    kv_dtype: str = "auto"
+    prefix_reuse: bool = True
+    threads: int = 0
     draft_reserve: int = 0
     policy: str = DEFAULT_POLICY
     pinned_fraction: float = DEFAULT_PINNED_FRACTION
@@ -127,6 +160,8 @@ class EngineConfig:
     placement: str = DEFAULT_PLACEMENT
     prefetch: bool = DEFAULT_PREFETCH
     record_routing: str | None = None
+    metrics_port: int = 9466  # 0: no Prometheus endpoint
+    plan_swap_slots: int = 64
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> EngineConfig:

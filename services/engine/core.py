@@ -1,25 +1,34 @@
-"""The engine's request loop: accept, prefill, decode, stop, account. No transport code.
+"""The engine's request loop: accept, schedule, step, sample, stop, account. No transport code.
 
-    submit() --validate--> Started ──> waiting deque ──> loop thread: prefill, decode ... ──> Finished
-                                                           each step: sample, detokenize, stop checks
+    submit() --validate--> Started ──> intake ──> loop thread, once per step:
+        scheduler.schedule()  decode tokens of running sequences + prefill chunks + admissions
+        runner.step()         one forward pass over all of them (one shared expert cache)
+        per sampled chunk:    sample, detokenize, stop checks ──> Delta ... ──> Finished
 
-Requests run one at a time on the loop thread, which owns the model runner (and so the device).
-Every accepted request ends with exactly one Finished event, whatever happens.
+The loop thread owns the model runner (and so the device). Every accepted request ends with
+exactly one Finished event, whatever happens: EOS, stop string, length, cancellation (blocks freed
+within one step), an engine error in its own chunk, or shutdown.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from services.engine.block_manager import BlockManager
+from services.engine.cache.stats import CacheCounters
+from services.engine.detokenize import TextStream
+from services.engine.runner import ChunkWork
 from services.engine.sampling import Sampler, SamplingConfig
+from services.engine.scheduler import Scheduler, SeqState, Step
 
 log = logging.getLogger("strata.engine")
 serve_log = logging.getLogger("strata.serve")
@@ -141,13 +150,12 @@ Sink = Callable[[Event], None]
 class Runner(Protocol):
     """What the loop needs from services.engine.runner.ModelRunner."""
 
-    tokenizer: object
-    config: object
+    tokenizer: Any
+    config: Any
+    blocks: BlockManager
 
-    def start(self, prompt_ids: list[int]) -> object: ...
-    def prefill(self, seq: object) -> object: ...
-    def decode(self, seq: object, token_id: int) -> object: ...
-    def release(self, seq: object) -> None: ...
+    def step(self, chunks: Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
+                                                              CacheCounters]]: ...
 
 
 @dataclass
@@ -173,15 +181,56 @@ class EngineTotals:
     spilled: int = 0
 
 
+class _Live:
+    """The loop thread's state of one accepted request (the scheduler's SeqState.payload)."""
+
+    def __init__(self, handle: RequestHandle, tokenizer: object, context_window: int):
+        params = handle.request.params
+        self.handle = handle
+        self.sampler = Sampler(params.sampling)
+        self.text = TextStream(tokenizer, params.stop)
+        room = context_window - len(handle.prompt_ids)
+        self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
+        self.generated = 0
+        self.decode = CacheCounters()
+        self.prefill = CacheCounters()
+        self.first_token_at: float | None = None
+
+    def stats(self, seq: SeqState, finished_at: float) -> RequestStats:
+        h = self.handle
+        admitted = seq.admitted_at if seq.admitted_at is not None else finished_at
+        first = self.first_token_at if self.first_token_at is not None else finished_at
+        decode_s = finished_at - first
+        d, p = self.decode, self.prefill
+        return RequestStats(
+            prompt_tokens=len(h.prompt_ids), reused_prompt_tokens=seq.num_reused,
+            completion_tokens=self.generated,
+            queue_ms=(admitted - h.submitted_at) * 1e3,
+            prefill_ms=(first - admitted) * 1e3,
+            decode_ms=decode_s * 1e3,
+            ttft_ms=(first - h.submitted_at) * 1e3,
+            decode_tok_s=self.generated / decode_s if decode_s > 0 and self.generated else 0.0,
+            lookups=d.lookups, hits=d.hits, spilled=d.spilled, misses_host=d.misses_host,
+            misses_copied=d.misses_copied, prefetch_predicted=d.predicted,
+            prefetch_predicted_routed=d.predicted_routed,
+            prefetch_routed=d.routed_with_prediction, prefill_lookups=p.lookups,
+            prefill_hits=p.hits)
+
+
 class Engine:
-    def __init__(self, runner: Runner):
+    """Continuous batching over one model runner: every step is one forward pass over the
+    decode tokens of all running sequences plus chunks of pending prefills (see scheduler.py)."""
+
+    def __init__(self, runner: Runner, *, max_running: int = 8, max_step_tokens: int = 512):
         self.runner = runner
         self.context_window: int = runner.config.context_window  # type: ignore[attr-defined]
         self.totals = EngineTotals()
-        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self.scheduler = Scheduler(runner.blocks, max_running,  # type: ignore[attr-defined]
+                                   max(max_step_tokens, max_running), clock=time.perf_counter)
+        self._intake: collections.deque[SeqState] = collections.deque()
         self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
+        self._seq_ids = itertools.count()
         self._wakeup = threading.Condition()
-        self._running = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="strata-engine-loop", daemon=True)
 
@@ -190,15 +239,15 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Finish the running request, abort the waiting ones, stop the loop thread."""
+        """Stop after the current step; every request not finished ends with an abort."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify_all()
         self._thread.join(timeout_s)
-        while self._waiting:
-            handle = self._waiting.popleft()
-            handle.sink(Finished("abort", RequestStats(prompt_tokens=len(handle.prompt_ids)),
-                                 "engine shutting down"))
+        pending = [*self._intake, *self.scheduler.running, *self.scheduler.waiting]
+        self._intake.clear()
+        for seq in pending:
+            self._finish(seq, "abort", "engine shutting down")
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread, which owns the runner, before the next step (a new plan's
@@ -209,11 +258,11 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._intake) + len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return self._running
+        return len(self.scheduler.running)
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request: EngineRequest, sink: Sink) -> RequestHandle:
@@ -224,9 +273,12 @@ class Engine:
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         handle = RequestHandle(request, prompt_ids, sink)
+        live = _Live(handle, self.runner.tokenizer, self.context_window)
+        seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
+                       arrived_at=handle.submitted_at, payload=live)
         sink(Started(len(prompt_ids), self.context_window))
         with self._wakeup:
-            self._waiting.append(handle)
+            self._intake.append(seq)
             self._wakeup.notify()
         return handle
 
@@ -250,97 +302,112 @@ class Engine:
 
     # -- loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        sched = self.scheduler
         while True:
             with self._wakeup:
-                while not self._waiting and not self._between_steps and not self._stopping:
+                while not (self._intake or self._between_steps or self._stopping
+                           or sched.has_work):
                     self._wakeup.wait()
                 if self._stopping:
                     return
                 chores = list(self._between_steps)
                 self._between_steps.clear()
-                handle = self._waiting.popleft() if self._waiting else None
-                self._running = int(handle is not None)
+                arrived = list(self._intake)
+                self._intake.clear()
             for chore in chores:
                 try:
                     chore()
                 except Exception:
                     log.exception("work between engine steps failed; the engine keeps serving")
-            if handle is None:
-                continue
+            for seq in arrived:
+                sched.add(seq)
+            for seq in (*sched.running, *sched.waiting):
+                seq.cancelled = seq.payload.handle.cancelled.is_set()
             try:
-                finished = self._serve(handle)
-            except Exception as exc:  # the loop must outlive any one request
-                log.exception("request %s failed inside the engine: %s",
-                              handle.request.request_id, exc)
-                finished = Finished("abort", RequestStats(prompt_tokens=len(handle.prompt_ids)),
-                                    f"engine error: {type(exc).__name__}: {exc}")
-            finally:
-                self._running = 0
-            self._account(finished.stats)
-            handle.sink(finished)
+                self._step()
+            except Exception:  # the loop must outlive any one step
+                log.exception("engine step failed outside the model; the engine keeps serving")
 
-    def _serve(self, handle: RequestHandle) -> Finished:
-        started = time.perf_counter()
-        queue_ms = (started - handle.submitted_at) * 1e3
-        prompt_len = len(handle.prompt_ids)
-        if handle.cancelled.is_set():
-            return Finished("abort", RequestStats(prompt_tokens=prompt_len, queue_ms=queue_ms),
-                            "cancelled before it started")
-        runner = self.runner
-        seq = runner.start(handle.prompt_ids)
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        for seq in step.dropped:
+            self._finish(seq, "abort", "cancelled by the client")
+        if not step.chunks:
+            return
+        work = [ChunkWork(c.seq.token_ids[c.start:c.end], c.start,
+                          c.seq.table.block_ids,  # type: ignore[union-attr]
+                          prefill=not (c.end - c.start == 1 and c.start >= c.seq.prompt_len),
+                          wants_logits=c.samples)
+                for c in step.chunks]
         try:
-            logits = runner.prefill(seq)
-            prefill_done = time.perf_counter()
-            reason, num_generated, first_token_at = self._decode(handle, seq, logits)
-            decode_done = time.perf_counter()
-        finally:
-            runner.release(seq)
-        routing = seq.stats  # type: ignore[attr-defined]
-        decode_s = decode_done - prefill_done
-        stats = RequestStats(
-            prompt_tokens=prompt_len,
-            completion_tokens=num_generated,
-            queue_ms=queue_ms,
-            prefill_ms=(prefill_done - started) * 1e3,
-            decode_ms=decode_s * 1e3,
-            ttft_ms=((first_token_at or decode_done) - handle.submitted_at) * 1e3,
-            decode_tok_s=num_generated / decode_s if decode_s > 0 and num_generated else 0.0,
-            **_cache_figures(routing))
-        self._log_request(stats)
-        error = "cancelled by the client" if reason == "abort" else ""
-        return Finished(reason, stats, error)
+            results: list = self.runner.step(work)  # type: ignore[attr-defined]
+        except Exception as exc:
+            results = self._isolate(work, exc)
+        ran = [c for c, r in zip(step.chunks, results, strict=True) if r is not None]
+        self.scheduler.complete(Step(tuple(ran)))
+        for chunk, w, result in zip(step.chunks, work, results, strict=True):
+            seq = chunk.seq
+            if result is None:
+                self._finish(seq, "abort", "engine error while computing this request; "
+                                           "the engine log has the traceback")
+                continue
+            logits, counters = result
+            live: _Live = seq.payload
+            (live.prefill if w.prefill else live.decode).add(counters)
+            if chunk.samples:
+                try:
+                    self._advance(seq, logits)
+                except Exception as exc:
+                    log.exception("request %s failed after its step", live.handle.request.request_id)
+                    self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
 
-    def _decode(self, handle: RequestHandle, seq: object, logits: object
-                ) -> tuple[str, int, float | None]:
-        """Sample until EOS, a stop string, max_tokens or the window; returns (reason, n, t_first)."""
-        runner, params = self.runner, handle.request.params
-        sampler = Sampler(params.sampling)
-        eos_ids = runner.tokenizer.eos_token_ids  # type: ignore[attr-defined]
-        room = self.context_window - len(handle.prompt_ids)
-        max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
-        text = _TextStream(runner.tokenizer, params.stop)
-        first_token_at: float | None = None
-        generated = 0
-        while True:
-            if handle.cancelled.is_set():
-                return "abort", generated, first_token_at
-            token_id = sampler.sample(logits)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            if token_id in eos_ids:
-                self._emit(handle, text.flush(), ())
-                return "stop", generated, first_token_at
-            generated += 1
-            new_text, hit_stop = text.push(token_id)
-            logprobs = (self._logprobs(logits, token_id, params.top_logprobs),
-                        ) if params.logprobs else ()
-            self._emit(handle, new_text, (token_id,), logprobs)
-            if hit_stop:
-                return "stop", generated, first_token_at
-            if generated >= max_new:
-                self._emit(handle, text.flush(), ())
-                return "length", generated, first_token_at
-            logits = runner.decode(seq, token_id)
+    def _isolate(self, work: list, exc: Exception) -> list:
+        """A batched step failed: run its chunks one by one so only the failing ones end."""
+        log.warning("a step of %d chunks failed (%s: %s); retrying them one at a time",
+                    len(work), type(exc).__name__, exc)
+        results: list = []
+        for w in work:
+            try:
+                [result] = self.runner.step([w])  # type: ignore[attr-defined]
+            except Exception:
+                log.exception("a chunk at position %d failed on its own", w.pos_start)
+                result = None
+            results.append(result)
+        return results
+
+    def _advance(self, seq: SeqState, logits: torch.Tensor) -> None:
+        """Sample the next token; emit its text; finish on EOS, a stop string or the limit."""
+        live: _Live = seq.payload
+        params = live.handle.request.params
+        token_id = live.sampler.sample(logits)
+        if live.first_token_at is None:
+            live.first_token_at = time.perf_counter()
+        if token_id in self.runner.tokenizer.eos_token_ids:  # type: ignore[attr-defined]
+            self._emit(live.handle, live.text.flush(), ())
+            self._finish(seq, "stop")
+            return
+        live.generated += 1
+        new_text, hit_stop = live.text.push(token_id)
+        logprobs = (self._logprobs(logits, token_id, params.top_logprobs),
+                    ) if params.logprobs else ()
+        self._emit(live.handle, new_text, (token_id,), logprobs)
+        if hit_stop:
+            self._finish(seq, "stop")
+        elif live.generated >= live.max_new:
+            self._emit(live.handle, live.text.flush(), ())
+            self._finish(seq, "length")
+        else:
+            seq.token_ids.append(token_id)
+
+    def _finish(self, seq: SeqState, reason: str, error: str = "") -> None:
+        """The request's one terminal event: free its blocks, log, account, tell the client."""
+        self.scheduler.finish(seq)
+        live: _Live = seq.payload
+        stats = live.stats(seq, time.perf_counter())
+        if seq.admitted_at is not None:
+            self._log_request(stats)
+        self._account(stats)
+        live.handle.sink(Finished(reason, stats, error))
 
     @staticmethod
     def _emit(handle: RequestHandle, text: str, token_ids: tuple[int, ...],
@@ -390,59 +457,3 @@ class Engine:
             s.misses_host, s.misses_copied,
             f"; prefetch precision {100 * s.prefetch_precision:.1f}% recall "
             f"{100 * s.prefetch_recall:.1f}%" if s.prefetch_predicted else "")
-
-
-def _cache_figures(routing: object) -> dict[str, int]:
-    """RequestStats' cache fields from a runner Sequence's RoutingStats."""
-    d, p = routing.decode, routing.prefill  # type: ignore[attr-defined]
-    return dict(lookups=d.lookups, hits=d.hits, spilled=d.spilled, misses_host=d.misses_host,
-                misses_copied=d.misses_copied, prefetch_predicted=d.predicted,
-                prefetch_predicted_routed=d.predicted_routed,
-                prefetch_routed=d.routed_with_prediction, prefill_lookups=p.lookups,
-                prefill_hits=p.hits)
-
-
-class _TextStream:
-    """Incremental detokenizer with stop strings.
-
-    Holds back text that may still change: an incomplete UTF-8 sequence (decodes to U+FFFD)
-    and any tail that could be the start of a stop string.
-    """
-
-    def __init__(self, tokenizer: object, stop: tuple[str, ...]):
-        self._tokenizer = tokenizer
-        self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = []
-        self._text = ""
-        self._emitted = 0  # chars of _text already sent
-
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Returns (text now safe to send, whether a stop string ended the output)."""
-        self._ids.append(token_id)
-        self._text = self._tokenizer.decode(self._ids)  # type: ignore[attr-defined]
-        for stop in self._stop:
-            found = self._text.find(stop, max(0, self._emitted - len(stop) + 1))
-            if found != -1:
-                out = self._text[self._emitted:found]
-                self._emitted = len(self._text)
-                return out, True
-        safe = len(self._text.rstrip("\ufffd"))
-        safe -= self._stop_prefix_len(self._text[:safe])
-        out = self._text[self._emitted:max(safe, self._emitted)]
-        self._emitted = max(safe, self._emitted)
-        return out, False
-
-    def flush(self) -> str:
-        out = self._text[self._emitted:]
-        self._emitted = len(self._text)
-        return out
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best

@@ -12,6 +12,8 @@ manager is unreachable the watcher keeps the last plan (`watcher.plan`), logs on
 retries with exponential backoff; when it is back it resubscribes, telling it the version held,
 so only a different version is delivered. A restarted cache manager numbers versions anew, so a
 version may be lower than the one held: apply any version that differs.
+
+`PlanApplier` is the engine's `on_plan`: it applies each version incrementally between steps.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -125,3 +128,52 @@ class PlanWatcher:
                 await result
         except Exception:  # the engine's problem; the subscription goes on
             log.exception("applying plan v%d failed", plan.version)
+
+
+class PlanApplier:
+    """Applies plan versions to the engine's expert cache a few slots per engine step.
+
+        applier = PlanApplier(engine, runner.cache, status, swap_slots=64)
+        watcher = PlanWatcher(..., on_plan=applier)
+
+    `applier(plan)` (any thread) queues a chore between engine steps that begins the plan
+    (`cache.begin_plan`); each chore swaps at most `swap_slots` slots (`cache.apply_plan_step`)
+    and queues the next until the plan is in place, so decode never waits for a whole refill.
+    Then `status.plan_version` / `plan_source` name it. A newer plan replaces one in progress.
+    """
+
+    def __init__(self, engine: object, cache: object, status: object, swap_slots: int) -> None:
+        assert swap_slots >= 1
+        self.engine = engine
+        self.cache = cache
+        self.status = status
+        self.swap_slots = swap_slots
+        self._latest = 0  # plans received (any thread)
+        self._applying = 0  # the plan the chores work on (loop thread)
+
+    def __call__(self, plan: Plan) -> None:
+        self._latest += 1
+        number = self._latest
+        self.engine.call_between_steps(lambda: self._begin(plan, number))  # type: ignore[attr-defined]
+
+    def _begin(self, plan: Plan, number: int) -> None:
+        if number != self._latest:  # a newer plan arrived before this one began
+            return
+        self._applying = number
+        self.cache.begin_plan(plan.pairs)  # type: ignore[attr-defined]
+        log.info("plan v%d (%s): applying between engine steps, at most %d slot swaps per step",
+                 plan.version, plan.source, self.swap_slots)
+        self._step(plan, number, time.perf_counter(), 0, 0)
+
+    def _step(self, plan: Plan, number: int, started_s: float, swapped: int, steps: int) -> None:
+        if number != self._applying:  # replaced by a newer plan
+            return
+        filled, done = self.cache.apply_plan_step(self.swap_slots)  # type: ignore[attr-defined]
+        swapped, steps = swapped + filled, steps + 1
+        if not done:
+            self.engine.call_between_steps(  # type: ignore[attr-defined]
+                lambda: self._step(plan, number, started_s, swapped, steps))
+            return
+        self.status.plan_version, self.status.plan_source = plan.version, plan.source  # type: ignore[attr-defined]
+        log.info("plan v%d (%s) applied: %d slots swapped in %d steps over %.2f s",
+                 plan.version, plan.source, swapped, steps, time.perf_counter() - started_s)

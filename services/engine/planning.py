@@ -43,6 +43,40 @@ def local_plan(runner: object, profile_path: str | None) -> Plan:
                 "layer-order")
 
 
+@dataclass(frozen=True)
+class _CacheFigures:
+    """The expert cache's lifetime prefetch and link figures, for reports of their deltas."""
+
+    prefetch: bool = False
+    predicted: int = 0  # distinct pairs predicted for a next layer (decode steps)
+    predicted_routed: int = 0  # ... that the layer then routed to
+    link_copies: int = 0
+    link_bytes: int = 0
+    link_busy_s: float = 0.0
+
+    @classmethod
+    def read(cls, runner: object) -> _CacheFigures:
+        cache = getattr(runner, "cache", None)
+        if cache is None:  # a test double without an expert cache
+            return cls()
+        copies, num_bytes, busy_s = cache.link.totals()
+        return cls(cache.prefetch, cache.decode.predicted, cache.decode.predicted_routed,
+                   copies, num_bytes, busy_s)
+
+    def since(self, before: _CacheFigures) -> dict[str, int | float]:
+        """RoutingReport's optional fields; prefetch ones only when prefetch is on, link ones
+        only when copies finished (a busy time to divide by)."""
+        out: dict[str, int | float] = {}
+        if self.prefetch:
+            out["prefetched"] = self.predicted - before.predicted
+            out["prefetch_used"] = self.predicted_routed - before.predicted_routed
+        busy_s = self.link_busy_s - before.link_busy_s
+        if busy_s > 0:
+            out["link_bytes"] = self.link_bytes - before.link_bytes
+            out["link_busy_s"] = busy_s
+        return out
+
+
 class CacheManagerLink:
     """The engine's side of the CacheManager service."""
 
@@ -56,6 +90,7 @@ class CacheManagerLink:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = cachemgr_pb2_grpc.CacheManagerStub(self._channel)
         self._reported = (0, 0, 0, 0)  # lookups, hits, spilled, tokens at the last report
+        self._reported_cache = _CacheFigures()  # prefetch and link figures at the last report
         self._failures = 0
         self._unsent: np.ndarray | None = None  # counts of reports that could not be sent
 
@@ -75,9 +110,11 @@ class CacheManagerLink:
         return Plan(reply.version, reply.slots, tuple((p.layer, p.expert) for p in reply.pairs),
                     reply.source)
 
-    async def report(self, totals: object, plan_version: int) -> int | None:
-        """Send routing counts and cache figures since the last report; returns the cache
-        manager's plan version, or None when it could not be reached (counts are kept)."""
+    async def report(self, totals: object, plan_version: int,
+                     load: tuple[int, int] | None = None) -> int | None:
+        """Send routing counts and cache figures since the last report (with the requests
+        (running, waiting) now, when given); returns the cache manager's plan version, or None
+        when it could not be reached (counts are kept)."""
         counts = self.runner.take_routing_counts()  # type: ignore[attr-defined]
         if self._unsent is not None:
             counts = counts + self._unsent
@@ -85,12 +122,17 @@ class CacheManagerLink:
         now = (totals.lookups, totals.hits, totals.spilled,  # type: ignore[attr-defined]
                totals.tokens_generated)  # type: ignore[attr-defined]
         delta = [a - b for a, b in zip(now, self._reported, strict=True)]
+        cache_now = _CacheFigures.read(self.runner)
+        optional = cache_now.since(self._reported_cache)
+        if load is not None:
+            optional |= {"requests_running": load[0], "requests_waiting": load[1]}
         try:
             ack = await self._stub.ReportRouting(cachemgr_pb2.RoutingReport(
                 engine_id=self.engine_id, model=self.shape(), counts=counts.ravel().tolist(),
                 lookups=delta[0], hits=delta[1], spilled=delta[2], tokens_generated=delta[3],
                 slots=self.runner.slots, device_memory_bytes=self.device_memory_bytes,  # type: ignore[attr-defined]
-                reserved_bytes=self.reserved_bytes, plan_version=plan_version), timeout=5.0)
+                reserved_bytes=self.reserved_bytes, plan_version=plan_version, **optional),
+                timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             self._unsent = counts
             self._failures += 1
@@ -104,13 +146,15 @@ class CacheManagerLink:
                      self._failures)
             self._failures = 0
         self._reported = now
+        self._reported_cache = cache_now
         return ack.plan_version
 
     async def report_forever(self, totals: object, plan_version: Callable[[], int],
-                             interval_s: float) -> None:
+                             interval_s: float,
+                             load: Callable[[], tuple[int, int]] | None = None) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await self.report(totals, plan_version())
+            await self.report(totals, plan_version(), load() if load else None)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from services.common.sizing import CacheSize, size_cache
+from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.layout import ExpertLayout
@@ -41,10 +42,13 @@ from services.engine.cache.stats import CacheCounters
 from services.engine.cache.trace import TraceWriter
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig, load_model_config
-from services.engine.model.qwen3_moe import KVCache, load_qwen3_moe
+from services.engine.model.paged_kv import PagedKVCache
+from services.engine.model.qwen3_moe import Span, load_qwen3_moe
 from services.engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.engine")
+
+DEFAULT_KV_WINDOWS = 4  # default KV pool: this many full context windows
 
 
 class PromptError(ValueError):
@@ -53,6 +57,17 @@ class PromptError(ValueError):
 
 class ContextWindowError(PromptError):
     """The sequence would grow past its KV capacity (the context window by default)."""
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """What the runner needs of one scheduled chunk: positions [pos_start, pos_start + len)."""
+
+    token_ids: abc.Sequence[int]
+    pos_start: int
+    block_table: abc.Sequence[int]
+    prefill: bool  # prompt (or recomputed) tokens: the expert cache counts them apart
+    wants_logits: bool  # the chunk ends at the sequence's last token
 
 
 @dataclass
@@ -89,11 +104,13 @@ class RoutingStats:
 
 @dataclass
 class Sequence:
+    """One sequence driven through the single-sequence API (start/prefill/decode/release)."""
+
     seq_id: int
     token_ids: list[int]
     prompt_len: int
     max_num_tokens: int  # KV capacity
-    kv: list[KVCache]
+    table: BlockTable | None
     num_cached: int = 0  # tokens whose K/V are in the cache
     stats: RoutingStats = field(default_factory=RoutingStats)
 
@@ -116,6 +133,10 @@ class ModelRunner:
         prefetch: bool = DEFAULT_PREFETCH,
         record_routing: str | Path | None = None,
         draft_head_bytes: int = 0,
+        kv_memory_bytes: int | None = None,
+        kv_block_size: int = 16,
+        kv_dtype: str = "auto",
+        prefix_reuse: bool = True,
     ):
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
@@ -143,6 +164,7 @@ class ModelRunner:
         )
         self.model = load_qwen3_moe(reader, c, self.device, dtype)
         self.num_usable_tokens = min(c.vocab_size, self.tokenizer.vocab_size)
+        self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype, prefix_reuse)
 
         layout = ExpertLayout(c.hidden_size, c.moe_intermediate_size)
         self.slot_bytes = layout.blob_bytes(dtype)
@@ -188,6 +210,32 @@ class ModelRunner:
             time.perf_counter() - t0,
             host.total_bytes / 2**20,
         )
+
+    def _setup_kv(self, kv_memory_bytes: int | None, block_size: int, kv_dtype: str,
+                  prefix_reuse: bool) -> None:
+        """The paged KV pool, allocated before the expert cache is sized (on CUDA the cache gets
+        what is free after it). Default: room for DEFAULT_KV_WINDOWS full context windows."""
+        c = self.config
+        per_block = PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
+                                                 c.head_dim, self.dtype, kv_dtype)
+        window_blocks = -(-c.context_window // block_size)
+        if kv_memory_bytes is None:
+            num_blocks = DEFAULT_KV_WINDOWS * window_blocks
+        else:
+            num_blocks = kv_memory_bytes // per_block
+            if num_blocks < window_blocks:
+                raise ValueError(
+                    f"--kv-memory {kv_memory_bytes / 2**20:.0f} MiB holds "
+                    f"{num_blocks * block_size} tokens, less than the context window of "
+                    f"{c.context_window}; give at least {window_blocks * per_block / 2**20:.0f} MiB")
+        self.kv = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                               self.dtype, self.device, kv_dtype)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_reuse)
+        log.info("KV cache: %d blocks of %d positions (%s, %.0f MiB) = %d tokens, %.1f context "
+                 "windows; prefix reuse %s", num_blocks, block_size,
+                 "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
+                 num_blocks * per_block / 2**20, num_blocks * block_size,
+                 num_blocks / window_blocks, "on" if prefix_reuse else "off")
 
     def _cost_model(self, layout: ExpertLayout, host: HostStore, link: LinkProbe) -> CostModel:
         """Measured host and device expert speeds (the same on CPU) for miss placement."""
@@ -260,6 +308,50 @@ class ModelRunner:
         (log.info if report.verified else log.error)(report.log_line())
         return report
 
+    # -- one step over many sequences (continuous batching) ---------------------------------
+    @torch.no_grad()
+    def step(self, chunks: abc.Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
+                                                                  CacheCounters]]:
+        """One forward pass over every chunk; per chunk: fp32 logits [V] (for chunks that want
+        them, else None) and its expert-cache figures. Lookups, hits and misses by placement are
+        exact per chunk; prefetch figures are the step's, shared by its decode chunks."""
+        ids, positions, spans, prefill_rows, logit_rows = [], [], [], [], []
+        for chunk in chunks:
+            row = len(ids)
+            n = len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.pos_start, chunk.pos_start + n))
+            spans.append(Span(row, row + n, chunk.pos_start, chunk.block_table))
+            prefill_rows.extend([chunk.prefill] * n)
+            if chunk.wants_logits:
+                logit_rows.append(row + n - 1)
+        self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
+        before = self.cache.decode.copy()
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=self.device),  # [T]
+            torch.tensor(positions, dtype=torch.long, device=self.device),  # [T]
+            spans, self.kv, self.cache,
+            torch.tensor(logit_rows, dtype=torch.long, device=self.device))  # [S, V]
+        logits[:, self.num_usable_tokens:] = float("-inf")
+        step_decode = self.cache.decode.since(before)
+        lookups_per_token = self.config.experts_per_token * len(self.config.moe_layers)
+        results: list[tuple[torch.Tensor | None, CacheCounters]] = []
+        next_logits = iter(logits)
+        for chunk, span in zip(chunks, spans, strict=True):
+            rows = slice(span.row_start, span.row_end)
+            counters = CacheCounters(
+                lookups=lookups_per_token * (span.row_end - span.row_start),
+                hits=int(self.cache.step_token_hits[rows].sum()),
+                misses_host=int(self.cache.step_token_host[rows].sum()),
+                misses_copied=int(self.cache.step_token_copied[rows].sum()))
+            if not chunk.prefill:
+                counters.predicted = step_decode.predicted
+                counters.predicted_routed = step_decode.predicted_routed
+                counters.routed_with_prediction = step_decode.routed_with_prediction
+            results.append((next(next_logits) if chunk.wants_logits else None, counters))
+        return results
+
+    # -- one sequence at a time (tools and tests) ---------------------------------------------
     def start(self, prompt_ids: list[int], max_num_tokens: int | None = None) -> Sequence:
         """A new sequence with KV room for max_num_tokens (default: the context window)."""
         window = self.config.context_window
@@ -281,7 +373,7 @@ class ModelRunner:
             token_ids=list(prompt_ids),
             prompt_len=len(prompt_ids),
             max_num_tokens=capacity,
-            kv=self.model.setup_caches(capacity),
+            table=BlockTable(),
         )
 
     def prefill(self, seq: Sequence, max_tokens: int | None = None) -> torch.Tensor:
@@ -293,37 +385,35 @@ class ModelRunner:
             if max_tokens is None
             else min(seq.num_tokens, seq.num_cached + max_tokens)
         )
-        before = self.cache.prefill.copy()
-        logits = self._forward(seq, seq.token_ids[seq.num_cached : end], prefill=True)
-        seq.stats.prefill.add(self.cache.prefill.since(before))
+        logits, counters = self._run_one(seq, end, prefill=True)
+        seq.stats.prefill.add(counters)
         return logits
 
     def decode(self, seq: Sequence, token_id: int) -> torch.Tensor:
         """Append token_id and run it; fp32 logits [V] of the next position."""
-        assert seq.kv, f"sequence {seq.seq_id} was released"
         assert seq.num_cached == seq.num_tokens, "decode() before prefill() finished the prompt"
         if seq.num_tokens >= seq.max_num_tokens:
             raise ContextWindowError(f"sequence reached its {seq.max_num_tokens}-token limit")
         seq.token_ids.append(int(token_id))
-        before = self.cache.decode.copy()
-        logits = self._forward(seq, seq.token_ids[-1:], prefill=False)
-        seq.stats.decode.add(self.cache.decode.since(before))
+        logits, counters = self._run_one(seq, seq.num_tokens, prefill=False)
+        seq.stats.decode.add(counters)
         return logits
 
-    @torch.no_grad()
-    def _forward(self, seq: Sequence, token_ids: list[int], prefill: bool) -> torch.Tensor:
-        assert seq.kv, f"sequence {seq.seq_id} was released"
-        self.cache.begin_step(len(token_ids), prefill)
-        start = seq.num_cached
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [T]
-        pos = torch.arange(start, start + len(token_ids), device=self.device)  # [T]
-        logits = self.model.forward(ids, pos, seq.kv, self.cache)  # [V]
-        seq.num_cached = start + len(token_ids)
-        logits[self.num_usable_tokens :] = float("-inf")
-        return logits
+    def _run_one(self, seq: Sequence, end: int, prefill: bool
+                 ) -> tuple[torch.Tensor, CacheCounters]:
+        assert seq.table is not None, f"sequence {seq.seq_id} was released"
+        self.blocks.append(seq.table, end)
+        chunk = ChunkWork(seq.token_ids[seq.num_cached:end], seq.num_cached,
+                          seq.table.block_ids, prefill, wants_logits=True)
+        [(logits, counters)] = self.step([chunk])
+        seq.num_cached = end
+        assert logits is not None
+        return logits, counters
 
     def release(self, seq: Sequence) -> None:
-        seq.kv = []
+        if seq.table is not None:
+            self.blocks.free(seq.table)
+            seq.table = None
         if self.cache.recorder is not None:
             self.cache.recorder.flush()
 

@@ -2,19 +2,29 @@
 
 Proto messages stop here: requests become core dataclasses at once, core events become protos
 on the way out. Core errors map to gRPC status codes in one place (`_status_for`).
+
+Each Generate call is a server span whose parent is the caller's (W3C `traceparent` in the gRPC
+metadata: one trace from the gateway through the engine), and ends with one line in the log
+naming its request id and trace id and one record in the GenAI request metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
+from services.common.genai_metrics import GenAIMetrics
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.common.telemetry import extract_context
 from services.engine.core import (
     Delta,
     Engine,
@@ -99,12 +109,34 @@ def _logprob_to_proto(lp: TokenLogprob) -> engine_pb2.TokenLogprob:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: Engine, status: StatusSource):
+    def __init__(self, engine: Engine, status: StatusSource, *,
+                 meter_provider: MeterProvider | None = None,
+                 tracer_provider: TracerProvider | None = None):
         self._engine = engine
         self._status = status
+        # Without providers: spans still carry ids (for the log), nothing is exported.
+        self._tracer = (tracer_provider or TracerProvider()).get_tracer("strata.engine")
+        self.metrics = GenAIMetrics((meter_provider or MeterProvider()).get_meter("strata.engine"))
+        self.metrics.set_load_source(
+            lambda: (engine.num_running, engine.num_waiting, kv_usage(engine.runner)))
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        call = _Call(request, self._status.model_name, time.perf_counter(), self._tracer.start_span(
+            "generate", context=extract_context(context.invocation_metadata()),
+            kind=SpanKind.SERVER))
+        try:
+            async for message in self._generate(request, context, call):
+                yield message
+        except BaseException as exc:
+            call.error_type = call.error_type or _error_type(exc)
+            raise
+        finally:
+            call.end(self.metrics, self._status.engine_id)
+
+    async def _generate(self, request: engine_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext, call: _Call
+                        ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -114,14 +146,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             handle = self._engine.submit(request_from_proto(request), sink)
         except InvalidRequest as exc:
+            call.error_type = "invalid_request"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:
+            call.error_type = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             while True:
                 event = await events.get()
                 yield event_to_proto(event, self._status.engine_id)
+                if isinstance(event, Started):
+                    call.prompt_tokens = event.prompt_tokens
                 if isinstance(event, Finished):
+                    call.finished = event
                     return
         finally:
             # Client gone (or stream closed early): stop generating for it.
@@ -130,6 +167,62 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetStatus(self, request: engine_pb2.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatus:
         return self._status.status()
+
+
+class _Call:
+    """One Generate call's span and what its metrics record and log line need."""
+
+    def __init__(self, request: engine_pb2.GenerateRequest, model: str, started_s: float,
+                 span: Span):
+        self.request_id = request.request_id or "-"
+        self.operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+        self.model = model
+        self.started_s = started_s
+        self.span = span
+        self.trace_id = f"{span.get_span_context().trace_id:032x}"
+        self.prompt_tokens = 0
+        self.finished: Finished | None = None
+        self.error_type: str | None = None
+
+    def end(self, metrics: GenAIMetrics, engine_id: str) -> None:
+        duration_s = time.perf_counter() - self.started_s
+        f = self.finished
+        s = f.stats if f else RequestStats(prompt_tokens=self.prompt_tokens)
+        if f is not None and f.reason == "abort":
+            self.error_type = self.error_type or "aborted"
+        ttft_s = s.ttft_ms / 1e3 if f is not None and s.completion_tokens else None
+        metrics.record_request(self.model, duration_s, time_to_first_token_s=ttft_s,
+                               input_tokens=s.prompt_tokens, output_tokens=s.completion_tokens,
+                               error_type=self.error_type, operation=self.operation)
+        reason = f.reason if f else "no answer"
+        self.span.set_attributes({
+            "gen_ai.operation.name": self.operation, "gen_ai.request.model": self.model,
+            "gen_ai.response.finish_reasons": [reason], "strata.request_id": self.request_id,
+            "strata.engine_id": engine_id, "gen_ai.usage.input_tokens": s.prompt_tokens,
+            "gen_ai.usage.output_tokens": s.completion_tokens,
+            "strata.cache.hit_rate": s.hit_rate, "strata.cache.spill_ratio": s.spill_ratio})
+        if self.error_type:
+            self.span.set_attribute("error.type", self.error_type)
+            self.span.set_status(StatusCode.ERROR)
+        self.span.end()
+        log.info("request %s %s (trace %s): %d prompt + %d completion tokens in %.0f ms%s",
+                 self.request_id, reason, self.trace_id, s.prompt_tokens, s.completion_tokens,
+                 duration_s * 1e3, f", {self.error_type}" if self.error_type else "",
+                 extra={"request_id": self.request_id, "trace_id": self.trace_id})
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return type(exc).__name__
+
+
+def kv_usage(runner: object) -> float | None:
+    """Share of the paged KV cache's blocks in use (None for a runner without one)."""
+    blocks = getattr(runner, "blocks", None)
+    if blocks is None or not getattr(blocks, "num_blocks", 0):
+        return None
+    return 1.0 - blocks.num_free_blocks / blocks.num_blocks
 
 
 class StatusSource:
@@ -183,13 +276,16 @@ def _cache_policy_status(runner: object) -> dict:
         demand_fills=d.fills + cache.prefill.fills, evictions=residency.evictions)
 
 
-async def start_server(engine: Engine, status: StatusSource, host: str, port: int
+async def start_server(engine: Engine, status: StatusSource, host: str, port: int, *,
+                       meter_provider: MeterProvider | None = None,
+                       tracer_provider: TracerProvider | None = None
                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Bind the Engine and health services (NOT_SERVING until `set_serving`); returns
-    (server, bound port, health servicer)."""
+    (server, bound port, health servicer). Request metrics and spans go to the providers."""
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(engine, status), server)
+        EngineServicer(engine, status, meter_provider=meter_provider,
+                       tracer_provider=tracer_provider), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from services.common.logs import setup_logging
 from services.common.settings import ConfigError, add_settings, resolve
+from services.common.telemetry import setup_metrics, setup_tracing
 from services.gateway.app import drain, init_app
 from services.gateway.config import SETTINGS, GatewayConfig
 
@@ -20,8 +21,17 @@ log = logging.getLogger("strata.gateway")
 
 async def serve(config: GatewayConfig) -> None:
     """Serve until a signal; then drain (readiness fails at once, admitted requests get
-    `drain_timeout_s` to finish) and stop. A client that disconnects cancels its handler."""
-    app = init_app(config)
+    `drain_timeout_s` to finish) and stop. A client that disconnects cancels its handler.
+    Metrics: Prometheus on `metrics_port` (0: none), OTLP when OTEL_EXPORTER_OTLP_ENDPOINT."""
+    try:
+        meter_provider = setup_metrics("strata-gateway", config.metrics_port or None,
+                                       config.host)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the metrics port {config.host}:{config.metrics_port} "
+                          f"({exc.strerror}); choose another with --metrics-port / "
+                          "STRATA_GATEWAY_METRICS_PORT (0 disables it)") from None
+    tracer_provider = setup_tracing("strata-gateway")
+    app = init_app(config, meter_provider=meter_provider, tracer_provider=tracer_provider)
     # Requests still running after the drain are cut off promptly, not waited for again.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
@@ -37,6 +47,8 @@ async def serve(config: GatewayConfig) -> None:
     await stop.wait()
     await drain(app, config.drain_timeout_s)
     await runner.cleanup()  # cancels whatever is still running
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
     log.info("gateway stopped")
 
 
@@ -55,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"strata gateway: bad setting: {exc}", file=sys.stderr)
         return 2
-    run(config)
+    try:
+        run(config)
+    except ConfigError as exc:
+        print(f"strata gateway: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,4 +1,9 @@
-"""`init_app(config)`: the gateway's aiohttp application, the entry point for tests and `run()`."""
+"""`init_app(config)`: the gateway's aiohttp application, the entry point for tests and `run()`.
+
+Telemetry: `init_app(config, meter_provider=..., tracer_provider=...)` records the request
+metrics (GenAI conventions) and server spans there; without them the app makes its own: spans
+export over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, metrics are recorded but not exported.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,12 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.genai_metrics import GenAIMetrics
 from services.common.registry import EngineRegistry, RegistryUnavailable
+from services.common.telemetry import setup_tracing
 from services.gateway import handlers, health, openapi
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
@@ -21,14 +30,15 @@ from services.gateway.middleware import (
     error_middleware,
     limits_middleware,
 )
-from services.gateway.state import ADMISSION, CONFIG, POOL
+from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, TRACER
 
 log = logging.getLogger("strata.gateway")
 
 REGISTRY = web.AppKey("registry", EngineRegistry)
 
 
-def init_app(config: GatewayConfig) -> web.Application:
+def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = None,
+             tracer_provider: TracerProvider | None = None) -> web.Application:
     keys = ApiKeys(config.key_hashes)
     app = web.Application(middlewares=[error_middleware, limits_middleware, auth_middleware(keys)],
                           client_max_size=config.max_body_bytes)
@@ -46,6 +56,7 @@ def init_app(config: GatewayConfig) -> web.Application:
                            breaker_threshold=config.breaker_threshold,
                            breaker_cooldown_s=config.breaker_cooldown_s)
     app[health.DEEP] = health.DeepCheck()
+    _telemetry(app, meter_provider, tracer_provider)
     if config.redis_url:
         app[REGISTRY] = EngineRegistry(config.redis_url, timeout_s=config.redis_timeout_s)
     app.cleanup_ctx.append(_limits)
@@ -61,6 +72,29 @@ def init_app(config: GatewayConfig) -> web.Application:
     if keys.enabled:
         log.info("API keys required (%d accepted)", len(config.key_hashes))
     return app
+
+
+def _telemetry(app: web.Application, meter_provider: MeterProvider | None,
+               tracer_provider: TracerProvider | None) -> None:
+    owned = []
+    if meter_provider is None:
+        meter_provider = MeterProvider()  # no reader: recorded, not exported
+        owned.append(meter_provider)
+    if tracer_provider is None:
+        tracer_provider = setup_tracing("strata-gateway")
+        owned.append(tracer_provider)
+    admission = app[ADMISSION]
+    metrics = GenAIMetrics(meter_provider.get_meter("strata.gateway"))
+    metrics.set_load_source(lambda: (admission.num_inflight, admission.num_waiting, None))
+    app[METRICS] = metrics
+    app[TRACER] = tracer_provider.get_tracer("strata.gateway")
+
+    async def shutdown(_: web.Application) -> AsyncIterator[None]:
+        yield
+        for provider in owned:
+            provider.shutdown()
+
+    app.cleanup_ctx.append(shutdown)
 
 
 async def _limits(app: web.Application) -> AsyncIterator[None]:

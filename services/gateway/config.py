@@ -116,6 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
             "how long /health reuses its last 1-token generation"),
     Setting("lease_ttl_s", "STRATA_LEASE_TTL_S", _positive_float, 15.0,
             "shared-limit leases of a gateway that dies expire after this long"),
+    Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", _port, 9465,
+            "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
 )
 
 
@@ -137,6 +139,7 @@ class GatewayConfig:
     log_prompts: bool = False
     health_cache_s: float = 5.0
     lease_ttl_s: float = 15.0
+    metrics_port: int = 9465  # 0: no Prometheus endpoint (set up by `serve`, not `init_app`)
     # Not operator settings: tests shorten them.
     health_interval_s: float = 2.0  # engine probes and registry reads
     engine_timeout_s: float = 2.0  # for GetStatus probes

@@ -5,6 +5,7 @@
        the body is parsed or tokenized
     -> read + parse body -> check model -> admission.acquire() (queue deadline)
     -> engine Generate (deadline, request id, traceparent) -> JSON body | SSE stream -> release
+    -> request metrics (GenAI conventions: duration, TTFT, time per output token, token usage)
 
 The server runs with handler_cancellation, so a client that leaves cancels the handler: a queued
 request gives up its place, a running one cancels its gRPC call (GenerateCall's exit).
@@ -24,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common.genai_metrics import GenAIMetrics
 from services.gateway import sse
 from services.gateway.admission import Rejected
 from services.gateway.engine_client import Delta, Finished, GenerateCall, Started, TokenLogprob
@@ -37,7 +39,7 @@ from services.gateway.errors import (
 from services.gateway.middleware import log_failure
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, Renderer, usage
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
-from services.gateway.state import ADMISSION, CONFIG, POOL, TRACE, request_id
+from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, TRACE, request_id
 
 log = logging.getLogger("strata.gateway")
 
@@ -63,11 +65,46 @@ async def served_models(app: web.Application) -> list[str]:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, ChatRenderer)
+    return await _generate(request, parse_chat, ChatRenderer, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, CompletionRenderer)
+    return await _generate(request, parse_completion, CompletionRenderer, "text_completion")
+
+
+@dataclass
+class _Outcome:
+    """What the request metrics need, filled in as the request goes; recorded once at its end."""
+
+    operation: str
+    arrived_at: float
+    model: str = ""  # unknown until the body is parsed
+    first_token_at: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    error_type: str | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        self.error_type = self.error_type or _error_type(exc)
+
+    def record(self, metrics: GenAIMetrics) -> None:
+        ttft_s = (self.first_token_at - self.arrived_at if self.first_token_at is not None
+                  else None)
+        metrics.record_request(self.model, time.monotonic() - self.arrived_at,
+                               time_to_first_token_s=ttft_s, input_tokens=self.input_tokens,
+                               output_tokens=self.output_tokens, error_type=self.error_type,
+                               operation=self.operation)
+
+
+def _error_type(exc: BaseException) -> str:
+    """A low-cardinality error.type: the drop reason, the gRPC code, or the exception's class."""
+    if isinstance(exc, Rejected):
+        return exc.reason
+    if isinstance(exc, EngineError):
+        return exc.code
+    if isinstance(exc, asyncio.CancelledError | ConnectionResetError):
+        return "client_disconnected"
+    return type(exc).__name__
 
 
 @dataclass
@@ -81,13 +118,16 @@ class _Run:
     started: Started
     arrived_at: float
     queue_wait_s: float
+    outcome: _Outcome
     first_token_at: float | None = None
     num_deltas: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def on_delta(self, delta: Delta) -> None:
-        self.first_token_at = self.first_token_at or time.monotonic()
+        self.first_token_at = self.outcome.first_token_at = (self.first_token_at
+                                                             or time.monotonic())
         self.num_deltas += delta.num_tokens or 1
+        self.outcome.output_tokens = self.num_deltas
         self.logprobs.extend(delta.logprobs)
 
     def figures(self, finished: Finished) -> Figures:
@@ -101,8 +141,11 @@ class _Run:
 
     def usage(self, finished: Finished) -> dict[str, int]:
         stats = finished.stats
-        return usage(stats.prompt_tokens or self.started.prompt_tokens,
-                     stats.completion_tokens or self.num_deltas)
+        counted = usage(stats.prompt_tokens or self.started.prompt_tokens,
+                        stats.completion_tokens or self.num_deltas)
+        self.outcome.input_tokens = counted["prompt_tokens"]
+        self.outcome.output_tokens = counted["completion_tokens"]
+        return counted
 
     def log_done(self, finished: Finished) -> None:
         u, f = self.usage(finished), self.figures(finished)
@@ -114,10 +157,23 @@ class _Run:
 
 
 async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
-                    renderer_cls: type[Renderer]) -> web.StreamResponse:
+                    renderer_cls: type[Renderer], operation: str) -> web.StreamResponse:
+    arrived_at = time.monotonic()
+    outcome = _Outcome(operation, arrived_at)
+    try:
+        return await _answer(request, parse, renderer_cls, outcome)
+    except BaseException as exc:
+        outcome.fail(exc)
+        raise
+    finally:
+        outcome.record(request.app[METRICS])
+
+
+async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
+                  renderer_cls: type[Renderer], outcome: _Outcome) -> web.StreamResponse:
     app = request.app
     config, admission, pool = app[CONFIG], app[ADMISSION], app[POOL]
-    arrived_at = time.monotonic()
+    arrived_at = outcome.arrived_at
     deadline = arrived_at + config.request_timeout_s
     raw = None
     num_bytes = request.content_length
@@ -128,6 +184,9 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
     engine_used = False
     try:
         spec = parse(_json(raw if raw is not None else await request.read()))
+        outcome.model = spec.model
+        request[TRACE].span.set_attributes({"gen_ai.operation.name": outcome.operation,
+                                            "gen_ai.request.model": spec.model})
         _log_start(request, spec)
         served = await served_models(app)
         if spec.model not in served:  # the engines may have been restarted with another model
@@ -137,9 +196,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
         engine = await admission.acquire(ticket, min(config.queue_timeout_s,
                                                      deadline - time.monotonic()))
         engine_used = True
-        trace = request[TRACE]
         call = pool.generate(engine, spec, request_id(request),
-                             metadata=tuple(trace.headers().items()),
+                             metadata=request[TRACE].metadata(),
                              timeout_s=max(deadline - time.monotonic(), 0.001))
         async with call:
             event = await call.next_event()  # a bad prompt fails here, before any output
@@ -148,8 +206,9 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
             if not event.engine_id:
                 status = pool.statuses.get(engine)
                 event = replace(event, engine_id=status.engine_id if status else engine)
+            outcome.input_tokens = event.prompt_tokens
             run = _Run(request, spec, renderer_cls(request_id(request), spec.model), call, event,
-                       arrived_at, ticket.queue_wait_s)
+                       arrived_at, ticket.queue_wait_s, outcome)
             return await (_stream(run) if spec.stream else _complete(run))
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
@@ -222,10 +281,12 @@ async def _stream(run: _Run) -> web.StreamResponse:
                 return response
         raise EngineError("INTERNAL", "the event stream ended without a Finished event",
                           run.call.engine)
-    except ConnectionResetError:
+    except ConnectionResetError as exc:
+        run.outcome.fail(exc)
         log.info("request %s: client went away mid-stream; engine call cancelled",
                  request_id(run.request))
     except Exception as exc:  # headers are sent: the error goes out as an event, and no [DONE]
+        run.outcome.fail(exc)
         error = http_error(exc, request_id(run.request))
         log_failure(run.request, exc, error.status)
         with contextlib.suppress(ConnectionResetError):

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.trace import StatusCode
 
 from services.gateway import tracing
 from services.gateway.admission import Rejected
@@ -26,7 +27,7 @@ from services.gateway.errors import (
     Unauthorized,
     http_error,
 )
-from services.gateway.state import ADMISSION, CONFIG, REQUEST_ID, TRACE, request_id
+from services.gateway.state import ADMISSION, CONFIG, REQUEST_ID, TRACE, TRACER, request_id
 
 log = logging.getLogger("strata.gateway")
 
@@ -38,10 +39,32 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request ids, trace context, and the one place exceptions become OpenAI error envelopes."""
+    """Request ids, the request's server span, and the one place exceptions become OpenAI
+    error envelopes."""
     given = request.headers.get("X-Request-Id", "")
     request[REQUEST_ID] = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-    request[TRACE] = tracing.from_headers(request.headers)
+    resource = request.match_info.route.resource
+    span = tracing.start_server_span(request.app[TRACER], request.method,
+                                     resource.canonical if resource else "(unmatched)",
+                                     request.headers)
+    request[TRACE] = tracing.TraceContext(span)
+    span.set_attribute("strata.request_id", request_id(request))
+    try:
+        response = await _handle(request, handler)
+    except BaseException as exc:  # cancelled (the client went away)
+        span.set_attribute("error.type", type(exc).__name__)
+        raise
+    else:
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(StatusCode.ERROR)
+            span.set_attribute("error.type", str(response.status))
+        return response
+    finally:
+        span.end()
+
+
+async def _handle(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         response = await handler(request)
     except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too big

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from aiohttp import web
+from opentelemetry.trace import Tracer
 
+from services.common.genai_metrics import GenAIMetrics
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
@@ -14,6 +16,8 @@ ADMISSION = web.AppKey("admission", Admission)
 POOL = web.AppKey("pool", EnginePool)
 REQUEST_ID = web.RequestKey("request_id", str)
 TRACE = web.RequestKey("trace", TraceContext)
+TRACER = web.AppKey("tracer", Tracer)
+METRICS = web.AppKey("metrics", GenAIMetrics)  # the request metrics (GenAI conventions)
 
 
 def request_id(request: web.Request) -> str:

@@ -1,47 +1,39 @@
-"""W3C trace context: continue the caller's trace (or start one) and hand it to the engine.
+"""The gateway's hop of a trace: one server span per HTTP request, its context sent to the engine.
 
-The gateway is one hop of the trace: it keeps the incoming trace id (a new random one when the
-request carries no valid `traceparent`), takes a fresh span id for itself, and sends
-`traceparent` (and `tracestate`) to the engine in gRPC metadata. opentelemetry-api's propagator
-does the parsing and formatting; no SDK is needed.
+The span continues the caller's W3C trace (`traceparent`/`tracestate` headers) or starts a new
+trace, and is the parent of the engine's span: `TraceContext.metadata()` is the gRPC metadata
+carrying it. Parsing and formatting are services.common.telemetry's (`extract_context`,
+`inject_metadata`); spans export over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (setup in
+`__main__`), and otherwise are only ids that tie the gateway's and the engine's logs together.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Span, SpanKind, Tracer
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+from services.common.telemetry import extract_context, inject_metadata
 
 
 @dataclass(frozen=True)
 class TraceContext:
-    span: SpanContext  # this gateway hop's span
+    span: Span  # this gateway hop's server span
 
     @property
     def trace_id(self) -> str:
-        return f"{self.span.trace_id:032x}"
+        return f"{self.span.get_span_context().trace_id:032x}"
 
-    def headers(self) -> dict[str, str]:
+    def metadata(self) -> tuple[tuple[str, str], ...]:
         """`traceparent` (+ `tracestate`) naming this hop as the parent of the next."""
-        carrier: dict[str, str] = {}
-        ctx = trace.set_span_in_context(NonRecordingSpan(self.span))
-        _PROPAGATOR.inject(carrier, context=ctx)
-        return carrier
+        return tuple(inject_metadata(trace.set_span_in_context(self.span)))
 
 
-def from_headers(headers: Mapping[str, str]) -> TraceContext:
-    carrier = {k.lower(): v for k, v in headers.items() if k.lower() in _PROPAGATOR.fields}
-    incoming = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
-    if incoming.is_valid:
-        trace_id, flags, state = incoming.trace_id, incoming.trace_flags, incoming.trace_state
-    else:
-        trace_id, flags, state = random.getrandbits(128) or 1, TraceFlags(TraceFlags.SAMPLED), None
-    span = SpanContext(trace_id, random.getrandbits(64) or 1, is_remote=False, trace_flags=flags,
-                       trace_state=state)
-    return TraceContext(span)
+def start_server_span(tracer: Tracer, method: str, route: str,
+                      headers: Mapping[str, str]) -> Span:
+    """The request's span (not ended: the caller ends it), child of the incoming trace if any."""
+    parent = extract_context(headers.items())
+    return tracer.start_span(f"{method} {route}", context=parent, kind=SpanKind.SERVER,
+                             attributes={"http.request.method": method, "http.route": route})

@@ -170,3 +170,26 @@ def test_tracing_without_an_endpoint_exports_nothing(monkeypatch):
         assert dict(inject_metadata())["traceparent"].startswith("00-")
     provider.shutdown()
     assert extract_context([]) is not None
+
+
+def test_load_gauges_read_their_source_and_an_unknown_model_is_left_out():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.common.genai_metrics import GenAIMetrics
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    metrics = GenAIMetrics(provider.get_meter("t"), operation="text_completion")
+    load = [2, 5, None]
+    metrics.set_load_source(lambda: tuple(load))
+    metrics.record_request("", 0.01, error_type="queue_full")  # refused before parsing
+    points = {m.name: m.data.data_points for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics}
+    provider.shutdown()
+    assert [p.value for p in points["strata.requests.running"]] == [2]
+    assert [p.value for p in points["strata.requests.waiting"]] == [5]
+    assert "strata.kv_cache.usage" not in points  # the source has no KV figure
+    [duration] = points["gen_ai.server.request.duration"]
+    assert "gen_ai.request.model" not in duration.attributes
+    assert duration.attributes["error.type"] == "queue_full"

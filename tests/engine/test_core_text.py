@@ -1,6 +1,6 @@
 """Incremental detokenization and stop strings (pure logic; a byte tokenizer stands in)."""
 
-from services.engine.core import _TextStream
+from services.engine.detokenize import TextStream
 
 
 class ByteTokenizer:
@@ -14,7 +14,7 @@ class ByteTokenizer:
 
 
 def run(text: str, stop: tuple[str, ...]) -> tuple[list[str], bool]:
-    stream = _TextStream(ByteTokenizer(), stop)
+    stream = TextStream(ByteTokenizer(), stop)
     pieces = []
     for token in ByteTokenizer().encode(text):
         piece, stopped = stream.push(token)

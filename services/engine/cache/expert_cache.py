@@ -30,14 +30,18 @@ hold the same bytes, and on CPU the same math runs on them (bit-identical). On C
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from services.engine.cache.host_store import HostStore
+from services.engine.cache.link_meter import LinkMeter
 from services.engine.cache.placement import Placer
 from services.engine.cache.policy import Residency
 from services.engine.cache.slot_pool import SlotPool
-from services.engine.cache.stats import CacheCounters, PredictionTracker, count_access
+from services.engine.cache.stats import CacheCounters, PredictionTracker, count_phases
 from services.engine.cache.trace import DECODE, PREDICT, PREFILL, TraceWriter
 
 _SLOT, _STAGING, _HOST = 0, 1, 2
@@ -66,9 +70,9 @@ class ExpertCache:
         self.decode = CacheCounters()  # lifetime figures per phase
         self.prefill = CacheCounters()
         self.routing_counts = np.zeros((num_layers, num_experts), dtype=np.int64)  # [L, E]
-        self.step_token_hits = np.zeros(0, dtype=np.int64)  # [T] of the current step
-        self._phase_prefill = False
+        self.link = LinkMeter()  # every host -> device copy: fills, staged misses, plan swaps
         self._predictions = PredictionTracker()
+        self.begin_step(0, False)
         self._plan: dict[int, tuple[int, int | None]] = {}  # expert -> (where, slot)
         num_staging = NUM_STAGING if self.on_cuda else 1
         self._staging = [torch.empty(self.layout.numel, dtype=host.dtype, device=pool.device)
@@ -97,49 +101,80 @@ class ExpertCache:
     def spilled(self) -> int:
         return self.lookups - self.hits
 
-    def begin_step(self, num_tokens: int, prefill: bool) -> None:
-        self._phase_prefill = prefill
+    def begin_step(self, num_tokens: int, prefill: bool | np.ndarray) -> None:
+        """A new forward pass over num_tokens rows; `prefill` marks the rows (or all of them)
+        that are prompt tokens — a continuous-batching step mixes them with decode tokens."""
+        rows = np.full(num_tokens, prefill, dtype=bool) if isinstance(prefill, bool) else prefill
+        assert rows.shape == (num_tokens,)
+        self._prefill_rows = rows
+        self._decode_rows = np.flatnonzero(~rows)
         self.step_token_hits = np.zeros(num_tokens, dtype=np.int64)
+        self.step_token_host = np.zeros(num_tokens, dtype=np.int64)  # [T] misses on the host
+        self.step_token_copied = np.zeros(num_tokens, dtype=np.int64)  # [T] misses copied
         self._predictions.clear()
 
     @property
     def wants_predictions(self) -> bool:
-        return not self._phase_prefill and (self.prefetch or self.recorder is not None)
+        return len(self._decode_rows) > 0 and (self.prefetch or self.recorder is not None)
 
     def route(self, layer: int, top_idx: torch.Tensor, counts: list[int]) -> None:
         """Look up this step's distinct experts of `layer` once each; place the misses."""
-        entries = [(e, n) for e, n in enumerate(counts) if n]  # distinct (expert, tokens)
+        top = top_idx.cpu().numpy()  # [T, K]
+        decode_counts = np.bincount(top[~self._prefill_rows].ravel(), minlength=self.num_experts)
+        phases = [(e, int(decode_counts[e]), n - int(decode_counts[e]))
+                  for e, n in enumerate(counts) if n]  # distinct (expert, decode n, prefill n)
+        entries = [(e, d + p) for e, d, p in phases]
         experts = [e for e, _ in entries]
-        c = self.prefill if self._phase_prefill else self.decode
-        outcomes = self.residency.access(layer, entries, prefill=self._phase_prefill)
-        count_access(c, entries, outcomes)
-        self._predictions.routed(c, layer, experts)
+        outcomes = self.residency.access(layer, entries, prefill=[d == 0 for _, d, _ in phases])
+        count_phases(self.decode, self.prefill, phases, outcomes)
+        decoded = [e for e, d, _ in phases if d]
+        if decoded:
+            self._predictions.routed(self.decode, layer, decoded)
         self.routing_counts[layer, experts] += [n for _, n in entries]
         if self.recorder is not None:
-            self.recorder.layer_record(PREFILL if self._phase_prefill else DECODE, layer,
-                                       experts, [n for _, n in entries])
+            self._record(layer, phases)
         self._plan = {}
-        hit = np.zeros(self.num_experts, dtype=np.int64)  # [E]
-        for (expert, n), out in zip(entries, outcomes, strict=True):
+        hit, host, copied = (np.zeros(self.num_experts, dtype=np.int64) for _ in range(3))  # [E]
+        for (expert, d, p), out in zip(phases, outcomes, strict=True):
             if out.fill:
                 self._fill(out.slot, (layer, expert))
             if out.hit:
                 hit[expert] = 1
                 self._plan[expert] = (_SLOT, out.slot)
                 continue
-            where, reason = self.placer.choose(n)
+            where, reason = self.placer.choose(d + p)
+            c = self.decode if d else self.prefill
             c.reasons[reason] = c.reasons.get(reason, 0) + 1
             if where == "host":
-                c.misses_host += n
+                self.decode.misses_host += d
+                self.prefill.misses_host += p
+                host[expert] = 1
                 self._plan[expert] = (_HOST, None)
             else:
-                c.misses_copied += n
+                self.decode.misses_copied += d
+                self.prefill.misses_copied += p
+                copied[expert] = 1
                 self._plan[expert] = (_SLOT, out.slot) if out.fill else (_STAGING, None)
-        self.step_token_hits += hit[top_idx.cpu().numpy()].sum(axis=1)  # [T]
+        self.step_token_hits += hit[top].sum(axis=1)  # [T]
+        self.step_token_host += host[top].sum(axis=1)
+        self.step_token_copied += copied[top].sum(axis=1)
+
+    def _record(self, layer: int, phases: list[tuple[int, int, int]]) -> None:
+        assert self.recorder is not None
+        experts = [e for e, _, _ in phases]
+        if all(p == 0 for _, _, p in phases):
+            self.recorder.layer_record(DECODE, layer, experts, [d for _, d, _ in phases])
+        elif all(d == 0 for _, d, _ in phases):
+            self.recorder.layer_record(PREFILL, layer, experts, [p for _, _, p in phases])
+        else:
+            self.recorder.mixed_record(layer, experts, [d for _, d, _ in phases],
+                                       [p for _, _, p in phases])
 
     def predict(self, layer: int, predicted: torch.Tensor) -> None:
-        """Experts predicted for `layer` (next layer's router top-K [T, K]); prefetch them."""
-        experts = torch.unique(predicted.cpu()).tolist()
+        """Experts predicted for `layer` (next layer's router top-K [T, K]) by this step's decode
+        tokens; prefetch them."""
+        rows = torch.as_tensor(self._decode_rows, device=predicted.device)
+        experts = torch.unique(predicted[rows].cpu()).tolist()
         self._predictions.predict(layer, experts)
         if self.recorder is not None:
             self.recorder.layer_record(PREDICT, layer, experts, [0] * len(experts))
@@ -180,19 +215,42 @@ class ExpertCache:
         counts, self.routing_counts = self.routing_counts, np.zeros_like(self.routing_counts)
         return counts
 
+    # -- a new plan, a few slots per step ------------------------------------------------------
+    def begin_plan(self, ranked_pairs: Sequence[tuple[int, int]]) -> None:
+        """Start applying a new ranking (a plan version) without stopping: `apply_plan_step`
+        then swaps a bounded number of slots per call, between engine steps; the pairs the
+        plan keeps are never moved. The whole ranking goes into the routing trace."""
+        ranked = [(int(layer), int(e)) for layer, e in ranked_pairs]
+        if self.recorder is not None:
+            self.recorder.fill_record(ranked)
+        self.residency.begin_plan(pair for pair in ranked if pair in self.host)
+
+    def apply_plan_step(self, max_swaps: int) -> tuple[int, bool]:
+        """Fill at most `max_swaps` slots towards the plan (copy stream on CUDA, ordered after
+        the last step's reads like any fill); returns (slots filled, whether it is in place)."""
+        fills, done = self.residency.plan_step(max_swaps)
+        for slot, pair in fills:
+            self._fill(slot, pair)
+        return len(fills), done
+
     # -- moving bytes ------------------------------------------------------------------------
     def _fill(self, slot: int, pair: tuple[int, int]) -> None:
         dst, src = self.pool.slots[slot], self.host.blob(pair)
         if not self.on_cuda:
+            t0 = time.perf_counter()
             dst.copy_(src)
+            self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
             return
         with torch.cuda.stream(self._copy_stream):
             if self._reads_done is not None:
                 self._copy_stream.wait_event(self._reads_done)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._copy_stream)
             dst.copy_(src, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(enable_timing=True)
             ready.record(self._copy_stream)
         self._slot_ready[slot] = ready
+        self.link.add_timed(self.host.slot_bytes, start, ready)
 
     def _slot_blob(self, slot: int) -> torch.Tensor:
         if self.on_cuda:
@@ -206,16 +264,21 @@ class ExpertCache:
         self._staging_next = (i + 1) % len(self._staging)
         buf = self._staging[i]
         if not self.on_cuda:
+            t0 = time.perf_counter()
             buf.copy_(host_blob)
+            self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
             return self.layout.forward(x, buf)
         compute = torch.cuda.current_stream(self.pool.device)
         with torch.cuda.stream(self._copy_stream):
             free = self._staging_free[i]
             if free is not None:
                 self._copy_stream.wait_event(free)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._copy_stream)
             buf.copy_(host_blob, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(enable_timing=True)
             ready.record(self._copy_stream)
+        self.link.add_timed(self.host.slot_bytes, start, ready)
         compute.wait_event(ready)
         y = self.layout.forward(x, buf)
         used = torch.cuda.Event()

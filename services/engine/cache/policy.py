@@ -25,6 +25,7 @@ Eviction orders of the dynamic region (the clock ticks once per pair access):
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 from collections import OrderedDict
@@ -229,6 +230,7 @@ class Residency:
         self.num_dynamic = num_slots - self.num_pinned
         self.clock = 0
         self.evictions = 0
+        self._plan: _PlanProgress | None = None  # a plan being applied (begin_plan)
         self._reset()
 
     def _reset(self) -> None:
@@ -271,9 +273,12 @@ class Residency:
             self._order.insert(pair, self.clock, used=False)
         return [(self._slot_of[pair], pair) for pair in chosen]
 
-    def access(self, layer: int, entries: Sequence[tuple[int, int]], prefill: bool = False
-               ) -> list[Outcome]:
-        """One step of one layer: `entries` = distinct (expert, num_tokens); one Outcome each."""
+    def access(self, layer: int, entries: Sequence[tuple[int, int]],
+               prefill: bool | Sequence[bool] = False) -> list[Outcome]:
+        """One step of one layer: `entries` = distinct (expert, num_tokens); one Outcome each.
+        `prefill` says, for the step or per entry, whether only prefill tokens routed there
+        (such misses are admitted only with `admit_prefill`)."""
+        flags = [prefill] * len(entries) if isinstance(prefill, bool) else list(prefill)
         self._protected = {(layer, expert) for expert, _ in entries}
         outcomes: list[Outcome | None] = [None] * len(entries)
         misses = []
@@ -287,8 +292,8 @@ class Residency:
             if pair not in self._pinned:
                 self._order.touch(pair, self.clock)
             outcomes[i] = Outcome(slot, True, False)
-        admit = not prefill or self.spec.admit_prefill
         for i, pair, now in misses:
+            admit = not flags[i] or self.spec.admit_prefill
             slot = self._admit(pair, now, used=True) if admit else None
             if slot is None:
                 if self.num_dynamic:
@@ -327,6 +332,105 @@ class Residency:
         self._slot_of[pair] = slot
         self._order.insert(pair, now, used=used)
         return slot
+
+    # -- a new plan, a few slots at a time -----------------------------------------------------
+    def begin_plan(self, ranked_pairs: Iterable[Pair]) -> None:
+        """Start moving towards the residency `plan_fill(ranked_pairs)` sets up, without a
+        reset: pairs the plan keeps stay in their slots, and each `plan_step` makes a bounded
+        number of swaps, so serving goes on in between (lookups and evictions as usual).
+        Replaces a plan still in progress; a `plan_fill` cancels it."""
+        chosen = _distinct(ranked_pairs, self.num_slots)
+        pinned = chosen[: self.num_pinned]
+        kept = set(pinned) & self._pinned
+        in_pinned_region = {slot: pair for pair, slot in self._slot_of.items()
+                            if slot < self.num_pinned}
+        wanted = set(chosen)
+        self._plan = _PlanProgress(
+            slot_of=self._slot_of,
+            pinned=collections.deque(p for p in pinned if p not in kept),
+            pinned_slots=collections.deque(s for s in range(self.num_pinned)
+                                           if in_pinned_region.get(s) not in kept),
+            in_pinned_region=in_pinned_region,
+            dynamic=chosen[self.num_pinned :],
+            # Dynamic pairs the plan does not want, oldest admitted first: the plan's victims.
+            victims=collections.deque(p for p in self._slot_of
+                                      if p not in self._pinned and p not in wanted))
+
+    def plan_step(self, max_swaps: int) -> tuple[list[tuple[int, Pair]], bool]:
+        """Up to `max_swaps` (slot, pair) fills towards the plan (pinned core first, then the
+        dynamic region, hottest first); True once the plan is in place."""
+        plan = self._plan
+        if plan is None or plan.slot_of is not self._slot_of:  # none, or a plan_fill since
+            return [], True
+        fills: list[tuple[int, Pair]] = []
+        while len(fills) < max_swaps and plan.pinned:
+            pair, slot = plan.pinned.popleft(), plan.pinned_slots.popleft()
+            old = plan.in_pinned_region.get(slot)
+            if old is not None:
+                del self._slot_of[old]
+                self._pinned.discard(old)
+            if pair in self._slot_of:  # resident in the dynamic region: it moves to the core
+                self._free.append(self._slot_of.pop(pair))
+                self._order.remove(pair)
+            self._slot_of[pair] = slot
+            self._pinned.add(pair)
+            plan.in_pinned_region[slot] = pair
+            fills.append((slot, pair))
+        while len(fills) < max_swaps and plan.next_dynamic < len(plan.dynamic):
+            pair = plan.dynamic[plan.next_dynamic]
+            if pair not in self._slot_of:
+                slot = self._plan_slot(plan)
+                if slot is None:  # the dynamic region holds only pairs the plan wants
+                    plan.next_dynamic = len(plan.dynamic)
+                    break
+                self._slot_of[pair] = slot
+                self._order.insert(pair, self.clock, used=False)
+                fills.append((slot, pair))
+            plan.next_dynamic += 1
+        done = not plan.pinned and plan.next_dynamic >= len(plan.dynamic)
+        if done:
+            self._plan = None
+        return fills, done
+
+    def _plan_slot(self, plan: _PlanProgress) -> int | None:
+        """A dynamic slot for a planned pair: a free one, else one of a pair the plan drops."""
+        if self.num_dynamic == 0:
+            return None
+        if self._free:
+            return self._free.pop()
+        while plan.victims:
+            victim = plan.victims.popleft()
+            if victim in self._slot_of and victim not in self._pinned:
+                self._order.remove(victim)
+                return self._slot_of.pop(victim)
+        return None
+
+
+@dataclass
+class _PlanProgress:
+    """Where `Residency.begin_plan` ... `plan_step` stands."""
+
+    slot_of: dict[Pair, int]  # the residency map it started from (a plan_fill replaces it)
+    pinned: collections.deque[Pair]  # core pairs still to place, hottest first
+    pinned_slots: collections.deque[int]  # core slots they go to (empty, or a dropped pair's)
+    in_pinned_region: dict[int, Pair]  # core slot -> its pair
+    dynamic: list[Pair]  # the plan's dynamic pairs, hottest first
+    victims: collections.deque[Pair]
+    next_dynamic: int = 0
+
+
+def _distinct(ranked_pairs: Iterable[Pair], limit: int) -> list[Pair]:
+    """The first `limit` distinct pairs of a ranking, as int tuples."""
+    chosen: list[Pair] = []
+    seen: set[Pair] = set()
+    for pair in ranked_pairs:
+        if len(chosen) == limit:
+            break
+        pair = (int(pair[0]), int(pair[1]))
+        if pair not in seen:
+            seen.add(pair)
+            chosen.append(pair)
+    return chosen
 
 
 class StaticResidency(Residency):

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.engine.cache.policy import Pair, PolicySpec, Residency
-from services.engine.cache.stats import CacheCounters, PredictionTracker, count_access
-from services.engine.cache.trace import DECODE, FILL, PREDICT, PREFILL, Record
+from services.engine.cache.stats import CacheCounters, PredictionTracker, count_phases
+from services.engine.cache.trace import FILL, PREDICT, ROUTED_KINDS, Record
 
 NEVER = 1 << 62
 
@@ -49,11 +49,12 @@ def replay(records: Sequence[Record], num_slots: int, spec: PolicySpec, *, prefe
             if prefetch:
                 result.decode.prefetch_fills += len(residency.prefetch(layer, experts))
             continue
-        entries = r.pairs_and_counts()
-        counters = result.decode if r.kind == DECODE else result.prefill
-        outcomes = residency.access(layer, entries, prefill=r.kind == PREFILL)
-        count_access(counters, entries, outcomes)
-        predictions.routed(counters, layer, (e for e, _ in entries))
+        phases = r.phase_counts()
+        entries = [(e, d + p) for e, d, p in phases]
+        outcomes = residency.access(layer, entries, prefill=[d == 0 for _, d, _ in phases])
+        count_phases(result.decode, result.prefill, phases, outcomes)
+        if any(d for _, d, _ in phases):
+            predictions.routed(result.decode, layer, (e for e, d, _ in phases if d))
     result.evictions = residency.evictions
     return result
 
@@ -61,15 +62,14 @@ def replay(records: Sequence[Record], num_slots: int, spec: PolicySpec, *, prefe
 def belady(records: Sequence[Record], num_slots: int, fill: Sequence[Pair] | None = None
            ) -> ReplayResult:
     """Hits of the MIN oracle with `num_slots` slots, starting from the same pre-fill."""
-    accesses: list[tuple[Pair, int, bool]] = []  # (pair, tokens, is_decode)
+    accesses: list[tuple[Pair, int, int]] = []  # (pair, decode tokens, prefill tokens)
     fills: dict[int, list[Pair]] = {}  # access index -> fill ranking applied before it
     for r in records:
         if r.kind == FILL and fill is None:
             fills[len(accesses)] = r.pairs()
-        elif r.kind in (DECODE, PREFILL):
+        elif r.kind in ROUTED_KINDS:
             layer = r.layer
-            decode = r.kind == DECODE
-            accesses.extend(((layer, e), n, decode) for e, n in r.pairs_and_counts())
+            accesses.extend(((layer, e), d, p) for e, d, p in r.phase_counts())
     if fill is not None:
         fills[0] = list(fill)
     next_use = [NEVER] * len(accesses)
@@ -82,13 +82,14 @@ def belady(records: Sequence[Record], num_slots: int, fill: Sequence[Pair] | Non
     result = ReplayResult(CacheCounters(), CacheCounters())
     resident: dict[Pair, int] = {}  # pair -> index of its next use
     heap: list[tuple[int, Pair]] = []  # (-next use, pair), lazily cleaned
-    for i, (pair, n, decode) in enumerate(accesses):
+    for i, (pair, decode_n, prefill_n) in enumerate(accesses):
         if i in fills:
             resident, heap = _belady_fill(fills[i], num_slots, accesses, i)
-        counters = result.decode if decode else result.prefill
-        counters.lookups += n
+        result.decode.lookups += decode_n
+        result.prefill.lookups += prefill_n
         if pair in resident:
-            counters.hits += n
+            result.decode.hits += decode_n
+            result.prefill.hits += prefill_n
         elif num_slots == 0:
             continue
         elif len(resident) >= num_slots:
@@ -106,7 +107,7 @@ def belady(records: Sequence[Record], num_slots: int, fill: Sequence[Pair] | Non
     return result
 
 
-def _belady_fill(ranking: Sequence[Pair], num_slots: int, accesses: list[tuple[Pair, int, bool]],
+def _belady_fill(ranking: Sequence[Pair], num_slots: int, accesses: list[tuple[Pair, int, int]],
                  start: int) -> tuple[dict[Pair, int], list[tuple[int, Pair]]]:
     chosen: list[Pair] = []
     wanted: set[Pair] = set()

@@ -75,15 +75,18 @@ class CacheCounters:
         return out
 
 
-def count_access(c: CacheCounters, entries: Sequence[tuple[int, int]],
-                 outcomes: Sequence[Outcome]) -> None:
-    """Count one layer's (expert, num_tokens) entries and their outcomes."""
-    for (_, n), out in zip(entries, outcomes, strict=True):
-        c.lookups += n
+def count_phases(decode: CacheCounters, prefill: CacheCounters,
+                 phases: Sequence[tuple[int, int, int]], outcomes: Sequence[Outcome]) -> None:
+    """Count one layer's (expert, decode tokens, prefill tokens) entries of a step that may mix
+    decode and prefill tokens; a fill is the decode phase's when a decode token wanted it."""
+    for (_, d, p), out in zip(phases, outcomes, strict=True):
+        decode.lookups += d
+        prefill.lookups += p
         if out.hit:
-            c.hits += n
+            decode.hits += d
+            prefill.hits += p
         elif out.fill:
-            c.fills += 1
+            (decode if d else prefill).fills += 1
 
 
 class PredictionTracker:

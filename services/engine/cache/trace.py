@@ -1,7 +1,7 @@
 """Routing traces (`--record-routing PATH`): every step's routed pairs, in the order the expert
 cache saw them, so `strata cache replay` can drive the same residency code offline.
 
-File format, version 1, all little-endian:
+File format, version 2 (version 1 lacks kind 5), all little-endian:
 
     offset  size  field
          0     8  magic        b"STRATATR"
@@ -17,6 +17,8 @@ File format, version 1, all little-endian:
     kind 3 PREFILL  the same for a prefill step
     kind 4 PREDICT  experts predicted for the next layer (next layer's router on this layer's
                     hidden state), recorded whether or not prefetch was on
+    kind 5 MIXED    one layer of a continuous-batching step holding decode tokens and prefill
+                    chunks: count = decode tokens | prefill tokens << 16
 
 Traces do not depend on the cache's policy or size (outputs are exact whatever the cache does),
 so one trace replays every policy and size. A record cut short at the end (the engine was
@@ -38,9 +40,12 @@ import numpy as np
 log = logging.getLogger("strata.engine")
 
 MAGIC = b"STRATATR"
-VERSION = 1
-FILL, DECODE, PREFILL, PREDICT = 1, 2, 3, 4
-KIND_NAMES = {FILL: "fill", DECODE: "decode", PREFILL: "prefill", PREDICT: "predict"}
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+FILL, DECODE, PREFILL, PREDICT, MIXED = 1, 2, 3, 4, 5
+KIND_NAMES = {FILL: "fill", DECODE: "decode", PREFILL: "prefill", PREDICT: "predict",
+              MIXED: "mixed"}
+ROUTED_KINDS = (DECODE, PREFILL, MIXED)
 _HEAD = struct.Struct("<8sII")
 _RECORD = struct.Struct("<B3xI")
 ENTRY = np.dtype([("layer", "<u2"), ("expert", "<u2"), ("count", "<u4")])
@@ -65,6 +70,18 @@ class Record:
         return list(zip(self.entries["expert"].tolist(), self.entries["count"].tolist(),
                         strict=True))
 
+    def phase_counts(self) -> list[tuple[int, int, int]]:
+        """(expert, decode tokens, prefill tokens) of a DECODE, PREFILL or MIXED record."""
+        experts = self.entries["expert"].tolist()
+        counts = self.entries["count"].astype(np.int64)
+        if self.kind == MIXED:
+            decode, prefill = counts & 0xFFFF, counts >> 16
+        elif self.kind == DECODE:
+            decode, prefill = counts, np.zeros_like(counts)
+        else:
+            decode, prefill = np.zeros_like(counts), counts
+        return list(zip(experts, decode.tolist(), prefill.tolist(), strict=True))
+
     def pairs(self) -> list[tuple[int, int]]:
         return list(zip(self.entries["layer"].tolist(), self.entries["expert"].tolist(),
                         strict=True))
@@ -87,6 +104,12 @@ class TraceWriter:
         entries["expert"] = experts
         entries["count"] = counts
         self._write(kind, entries)
+
+    def mixed_record(self, layer: int, experts: Sequence[int], decode_counts: Sequence[int],
+                     prefill_counts: Sequence[int]) -> None:
+        assert max(prefill_counts, default=0) < 1 << 16 and max(decode_counts, default=0) < 1 << 16
+        packed = [d | p << 16 for d, p in zip(decode_counts, prefill_counts, strict=True)]
+        self.layer_record(MIXED, layer, experts, packed)
 
     def fill_record(self, pairs: Sequence[tuple[int, int]]) -> None:
         entries = np.zeros(len(pairs), dtype=ENTRY)
@@ -127,9 +150,9 @@ class Trace:
         if magic != MAGIC:
             raise TraceError(f"{source}: not a routing trace (magic {magic!r}, "
                              f"expected {MAGIC!r})")
-        if version != VERSION:
+        if version not in READABLE_VERSIONS:
             raise TraceError(f"{source}: trace format version {version}; this build reads "
-                             f"version {VERSION}")
+                             f"versions {READABLE_VERSIONS}")
         try:
             meta = json.loads(data[_HEAD.size : _HEAD.size + meta_len])
         except ValueError as exc:

@@ -28,9 +28,10 @@ class PagedKVCache:
         self.dtype = dtype
         storage = torch.int8 if self.quantized else dtype
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  # [L, B, P, G, Hd]
-        # Uninitialized on purpose: attention reads only positions already written.
-        self.k = torch.empty(shape, dtype=storage, device=device)
-        self.v = torch.empty(shape, dtype=storage, device=device)
+        # Zeroed: batched decode attention reads whole blocks and masks the positions a
+        # sequence does not have; masked entries must be finite (0 * NaN would be NaN).
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
         if self.quantized:
             self.k_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
             self.v_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
@@ -67,6 +68,29 @@ class PagedKVCache:
             v = v.to(self.dtype) * self.v_scale[layer][ids][:, None, :, None].to(self.dtype)
         k = k.flatten(0, 1)[:num_positions].transpose(0, 1)  # [G, N, Hd]
         v = v.flatten(0, 1)[:num_positions].transpose(0, 1)
+        return k, v
+
+    def gather_index(self, tables: Sequence[Sequence[int]], lengths: Sequence[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For reading several sequences at once: block ids [B, nb] (padded with block 0) and
+        a mask [B, nb * P] of the positions each sequence really has. Same for every layer."""
+        nb = max(-(-n // self.block_size) for n in lengths)
+        ids = torch.zeros(len(tables), nb, dtype=torch.long)
+        for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+            used = -(-n // self.block_size)
+            ids[i, :used] = torch.as_tensor(table[:used])
+        mask = torch.arange(nb * self.block_size)[None, :] < torch.as_tensor(lengths)[:, None]
+        return ids.to(self.k.device), mask.to(self.k.device)
+
+    def read_batch(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, G, nb * P, Hd] of the blocks ids [B, nb] (see gather_index)."""
+        k, v = self.k[layer][ids], self.v[layer][ids]  # [B, nb, P, G, Hd]
+        if self.quantized:
+            k = k.to(self.dtype) * self.k_scale[layer][ids][:, :, None, :, None].to(self.dtype)
+            v = v.to(self.dtype) * self.v_scale[layer][ids][:, :, None, :, None].to(self.dtype)
+        B, nb, P, G, Hd = k.shape
+        k = k.reshape(B, nb * P, G, Hd).transpose(1, 2)  # [B, G, N, Hd]
+        v = v.reshape(B, nb * P, G, Hd).transpose(1, 2)
         return k, v
 
     def _write_int8(self, pool: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,

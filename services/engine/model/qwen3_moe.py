@@ -4,7 +4,8 @@ Shape legend: T tokens in this step, N cached positions (KV length), D hidden, H
 G KV heads, Hd head dim, E experts, K routed per token, F expert FFN, V vocab.
 
     tokens -> embed -> L x [ x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)) ] -> rmsnorm -> lm_head
-    attn: q/k/v proj -> per-head RMSNorm on q, k -> RoPE -> KV cache update -> causal GQA -> o_proj
+    attn: q/k/v proj -> per-head RMSNorm on q, k -> RoPE -> paged KV write -> causal GQA per
+          sequence over its blocks -> o_proj
     mlp:  dense SwiGLU (mlp_only_layers) or sparse MoE: router -> softmax (fp32) -> top-K ->
           (renormalize) -> experts via the ExpertSource (the expert cache) -> weighted sum
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from services.engine.cache.layout import swiglu
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig
+from services.engine.model.paged_kv import PagedKVCache
 
 log = logging.getLogger("strata.engine")
 
@@ -54,29 +57,19 @@ class ExpertSource(Protocol):
     def layer_done(self, layer: int) -> None: ...
 
 
-class KVCache:
-    """Preallocated K/V buffers of one layer for one sequence: [G, N_max, Hd] each."""
+@dataclass(frozen=True)
+class Span:
+    """Rows [row_start, row_end) of a step: one sequence's tokens at positions
+    [pos_start, pos_start + rows), its K/V in `block_table`'s blocks of the paged cache."""
 
-    def __init__(
-        self,
-        num_kv_heads: int,
-        max_num_tokens: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        shape = (num_kv_heads, max_num_tokens, head_dim)
-        # Uninitialized on purpose: attention only ever reads positions already written.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+    row_start: int
+    row_end: int
+    pos_start: int
+    block_table: Sequence[int]
 
-    def update(
-        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [G, T, Hd] at positions input_pos [T]; return the full buffers."""
-        self.k.index_copy_(1, input_pos, k)
-        self.v.index_copy_(1, input_pos, v)
-        return self.k, self.v
+    @property
+    def pos_end(self) -> int:
+        return self.pos_start + self.row_end - self.row_start
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,7 +90,7 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [heads, T, Hd] rotated by cos/sin [T, Hd]."""
+    """x [..., Hd] rotated by cos/sin broadcast to it (HF's rotate-half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -143,64 +136,89 @@ class Qwen3MoeModel:
         moe = [i for i, w in enumerate(layers) if w.router_t is not None]
         self.next_moe_layer = {i: j for i, j in zip(moe, moe[1:], strict=False)}
 
-    def setup_caches(self, max_num_tokens: int) -> list[KVCache]:
-        c = self.config
-        return [
-            KVCache(c.num_kv_heads, max_num_tokens, c.head_dim, self.dtype, self.device)
-            for _ in range(c.num_layers)
-        ]
-
     @torch.no_grad()
     def forward(
         self,
         token_ids: torch.Tensor,
-        input_pos: torch.Tensor,
-        kv: list[KVCache],
+        positions: torch.Tensor,
+        spans: Sequence[Span],
+        kv: PagedKVCache,
         experts: ExpertSource,
-        all_logits: bool = False,
+        logit_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """token_ids, input_pos [T] (positions consecutive) -> fp32 logits [V] of the last
-        token, or [T, V] with all_logits."""
+        """One step over several sequences: token_ids, positions [T] (spans say which rows are
+        whose) -> fp32 logits [S, V] of logit_rows [S]. Linear layers and the MoE run once over
+        all T rows; attention runs per sequence over its paged K/V."""
+        slots = torch.cat([
+            kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
+        # Single-token (decode) spans share one batched attention call per layer.
+        decode = [s for s in spans if s.row_end - s.row_start == 1]
+        decode_batch = None
+        if decode:
+            ids, mask = kv.gather_index([s.block_table for s in decode],
+                                        [s.pos_end for s in decode])
+            rows = torch.tensor([s.row_start for s in decode], device=self.device)
+            decode_batch = (rows, ids, mask[:, None, None, :])  # mask [B, 1, 1, N]
+        others = [s for s in spans if s.row_end - s.row_start > 1]
         x = self.embed[token_ids]  # [T, D]
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(layer, rms_norm(x, layer.input_norm, eps), input_pos, kv[i])
+            h = rms_norm(x, layer.input_norm, eps)
+            x = x + self.attention(i, layer, h, positions, others, decode_batch, kv, slots)
             h = rms_norm(x, layer.post_attn_norm, eps)
             if layer.router_t is not None:
                 x = x + self.moe(i, layer, h, experts)
             else:
                 x = x + swiglu(h, layer.mlp_gate_up_t, layer.mlp_down_t)
-        if not all_logits:
-            x = x[-1:]
-        logits = (rms_norm(x, self.final_norm, eps) @ self.lm_head_t).float()  # [T, V]
-        return logits if all_logits else logits[0]
+        x = x[logit_rows]  # [S, D]
+        return (rms_norm(x, self.final_norm, eps) @ self.lm_head_t).float()  # [S, V]
 
     def attention(
-        self, w: LayerWeights, x: torch.Tensor, input_pos: torch.Tensor, kv: KVCache
+        self,
+        layer_idx: int,
+        w: LayerWeights,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        spans: Sequence[Span],
+        decode_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        kv: PagedKVCache,
+        slots: torch.Tensor,
     ) -> torch.Tensor:
+        """Causal GQA: multi-token spans (prefill chunks) one by one; the single-token rows of
+        decode_batch = (rows [B], block ids [B, nb], mask [B, 1, 1, N]) in one call."""
         c = self.config
         T = x.shape[0]
         q, k, v = x @ w.q_t, x @ w.k_t, x @ w.v_t  # [T, H*Hd], [T, G*Hd], [T, G*Hd]
         if w.qkv_bias is not None:
             q, k, v = q + w.qkv_bias[0], k + w.qkv_bias[1], v + w.qkv_bias[2]
-        q = rms_norm(q.view(T, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps).transpose(0, 1)
-        k = rms_norm(k.view(T, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps).transpose(
-            0, 1
-        )
-        v = v.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [G, T, Hd]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, Hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [H, T, Hd], [G, T, Hd]
-        k_all, v_all = kv.update(input_pos, k, v)
-        num_cached = int(input_pos[-1]) + 1
-        k_all, v_all = k_all[:, :num_cached], v_all[:, :num_cached]  # [G, N, Hd]
-        mask = None
-        if T > 1:  # query t sits at position num_cached - T + t and sees keys up to it
-            q_pos = torch.arange(num_cached - T, num_cached, device=x.device)
-            mask = q_pos[:, None] >= torch.arange(num_cached, device=x.device)[None, :]  # [T, N]
-        out = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads
-        )  # [H, T, Hd]
-        out = out.transpose(0, 1).reshape(T, c.num_heads * c.head_dim) @ w.o_t  # [T, D]
+        q = rms_norm(q.view(T, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)  # [T, H, Hd]
+        k = rms_norm(k.view(T, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
+        v = v.view(T, c.num_kv_heads, c.head_dim)  # [T, G, Hd]
+        cos = self.rope_cos[positions][:, None]  # [T, 1, Hd]
+        sin = self.rope_sin[positions][:, None]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(layer_idx, slots, k, v)
+        out = torch.empty_like(q)  # [T, H, Hd]
+        for s in spans:
+            rows = slice(s.row_start, s.row_end)
+            n, t = s.pos_end, s.row_end - s.row_start
+            k_all, v_all = kv.read(layer_idx, s.block_table, n)  # [G, N, Hd]
+            mask = None
+            if t > 1:  # query i sits at position pos_start + i and sees keys up to it
+                q_pos = torch.arange(s.pos_start, n, device=x.device)
+                mask = q_pos[:, None] >= torch.arange(n, device=x.device)[None, :]  # [t, N]
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k_all, v_all, attn_mask=mask,
+                enable_gqa=c.num_heads != c.num_kv_heads,
+            ).transpose(0, 1)  # [t, H, Hd]
+        if decode_batch is not None:
+            rows, ids, mask = decode_batch
+            k_all, v_all = kv.read_batch(layer_idx, ids)  # [B, G, N, Hd]
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows][:, :, None], k_all, v_all, attn_mask=mask,
+                enable_gqa=c.num_heads != c.num_kv_heads,
+            )[:, :, 0]  # [B, H, Hd]
+        out = out.reshape(T, c.num_heads * c.head_dim) @ w.o_t  # [T, D]
         return out if w.o_bias is None else out + w.o_bias
 
     def moe(

@@ -1,0 +1,49 @@
+"""Incremental detokenization with stop strings, for streaming text to clients."""
+
+from __future__ import annotations
+
+
+class TextStream:
+    """Incremental detokenizer with stop strings.
+
+    Holds back text that may still change: an incomplete UTF-8 sequence (decodes to U+FFFD)
+    and any tail that could be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer: object, stop: tuple[str, ...]):
+        self._tokenizer = tokenizer
+        self._stop = tuple(s for s in stop if s)
+        self._ids: list[int] = []
+        self._text = ""
+        self._emitted = 0  # chars of _text already sent
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Returns (text now safe to send, whether a stop string ended the output)."""
+        self._ids.append(token_id)
+        self._text = self._tokenizer.decode(self._ids)  # type: ignore[attr-defined]
+        for stop in self._stop:
+            found = self._text.find(stop, max(0, self._emitted - len(stop) + 1))
+            if found != -1:
+                out = self._text[self._emitted:found]
+                self._emitted = len(self._text)
+                return out, True
+        safe = len(self._text.rstrip("\ufffd"))
+        safe -= self._stop_prefix_len(self._text[:safe])
+        out = self._text[self._emitted:max(safe, self._emitted)]
+        self._emitted = max(safe, self._emitted)
+        return out, False
+
+    def flush(self) -> str:
+        out = self._text[self._emitted:]
+        self._emitted = len(self._text)
+        return out
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,201 @@
+"""Continuous batching on a real runner: batched == alone, prefix reuse, int8 KV, lifecycle."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from services.engine.core import (
+    Delta,
+    Engine,
+    EngineRequest,
+    Finished,
+    GenerateParams,
+    PromptTooLong,
+)
+from services.engine.runner import ModelRunner
+from services.engine.sampling import SamplingConfig
+
+PROMPTS = [
+    "The expert cache holds",
+    "Routing picks four experts for every token, and",
+    "a",
+    "Misses, not hits, drive speed: " * 3,
+    "def f(x):\n    return",
+    "Concurrency must share one cache instead of splitting it, so",
+]
+
+
+def make_runner(path, **kwargs) -> ModelRunner:
+    probe = ModelRunner(path, device_memory_bytes=10**9, reserved_bytes=0)
+    # Room for a third of the pairs: hits and misses both happen.
+    return ModelRunner(path, device_memory_bytes=8 * probe.slot_bytes, reserved_bytes=0,
+                       **kwargs)
+
+
+class Client:
+    """Collects one request's events from the engine's loop thread."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.tokens: list[int] = []
+        self.finished: Finished | None = None
+
+    def __call__(self, event) -> None:
+        self.events.put(event)
+
+    def wait(self, timeout_s: float = 60.0) -> Client:
+        deadline = time.monotonic() + timeout_s
+        while self.finished is None:
+            event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(event, Delta):
+                self.tokens.extend(event.token_ids)
+            elif isinstance(event, Finished):
+                assert self.finished is None, "two terminal events"
+                self.finished = event
+        return self
+
+
+def request(prompt: str, max_tokens: int = 24, **sampling) -> EngineRequest:
+    return EngineRequest("r", GenerateParams(max_tokens=max_tokens,
+                                             sampling=SamplingConfig(**sampling)), prompt=prompt)
+
+
+def run_all(engine: Engine, requests: list[EngineRequest]) -> list[Client]:
+    clients = [Client() for _ in requests]
+    for req, client in zip(requests, clients, strict=True):
+        engine.submit(req, client)
+    return [c.wait() for c in clients]
+
+
+@pytest.fixture
+def engine_factory(tiny_dir):
+    engines = []
+
+    def make(max_running=8, max_step_tokens=64, **runner_kwargs) -> Engine:
+        engine = Engine(make_runner(tiny_dir, **runner_kwargs), max_running=max_running,
+                        max_step_tokens=max_step_tokens)
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+def test_batched_decode_gives_each_sequence_the_tokens_it_gets_alone(engine_factory):
+    alone = engine_factory(max_running=1)
+    expected = [run_all(alone, [request(p)])[0].tokens for p in PROMPTS]
+    batched = engine_factory(max_running=8, max_step_tokens=16)  # prefills chunked too
+    clients = run_all(batched, [request(p) for p in PROMPTS])
+    assert [c.tokens for c in clients] == expected
+    assert all(c.finished.reason in {"stop", "length"} for c in clients)
+    for c in clients:
+        s = c.finished.stats
+        assert s.hits + s.spilled == s.lookups > 0 and s.prefill_lookups > 0
+
+
+def test_prefix_reuse_gives_identical_output_and_reports_the_reused_tokens(engine_factory):
+    shared = "You are Strata's test assistant. Answer briefly and exactly. " * 2
+    prompts = [shared + "First question?", shared + "Second one?"]
+    plain = engine_factory(prefix_reuse=False)
+    expected = [run_all(plain, [request(p)])[0] for p in prompts]
+    reuse = engine_factory(prefix_reuse=True, kv_block_size=8)
+    first = run_all(reuse, [request(prompts[0])])[0]
+    second = run_all(reuse, [request(prompts[1])])[0]
+    assert [first.tokens, second.tokens] == [e.tokens for e in expected]
+    assert first.finished.stats.reused_prompt_tokens == 0
+    reused = second.finished.stats.reused_prompt_tokens
+    assert reused > 0 and reused % 8 == 0 and reused <= len(shared.encode())
+
+
+def test_int8_kv_agrees_with_fp32(tiny_dir):
+    fp32, int8 = make_runner(tiny_dir), make_runner(tiny_dir, kv_dtype="int8")
+    agree = total = 0
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids = fp32.tokenizer.encode(prompt)
+        a, b = fp32.start(ids), int8.start(ids)
+        la, lb = fp32.prefill(a), int8.prefill(b)
+        for _ in range(12):  # follow fp32's greedy path, compare logits at each position
+            worst = max(worst, float((la - lb).abs().max() / la.abs().max()))
+            agree += int(la.argmax() == lb.argmax())
+            total += 1
+            token = int(la.argmax())
+            la, lb = fp32.decode(a, token), int8.decode(b, token)
+        fp32.release(a)
+        int8.release(b)
+    assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
+    assert worst < 0.05, f"largest logit error {worst:.3%} of the logit range"
+
+
+def test_cancellation_frees_the_sequences_blocks_within_a_step(engine_factory):
+    engine = engine_factory()
+    blocks = engine.runner.blocks
+    client = Client()
+    handle = engine.submit(request(PROMPTS[1], max_tokens=400, temperature=0.8, seed=1), client)
+    while not any(isinstance(e, Delta) for e in list(client.events.queue)):
+        time.sleep(0.005)
+    assert blocks.num_free_blocks < blocks.num_blocks
+    handle.cancel()
+    client.wait()
+    assert client.finished.reason == "abort" and "cancelled" in client.finished.error
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert engine.num_running == engine.num_waiting == 0
+
+
+def test_an_error_in_one_sequence_ends_only_that_request(engine_factory):
+    engine = engine_factory()
+    poison = engine.runner.tokenizer.encode("\x07")[0]
+    real_step = engine.runner.step
+
+    def step(chunks):
+        if any(poison in c.token_ids for c in chunks):
+            raise RuntimeError("injected fault")
+        return real_step(chunks)
+
+    engine.runner.step = step
+    clients = run_all(engine, [request("fine one"), request("bad \x07 one"),
+                               request("another fine one")])
+    assert [c.finished.reason for c in clients][1] == "abort"
+    assert "engine error" in clients[1].finished.error
+    assert all(c.finished.reason in {"stop", "length"} for c in (clients[0], clients[2]))
+    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+def test_window_is_enforced_before_admission_and_max_tokens_is_clamped(engine_factory):
+    engine = engine_factory()
+    window = engine.context_window
+    with pytest.raises(PromptTooLong, match=f"context window is {window} tokens"):
+        engine.submit(request("x" * window), Client())
+    prompt = "y" * (window - 5)
+    [client] = run_all(engine, [request(prompt, max_tokens=1000, temperature=0.9, seed=2)])
+    assert client.finished.stats.completion_tokens <= 5
+    if client.finished.reason == "length":
+        assert client.finished.stats.completion_tokens == 5
+
+
+def test_concurrent_submits_from_many_threads_all_end_once(engine_factory):
+    engine = engine_factory(max_running=3)
+    clients = [Client() for _ in range(12)]
+    threads = [threading.Thread(target=engine.submit, args=(request(PROMPTS[i % 6], 8), c))
+               for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        c.wait()
+    assert engine.totals.requests_finished == 12
+    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+def test_kv_memory_below_one_window_is_refused(tiny_dir):
+    with pytest.raises(ValueError, match="less than the context window"):
+        make_runner(tiny_dir, kv_memory_bytes=1024)
+
+

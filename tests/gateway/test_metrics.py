@@ -1,0 +1,106 @@
+"""The gateway's request metrics (GenAI conventions) on its Prometheus endpoint, parsed with
+prometheus_client, and its server span as the parent the engine is told about."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import aiohttp
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.telemetry import setup_metrics, setup_tracing
+from services.gateway.app import init_app
+from services.gateway.config import GatewayConfig
+
+from .conftest import MODEL
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples]
+
+
+def value(samples, name: str, **labels) -> float:
+    found = [v for n, got, v in samples if n == name and labels.items() <= got.items()]
+    assert len(found) == 1, (name, labels, [s for s in samples if s[0] == name])
+    return found[0]
+
+
+@pytest.fixture
+async def observed_gateway(engine):
+    _, address = engine
+    meter_provider = setup_metrics("strata-gateway", 0, "127.0.0.1")
+    spans = InMemorySpanExporter()
+    tracer_provider = setup_tracing("strata-gateway", [SimpleSpanProcessor(spans)])
+    config = GatewayConfig(host="127.0.0.1", port=0, engine_addrs=(address,),
+                           health_interval_s=0.2, engine_timeout_s=1.0)
+    runner = web.AppRunner(init_app(config, meter_provider=meter_provider,
+                                    tracer_provider=tracer_provider))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}", meter_provider.prometheus_port, spans
+    await runner.cleanup()
+    meter_provider.shutdown()
+    tracer_provider.shutdown()
+
+
+async def test_known_requests_give_the_genai_metrics(observed_gateway, engine):
+    base, metrics_port, _ = observed_gateway
+    servicer, _ = engine
+    async with aiohttp.ClientSession() as http:
+        async with http.post(base + "/v1/chat/completions",
+                             json={"model": MODEL, "messages": MESSAGES}) as r:
+            assert r.status == 200
+            usage = (await r.json())["usage"]
+        async with http.post(base + "/v1/completions",
+                             json={"model": MODEL, "prompt": "one two", "max_tokens": 2}) as r:
+            assert r.status == 200
+        async with http.post(base + "/v1/chat/completions",
+                             json={"model": "no-such-model", "messages": MESSAGES}) as r:
+            assert r.status == 404
+    samples = scrape(metrics_port)
+    chat = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "strata",
+            "gen_ai_request_model": MODEL}
+    assert value(samples, "gen_ai_server_request_duration_seconds_count", **chat) == 1
+    assert value(samples, "gen_ai_server_time_to_first_token_seconds_count", **chat) == 1
+    assert value(samples, "gen_ai_server_time_per_output_token_seconds_count", **chat) == 1
+    assert value(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="input",
+                 **chat) == usage["prompt_tokens"]
+    assert value(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="output",
+                 **chat) == usage["completion_tokens"] == len(servicer.tokens)
+    assert value(samples, "gen_ai_server_time_to_first_token_seconds_bucket", le="0.001",
+                 **chat) <= 1  # the conventions' first boundary
+    completion = chat | {"gen_ai_operation_name": "text_completion"}
+    assert value(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="output",
+                 **completion) == 2
+    assert value(samples, "gen_ai_server_request_duration_seconds_count",
+                 error_type="ModelNotFound") == 1
+    assert not [s for s in samples if s[0].startswith("gen_ai_server_time_to_first")
+                and s[1].get("error_type")]
+    assert value(samples, "strata_requests_running") == 0
+    assert value(samples, "strata_requests_waiting") == 0
+
+
+async def test_the_server_span_is_the_engines_parent(observed_gateway, engine):
+    base, _, spans = observed_gateway
+    servicer, _ = engine
+    async with (aiohttp.ClientSession() as http,
+                http.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                          headers={"X-Request-Id": "m-1"}) as r):
+        assert r.status == 200
+    [span] = [s for s in spans.get_finished_spans()
+              if s.attributes.get("strata.request_id") == "m-1"]
+    assert span.name == "POST /v1/chat/completions"
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.attributes["gen_ai.request.model"] == MODEL
+    _, trace_id, span_id, _ = servicer.metadata["m-1"]["traceparent"].split("-")
+    assert (int(trace_id, 16), int(span_id, 16)) == (span.context.trace_id, span.context.span_id)

@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import Sequence
 
-from services.bench.client import Outcome
+from services.bench.client import Outcome, engine_status
 from services.bench.stats import median, percentile
 from services.bench.suites import BenchContext, summarize
 
@@ -28,7 +28,9 @@ async def bench_sweep(ctx: BenchContext, *, levels: Sequence[int] = (1, 2, 4, 8,
                       requests_per_client: int = 2, prompt_tokens: int = 32,
                       max_tokens: int = 64) -> dict:
     rows = []
+    address = ctx.engine.get("address")
     for level in levels:
+        before = await asyncio.to_thread(engine_status, address) if address else None
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(
             _worker(ctx, prompt_tokens, max_tokens, level * 100 + c, requests_per_client, None)
@@ -36,15 +38,34 @@ async def bench_sweep(ctx: BenchContext, *, levels: Sequence[int] = (1, 2, 4, 8,
         wall_s = time.perf_counter() - t0
         outcomes = [o for client in per_client for o in client]
         summary = summarize(outcomes)
+        after = await asyncio.to_thread(engine_status, address) if address else None
         row = {"concurrency": level, "wall_s": wall_s, **summary,
                "aggregate_tok_s": summary["completion_tokens"] / wall_s if wall_s else None,
+               "distinct_pairs_per_layer_step": _distinct_per_layer_step(before, after),
                "requests": [o.to_dict() for o in outcomes]}
         rows.append(row)
         ctx.progress(f"concurrency {level}: {summary['num_ok']}/{len(outcomes)} ok, aggregate "
                      f"{row['aggregate_tok_s']:.1f} tok/s, TTFT p50 "
                      f"{_ms(summary['ttft_s_p50'])} p95 {_ms(summary['ttft_s_p95'])}")
     return {"bench": "sweep", "requests_per_client": requests_per_client,
-            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "levels": rows}
+            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "levels": rows,
+            "concurrency": {str(r["concurrency"]): {
+                "aggregate_tok_s": r["aggregate_tok_s"],
+                "per_client_tok_s": r["client_decode_tok_s_p50"],
+                "ttft_p50_s": r["ttft_s_p50"], "ttft_p95_s": r["ttft_s_p95"],
+                "hit_rate": r["hit_rate_p50"],
+                "distinct_pairs_per_layer_step": r["distinct_pairs_per_layer_step"]}
+                for r in rows}}
+
+
+def _distinct_per_layer_step(before: dict | None, after: dict | None) -> float | None:
+    """Distinct pairs the engine looked up per MoE layer per step during one level: how much
+    of a step's routing the batch shares (one lookup serves every token routed to a pair)."""
+    if not before or not after:
+        return None
+    steps = after["layer_steps"] - before["layer_steps"]
+    return (after["distinct_pairs_routed"] - before["distinct_pairs_routed"]) / steps \
+        if steps else None
 
 
 def _ms(seconds: float | None) -> str:

@@ -273,7 +273,8 @@ def _cache_policy_status(runner: object) -> dict:
         misses_host=d.misses_host, misses_copied=d.misses_copied,
         placement_reasons=dict(d.reasons), prefetch_precision=d.prefetch_precision,
         prefetch_recall=d.prefetch_recall, prefetch_fills=d.prefetch_fills,
-        demand_fills=d.fills + cache.prefill.fills, evictions=residency.evictions)
+        demand_fills=d.fills + cache.prefill.fills, evictions=residency.evictions,
+        distinct_pairs_routed=cache.distinct_pairs_routed, layer_steps=cache.layer_steps)
 
 
 async def start_server(engine: Engine, status: StatusSource, host: str, port: int, *,

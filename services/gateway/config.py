@@ -90,8 +90,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("port", "STRATA_GATEWAY_PORT", _port, 8000, "HTTP port"),
     Setting("engine", "STRATA_ENGINE_ADDR", _addresses, ("127.0.0.1:50051",),
             "engine gRPC addresses, comma-separated host:port; 'none': registry only"),
-    Setting("max_inflight", "STRATA_MAX_INFLIGHT", positive_int, 4,
-            "requests in flight at each engine"),
+    Setting("max_inflight", "STRATA_MAX_INFLIGHT", positive_int, 8,
+            "requests in flight at each engine (match the engine's --max-running so its batch "
+            "fills)"),
     Setting("max_queue", "STRATA_MAX_QUEUE", non_negative_int, 16,
             "requests waiting for an engine slot; beyond this the gateway answers 429"),
     Setting("queue_timeout_s", "STRATA_QUEUE_TIMEOUT_S", _positive_float, 30.0,
@@ -126,7 +127,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     engine_addrs: tuple[str, ...] = ("127.0.0.1:50051",)
-    max_inflight: int = 4
+    max_inflight: int = 8
     max_queue: int = 16
     queue_timeout_s: float = 30.0
     max_queued_tokens: int = 131072

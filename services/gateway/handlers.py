@@ -139,10 +139,10 @@ class _Run:
             engine_queue_ms=s.queue_ms, decode_tok_s=s.decode_tok_s, expert_hit_rate=s.hit_rate,
             spill_ratio=s.spill_ratio, reused_prompt_tokens=s.reused_prompt_tokens)
 
-    def usage(self, finished: Finished) -> dict[str, int]:
+    def usage(self, finished: Finished) -> dict[str, Any]:
         stats = finished.stats
         counted = usage(stats.prompt_tokens or self.started.prompt_tokens,
-                        stats.completion_tokens or self.num_deltas)
+                        stats.completion_tokens or self.num_deltas, stats.reused_prompt_tokens)
         self.outcome.input_tokens = counted["prompt_tokens"]
         self.outcome.output_tokens = counted["completion_tokens"]
         return counted

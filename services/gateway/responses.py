@@ -43,9 +43,12 @@ class Figures:
         return {"x-strata-" + k.replace("_", "-"): str(v) for k, v in self.as_dict().items()}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI usage; cached_tokens = prompt tokens whose KV the engine reused (prefix reuse)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Renderer:

@@ -150,3 +150,16 @@ def test_strata_top_shows_the_engine(cluster):
     assert out.returncode == 0, out.stderr
     engines = json.loads(out.stdout)["cachemgr"]["engines"]
     assert len(engines) == 1 and int(engines[0]["slots"]) > 0, engines
+
+
+def test_a_repeated_prompt_reuses_cached_kv_blocks_and_answers_the_same(cluster):
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 8},
+                {"role": "user", "content": "What is an expert cache?"}]
+    c = client(cluster)
+    first = c.chat.completions.create(model="strata-demo-moe", messages=messages, max_tokens=8,
+                                      temperature=0)
+    again = c.chat.completions.create(model="strata-demo-moe", messages=messages, max_tokens=8,
+                                      temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0

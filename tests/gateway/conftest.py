@@ -78,7 +78,9 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
                       else engine_pb2.FINISH_REASON_STOP)
             self.finished.append(rid)
             yield _finished(reason, prompt_tokens, len(emitted))
-        except asyncio.CancelledError:  # the client (the gateway) cancelled the RPC
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client (the gateway) cancelled the RPC: grpc.aio cancels the task while it
+            # awaits, or closes the generator (GeneratorExit) while it is suspended at a yield.
             self.cancelled.append(rid)
             raise
         finally:

@@ -18,7 +18,7 @@ def config(argv, environ):
 def test_defaults():
     c = config([], {})
     assert (c.host, c.port, c.engine_addrs) == ("127.0.0.1", 8000, ("127.0.0.1:50051",))
-    assert (c.max_inflight, c.max_queue, c.api_keys) == (4, 16, frozenset())
+    assert (c.max_inflight, c.max_queue, c.api_keys) == (8, 16, frozenset())
     assert (c.max_queued_tokens, c.redis_url, c.api_key_hashes, c.log_prompts) == (
         131072, None, None, False)
     assert (c.request_timeout_s, c.drain_timeout_s, c.max_body_bytes) == (600.0, 25.0, 2 << 20)

@@ -34,7 +34,7 @@ async def _until_ready(http, base, process, timeout_s=20.0):
 
 async def test_sigterm_drains_then_exits(engine):
     servicer, address = engine
-    servicer.tokens, servicer.token_delay_s = ["tok"] * 10, 0.1  # a 1 s stream
+    servicer.tokens, servicer.token_delay_s = ["tok"] * 40, 0.1  # a 4 s stream
     port = free_port()
     env = {**os.environ, "STRATA_REDIS_URL": "", "STRATA_API_KEYS": ""}
     process = subprocess.Popen(
@@ -50,10 +50,14 @@ async def test_sigterm_drains_then_exits(engine):
                 await stream.content.readuntil(b"\n\n")
                 await _wait_for(lambda: servicer.running == 1)
                 process.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.1)
-                async with http.get(base + "/readyz") as resp:
-                    assert resp.status == 503
-                    assert (await resp.json())["status"] == "draining"
+                deadline = time.monotonic() + 3.0
+                while True:  # the signal reaches the gateway's loop within a moment
+                    async with http.get(base + "/readyz") as resp:
+                        if resp.status == 503:
+                            assert (await resp.json())["status"] == "draining"
+                            break
+                    assert time.monotonic() < deadline, "readiness did not fail after SIGTERM"
+                    await asyncio.sleep(0.02)
                 async with http.post(base + "/v1/chat/completions", json=BODY) as resp:
                     assert resp.status == 503
                     assert resp.headers["x-strata-drop-reason"] == "draining"

@@ -72,6 +72,8 @@ class ExpertCache:
         self.routing_counts = np.zeros((num_layers, num_experts), dtype=np.int64)  # [L, E]
         self.link = LinkMeter()  # every host -> device copy: fills, staged misses, plan swaps
         self._predictions = PredictionTracker()
+        self.distinct_pairs_routed = 0  # lifetime, over (step, layer): how batching shares pairs
+        self.layer_steps = 0
         self.begin_step(0, False)
         self._plan: dict[int, tuple[int, int | None]] = {}  # expert -> (where, slot)
         num_staging = NUM_STAGING if self.on_cuda else 1
@@ -125,6 +127,8 @@ class ExpertCache:
                   for e, n in enumerate(counts) if n]  # distinct (expert, decode n, prefill n)
         entries = [(e, d + p) for e, d, p in phases]
         experts = [e for e, _ in entries]
+        self.distinct_pairs_routed += len(entries)
+        self.layer_steps += 1
         outcomes = self.residency.access(layer, entries, prefill=[d == 0 for _, d, _ in phases])
         count_phases(self.decode, self.prefill, phases, outcomes)
         decoded = [e for e, d, _ in phases if d]

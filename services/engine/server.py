@@ -245,6 +245,9 @@ class StatusSource:
             running=engine.num_running, waiting=engine.num_waiting,
             context_window=engine.context_window, device=self.device,
             requests_finished=totals.requests_finished, tokens_generated=totals.tokens_generated,
+            kv_blocks_total=runner.blocks.num_blocks,  # type: ignore[attr-defined]
+            kv_blocks_free=runner.blocks.num_free_blocks,  # type: ignore[attr-defined]
+            max_running=engine.scheduler.max_running,
             cache=engine_pb2.CacheStatus(
                 slots=size.slots, total_pairs=size.total_pairs, coverage=size.coverage,
                 slot_bytes=size.slot_bytes, device_memory_bytes=size.free_bytes,

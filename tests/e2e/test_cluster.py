@@ -163,3 +163,46 @@ def test_a_repeated_prompt_reuses_cached_kv_blocks_and_answers_the_same(cluster)
     assert again.choices[0].message.content == first.choices[0].message.content
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+
+
+async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(cluster):
+    """Clients that leave mid-stream cancel their engine work: running and waiting return to 0
+    and every KV block is free again (design: nothing lost, a rejected/cancelled request costs
+    the engine nothing more)."""
+    import grpc
+
+    from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+
+    body = {"model": "strata-demo-moe", "messages": PROMPT, "max_tokens": 2000,
+            "temperature": 0.8, "stream": True}
+
+    async def leave_mid_stream(session):
+        async with session.post(f"{cluster.base_url}/chat/completions", json=body) as r:
+            if r.status != 200:
+                return r.status
+            await r.content.readuntil(b"\n\n")  # the role chunk
+            await r.content.readuntil(b"\n\n")  # a token
+            r.close()
+            return 200
+
+    def engine_status():
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.engine_port}") as channel:
+            return engine_pb2_grpc.EngineStub(channel).GetStatus(engine_pb2.GetStatusRequest(),
+                                                                 timeout=5)
+
+    before = await asyncio.to_thread(engine_status)
+    async with aiohttp.ClientSession() as session:
+        statuses = await asyncio.gather(*(leave_mid_stream(session) for _ in range(12)))
+    assert statuses.count(200) == 3 and statuses.count(429) == 9  # in-flight 1 + queue 2
+
+    deadline = time.monotonic() + 15
+    while True:
+        status = await asyncio.to_thread(engine_status)
+        if (status.running, status.waiting) == (0, 0) and \
+                status.kv_blocks_free == status.kv_blocks_total:
+            break
+        assert time.monotonic() < deadline, status
+        await asyncio.sleep(0.1)
+    assert status.requests_finished - before.requests_finished == 3
+    assert status.tokens_generated - before.tokens_generated < 3 * 2000 // 10, \
+        "the engine kept generating for clients that had left"

@@ -254,7 +254,7 @@ class CacheStatus(_message.Message):
     def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., placement_reasons: _Optional[_Mapping[str, int]] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefetch_fills: _Optional[int] = ..., demand_fills: _Optional[int] = ..., evictions: _Optional[int] = ..., distinct_pairs_routed: _Optional[int] = ..., layer_steps: _Optional[int] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "model", "ready", "running", "waiting", "context_window", "device", "requests_finished", "tokens_generated", "cache")
+    __slots__ = ("engine_id", "model", "ready", "running", "waiting", "context_window", "device", "requests_finished", "tokens_generated", "cache", "kv_blocks_total", "kv_blocks_free", "max_running")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,9 @@ class EngineStatus(_message.Message):
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     ready: bool
@@ -275,4 +278,7 @@ class EngineStatus(_message.Message):
     requests_finished: int
     tokens_generated: int
     cache: CacheStatus
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., cache: _Optional[_Union[CacheStatus, _Mapping]] = ...) -> None: ...
+    kv_blocks_total: int
+    kv_blocks_free: int
+    max_running: int
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., cache: _Optional[_Union[CacheStatus, _Mapping]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.settings import Setting, non_negative_int, parse_bytes
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be a TCP port, 0..65535 (0 = any free port)")
-    return value
+from services.common.settings import (
+    Setting,
+    non_negative_float,
+    non_negative_int,
+    parse_bytes,
+    port,
+    positive_float,
+)
 
 
 def _redis_url(text: str) -> str | None:
@@ -34,18 +34,8 @@ def _optional_bytes(text: str) -> int | None:
     return parse_bytes(text) if text else None
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise ValueError("must be a number of seconds >= 0")
-    return value
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError("must be a number of seconds > 0")
-    return value
 
 
 def _share(text: str) -> float:
@@ -66,7 +56,7 @@ def default_data_dir() -> Path:
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "STRATA_CACHEMGR_HOST", str, "127.0.0.1",
             "address the cache manager's gRPC server binds"),
-    Setting("port", "STRATA_CACHEMGR_PORT", _port, 50061,
+    Setting("port", "STRATA_CACHEMGR_PORT", port, 50061,
             "gRPC port of the cache manager (0 = any free port)"),
     Setting("metrics_port", "STRATA_METRICS_PORT", non_negative_int, 9464,
             "Prometheus scrape port for /metrics (0 disables it)"),
@@ -77,20 +67,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("profile_path", "STRATA_PROFILE", _optional_path, None,
             "expert-profile.bin: read at start, then the live (decayed) profile is saved there "
             "(default: <data dir>/expert-profile.bin)", flag="--profile"),
-    Setting("profile_save_interval_s", "STRATA_PROFILE_SAVE_INTERVAL", _seconds, 60.0,
+    Setting("profile_save_interval_s", "STRATA_PROFILE_SAVE_INTERVAL", non_negative_float, 60.0,
             "seconds between saves of the live profile (0 = only at shutdown)",
             flag="--profile-save-interval"),
-    Setting("profile_half_life_s", "STRATA_PROFILE_HALF_LIFE", _positive_seconds, 600.0,
+    Setting("profile_half_life_s", "STRATA_PROFILE_HALF_LIFE", positive_float, 600.0,
             "half-life of routing counts in the live profile, in seconds",
             flag="--profile-half-life"),
     Setting("replan_drift", "STRATA_REPLAN_DRIFT", _share, 0.02,
             "issue a new plan version when the pinned set misses this share of routed work "
             "that the best set would serve (e.g. 0.02 or 2%)"),
-    Setting("replan_settle_s", "STRATA_REPLAN_SETTLE", _seconds, 10.0,
+    Setting("replan_settle_s", "STRATA_REPLAN_SETTLE", non_negative_float, 10.0,
             "seconds the best set must stay put in a drift event before its one new plan "
             "version is issued",
             flag="--replan-settle"),
-    Setting("sample_interval_s", "STRATA_SAMPLE_INTERVAL", _positive_seconds, 2.0,
+    Setting("sample_interval_s", "STRATA_SAMPLE_INTERVAL", positive_float, 2.0,
             "seconds between device samples (memory, utilisation, power for J/token)",
             flag="--sample-interval"),
     Setting("reserve_bytes", "STRATA_RESERVE", parse_bytes, "700MiB",

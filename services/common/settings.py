@@ -117,5 +117,34 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port, 0..65535 (0 = any free port)")
+    return value
+
+
+def choice(options: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return text
+    return parse
+
+
 def optional_str(text: str) -> str | None:
     return text or None

@@ -9,10 +9,12 @@ from typing import Any
 
 from services.common.settings import (
     Setting,
+    choice,
     non_negative_int,
     optional_str,
     parse_bool,
     parse_bytes,
+    positive_float,
     positive_int,
 )
 from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
@@ -40,20 +42,8 @@ def _kv_dtype(text: str) -> str:
     return text
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise ValueError("must be > 0")
-    return value
 
 
-def _choice(options: tuple[str, ...]):
-    def parse(text: str) -> str:
-        if text not in options:
-            raise ValueError(f"must be one of {', '.join(options)}")
-        return text
-
-    return parse
 
 
 def _fraction(text: str) -> float:
@@ -86,7 +76,7 @@ SETTINGS = (
             "cache manager gRPC address host:port (default: none, plan locally)"),
     Setting("profile", "STRATA_PROFILE", optional_str, None,
             "expert-profile.bin used to pre-fill the cache when no cache manager is set"),
-    Setting("report_interval_s", "STRATA_REPORT_INTERVAL_S", _positive_float, 2.0,
+    Setting("report_interval_s", "STRATA_REPORT_INTERVAL_S", positive_float, 2.0,
             "seconds between routing reports to the cache manager"),
     Setting("redis_url", "STRATA_REDIS_URL", optional_str, None,
             "Redis for the engine registry (heartbeat with load) that gateways discover engines "
@@ -110,14 +100,14 @@ SETTINGS = (
             "CPU threads for the engine's tensor work (0: torch's default, one per core)"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
             "device memory kept for a draft head, besides --reserve (0: none configured)"),
-    Setting("policy", "STRATA_CACHE_POLICY", _choice(POLICIES), DEFAULT_POLICY,
+    Setting("policy", "STRATA_CACHE_POLICY", choice(POLICIES), DEFAULT_POLICY,
             "eviction order of the dynamic cache region: " + ", ".join(POLICIES)
             + " (static: every slot pinned from the profile)"),
     Setting("pinned_fraction", "STRATA_PINNED_FRACTION", _fraction, DEFAULT_PINNED_FRACTION,
             "share of the slots pinned with the profile's hottest pairs; the rest is dynamic"),
     Setting("crf_lambda", "STRATA_CRF_LAMBDA", _crf_lambda, DEFAULT_CRF_LAMBDA,
             "crf policy: decay per pair access (towards 0: frequency, 1: recency)"),
-    Setting("placement", "STRATA_PLACEMENT", _choice(PLACEMENTS), DEFAULT_PLACEMENT,
+    Setting("placement", "STRATA_PLACEMENT", choice(PLACEMENTS), DEFAULT_PLACEMENT,
             "where misses run: exact (cost model among placements bit-identical to a hit; "
             "on CUDA always copy), auto (cost model, fastest), host, copy"),
     Setting("prefetch", "STRATA_PREFETCH", parse_bool, DEFAULT_PREFETCH,

@@ -209,7 +209,9 @@ class _Live:
             prefill_ms=(first - admitted) * 1e3,
             decode_ms=decode_s * 1e3,
             ttft_ms=(first - h.submitted_at) * 1e3,
-            decode_tok_s=self.generated / decode_s if decode_s > 0 and self.generated else 0.0,
+            # One token comes from the prefill alone: no decode rate to speak of.
+            decode_tok_s=self.generated / decode_s if decode_s > 0 and self.generated > 1
+            else 0.0,
             lookups=d.lookups, hits=d.hits, spilled=d.spilled, misses_host=d.misses_host,
             misses_copied=d.misses_copied, prefetch_predicted=d.predicted,
             prefetch_predicted_routed=d.predicted_routed,

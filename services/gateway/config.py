@@ -11,10 +11,13 @@ from typing import Any
 from services.common.settings import (
     ConfigError,
     Setting,
+    non_negative_float,
     non_negative_int,
     optional_str,
     parse_bool,
     parse_bytes,
+    port,
+    positive_float,
     positive_int,
 )
 
@@ -64,30 +67,15 @@ def load_key_file(path: str) -> frozenset[bytes]:
     return frozenset(hashes)
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be a TCP port (0-65535)")
-    return value
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError("must be > 0")
-    return value
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise ValueError("must be >= 0")
-    return value
 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "STRATA_GATEWAY_HOST", str, "127.0.0.1", "address the HTTP server binds"),
-    Setting("port", "STRATA_GATEWAY_PORT", _port, 8000, "HTTP port"),
+    Setting("port", "STRATA_GATEWAY_PORT", port, 8000, "HTTP port"),
     Setting("engine", "STRATA_ENGINE_ADDR", _addresses, ("127.0.0.1:50051",),
             "engine gRPC addresses, comma-separated host:port; 'none': registry only"),
     Setting("max_inflight", "STRATA_MAX_INFLIGHT", positive_int, 8,
@@ -95,7 +83,7 @@ SETTINGS: tuple[Setting, ...] = (
             "fills)"),
     Setting("max_queue", "STRATA_MAX_QUEUE", non_negative_int, 16,
             "requests waiting for an engine slot; beyond this the gateway answers 429"),
-    Setting("queue_timeout_s", "STRATA_QUEUE_TIMEOUT_S", _positive_float, 30.0,
+    Setting("queue_timeout_s", "STRATA_QUEUE_TIMEOUT_S", positive_float, 30.0,
             "longest a request waits in the queue before a 429"),
     Setting("max_queued_tokens", "STRATA_MAX_QUEUED_TOKENS", positive_int, 131072,
             "estimated prompt tokens waiting in the queue (body bytes / 4); beyond it: 429"),
@@ -105,19 +93,19 @@ SETTINGS: tuple[Setting, ...] = (
             "file of accepted API keys as SHA-256 hex digests, one per line"),
     Setting("redis_url", "STRATA_REDIS_URL", optional_str, None,
             "Redis for the engine registry and limits shared by gateway replicas"),
-    Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", _positive_float, 600.0,
+    Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", positive_float, 600.0,
             "deadline of one request from arrival, passed to the engine as the gRPC deadline"),
-    Setting("drain_timeout_s", "STRATA_DRAIN_TIMEOUT_S", _non_negative_float, 25.0,
+    Setting("drain_timeout_s", "STRATA_DRAIN_TIMEOUT_S", non_negative_float, 25.0,
             "on SIGTERM, how long running requests get to finish before the gateway exits"),
     Setting("max_body_bytes", "STRATA_MAX_BODY_BYTES", parse_bytes, 2 * 1024 * 1024,
             "largest request body; larger ones get 413"),
     Setting("log_prompts", "STRATA_LOG_PROMPTS", parse_bool, False,
             "log prompt text (off: prompts never reach the log)"),
-    Setting("health_cache_s", "STRATA_HEALTH_CACHE_S", _positive_float, 5.0,
+    Setting("health_cache_s", "STRATA_HEALTH_CACHE_S", positive_float, 5.0,
             "how long /health reuses its last 1-token generation"),
-    Setting("lease_ttl_s", "STRATA_LEASE_TTL_S", _positive_float, 15.0,
+    Setting("lease_ttl_s", "STRATA_LEASE_TTL_S", positive_float, 15.0,
             "shared-limit leases of a gateway that dies expire after this long"),
-    Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", _port, 9465,
+    Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", port, 9465,
             "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
 )
 

@@ -39,7 +39,7 @@ async def test_sigterm_drains_then_exits(engine):
     env = {**os.environ, "STRATA_REDIS_URL": "", "STRATA_API_KEYS": ""}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.gateway", "--port", str(port), "--engine", address,
-         "--drain-timeout-s", "10"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+         "--drain-timeout-s", "10", "--metrics-port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

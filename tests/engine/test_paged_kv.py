@@ -42,3 +42,13 @@ def test_int8_error_is_within_half_a_step_of_the_block_scale():
         assert (err[:, span] <= scale[:, None, None] * 1.0 + 1e-6).all()
     assert PagedKVCache.bytes_per_block(1, 8, 2, 16, torch.float32, "int8") * 4 < \
         PagedKVCache.bytes_per_block(1, 8, 2, 16, torch.float32) * 1.2
+
+
+def test_int8_block_reused_for_new_tokens_gets_a_fresh_scale():
+    cache = PagedKVCache(1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=8,
+                         dtype=torch.float32, device=torch.device("cpu"), kv_dtype="int8")
+    big, small = torch.full((4, 1, 8), 100.0), torch.full((4, 1, 8), 0.01)
+    fill(cache, [1], big, big, chunk=4)
+    fill(cache, [1], small, small, chunk=2)  # the block handed out again, from offset 0
+    k, _ = cache.read(0, [1], 4)
+    assert torch.allclose(k, small.transpose(0, 1), rtol=0.01)

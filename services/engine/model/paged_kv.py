@@ -99,6 +99,9 @@ class PagedKVCache:
         P = self.block_size
         blocks = slots // P  # [T]
         absmax = x.float().abs().amax(dim=-1)  # [T, G]
+        # A block written at offset 0 starts over (it was handed out for new tokens): its old
+        # scale belongs to K/V that is gone.
+        scale[blocks[slots % P == 0]] = 0
         new_scale = scale.clone()
         new_scale.scatter_reduce_(0, blocks[:, None].expand_as(absmax), absmax / 127.0,
                                   reduce="amax")  # [B, G]
@@ -111,10 +114,3 @@ class PagedKVCache:
         s = scale[blocks].clamp_min(1e-12)[:, :, None]  # [T, G, 1]
         flat = pool.view(-1, *x.shape[1:])
         flat[slots] = torch.clamp(torch.round(x.float() / s), -127, 127).to(torch.int8)
-
-    def reset_block_scales(self, block_ids: Sequence[int]) -> None:
-        """A block handed out for new tokens starts from a zero scale (int8 only)."""
-        if self.quantized and block_ids:
-            ids = torch.as_tensor(block_ids, device=self.k_scale.device)
-            self.k_scale[:, ids] = 0
-            self.v_scale[:, ids] = 0

@@ -3,6 +3,7 @@
     strata up                 the whole cluster on this machine (redis, cachemgr, engine, gateway)
     strata gateway|engine|cachemgr   one service, configured by flags or STRATA_* variables
     strata model demo         write the built-in demo checkpoint
+    strata model train-demo   train a small MoE on the Python standard library
     strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
     strata bench run|sweep|soak|overload|longctx|dataset   measure a running cluster
     strata bench cache        cache policies on held-out prompts (static, LRU, default, Belady)
@@ -85,11 +86,17 @@ def _up(argv: list[str]) -> int:
 
 
 def _model(argv: list[str]) -> int:
+    if argv[:1] == ["train-demo"]:  # trains on the standard library; its own flags
+        from services.training.cli import main as train_demo
+
+        return train_demo(argv[1:])
     from services.engine.model.demo import default_model_dir, write_demo_checkpoint
 
     parser = argparse.ArgumentParser(prog="strata model", description="Model checkpoints.")
     sub = parser.add_subparsers(dest="action", required=True)
     demo = sub.add_parser("demo", help="write the built-in demo checkpoint (random weights)")
+    sub.add_parser("train-demo", help="train a small MoE on the Python standard library "
+                   "(strata model train-demo --help)")
     demo.add_argument("--output", type=Path, default=None,
                       help="directory to write (default: the default model location)")
     demo.add_argument("--seed", type=int, default=0)

@@ -56,6 +56,24 @@ DEMO_CONFIG: dict[str, Any] = {
     "initializer_range": 0.02,
     "torch_dtype": "float32",
 }
+# Named config overrides of DEMO_CONFIG. "bench" is the standard shape for `strata bench engine`
+# figures: big enough that decode is bound by weight bytes (about 190 MB read per token).
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "bench": {
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 256,
+        "intermediate_size": 1024,
+        "torch_dtype": "float32",
+    },
+}
 
 
 def strata_home() -> Path:
@@ -85,11 +103,16 @@ def ensure_default_model() -> Path:
     return final
 
 
-def write_demo_checkpoint(path: Path, *, seed: int = 0, **config_overrides: Any) -> Path:
-    """Write config, random weights (std 0.02, fixed seed), tokenizer files into `path`."""
+def write_demo_checkpoint(
+    path: Path, *, seed: int = 0, preset: str = "demo", **config_overrides: Any
+) -> Path:
+    """Write config, random weights (std 0.02, fixed seed), tokenizer files into `path`:
+    DEMO_CONFIG, then PRESETS[preset], then config_overrides."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = {**DEMO_CONFIG, **config_overrides}
+    config = {**DEMO_CONFIG, **PRESETS[preset], **config_overrides}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(
         demo_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"}

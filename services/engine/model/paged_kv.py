@@ -61,6 +61,14 @@ class PagedKVCache:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [G, N, Hd] of the first N positions of a sequence."""
         num_blocks = -(-num_positions // self.block_size)
+        first = table[0]
+        if not self.quantized and table[num_blocks - 1] - first == num_blocks - 1 and all(
+                b == first + i for i, b in enumerate(table[:num_blocks])):
+            # Consecutive blocks (the usual case for a sequence that grew alone): a view, no copy.
+            k, v = self.k[layer, first:first + num_blocks], self.v[layer, first:first + num_blocks]
+            k = k.flatten(0, 1)[:num_positions].transpose(0, 1)  # [G, N, Hd]
+            v = v.flatten(0, 1)[:num_positions].transpose(0, 1)
+            return k, v
         ids = torch.as_tensor(table[:num_blocks], device=self.k.device)
         k, v = self.k[layer][ids], self.v[layer][ids]  # [n, P, G, Hd]
         if self.quantized:

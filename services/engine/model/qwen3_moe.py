@@ -11,7 +11,10 @@ G KV heads, Hd head dim, E experts, K routed per token, F expert FFN, V vocab.
 
 Only non-expert weights live here (on the device). Expert weights are never in the model: the
 MoE block hands each expert's tokens to an `ExpertSource`, which decides where they run.
-All linear weights are stored pre-transposed ([in, out]) and applied as `x @ W_t`.
+All linear weights are stored pre-transposed and split into S column blocks ([S, in, out/S],
+see services.engine.cache.layout) and applied as one `torch.bmm` (`matmul_split`): at decode a
+single-row product then streams its weights on S cores instead of one. q, k and v are one fused
+weight.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.engine.cache.layout import swiglu
+from services.engine.cache.layout import matmul_split, split_columns, split_swiglu
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig
 from services.engine.model.paged_kv import PagedKVCache
@@ -100,17 +103,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
     post_attn_norm: torch.Tensor  # [D]
-    q_t: torch.Tensor  # [D, H*Hd]
-    k_t: torch.Tensor  # [D, G*Hd]
-    v_t: torch.Tensor  # [D, G*Hd]
-    o_t: torch.Tensor  # [H*Hd, D]
+    qkv: torch.Tensor  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split by columns
+    o: torch.Tensor  # [S, H*Hd, D/S]
     q_norm: torch.Tensor  # [Hd]
     k_norm: torch.Tensor  # [Hd]
     qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     o_bias: torch.Tensor | None = None
     router_t: torch.Tensor | None = None  # [D, E]   (MoE layers)
-    mlp_gate_up_t: torch.Tensor | None = None  # [D, 2I] (dense layers)
-    mlp_down_t: torch.Tensor | None = None  # [I, D]  (dense layers)
+    mlp_gate_up: torch.Tensor | None = None  # [2, D, I] (dense layers: gate, up)
+    mlp_down: torch.Tensor | None = None  # [S, I, D/S] (dense layers)
 
 
 class Qwen3MoeModel:
@@ -120,7 +121,7 @@ class Qwen3MoeModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
-        lm_head_t: torch.Tensor,
+        lm_head: torch.Tensor,
         device: torch.device,
     ):
         self.config = config
@@ -128,7 +129,7 @@ class Qwen3MoeModel:
         self.embed = embed  # [V, D]
         self.layers = layers
         self.final_norm = final_norm  # [D]
-        self.lm_head_t = lm_head_t  # [D, V]
+        self.lm_head = lm_head  # [S, D, V/S]
         self.dtype = embed.dtype
         self.rope_cos, self.rope_sin = rope_tables(
             config.head_dim, config.rope_theta, config.context_window, device
@@ -151,15 +152,17 @@ class Qwen3MoeModel:
         all T rows; attention runs per sequence over its paged K/V."""
         slots = torch.cat([
             kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
-        # Single-token (decode) spans share one batched attention call per layer.
+        # Single-token (decode) spans share one batched attention call per layer; a lone one
+        # takes the per-span path, which reads consecutive KV blocks as views (no gather copy).
         decode = [s for s in spans if s.row_end - s.row_start == 1]
+        decode = decode if len(decode) > 1 else []
         decode_batch = None
         if decode:
             ids, mask = kv.gather_index([s.block_table for s in decode],
                                         [s.pos_end for s in decode])
             rows = torch.tensor([s.row_start for s in decode], device=self.device)
             decode_batch = (rows, ids, mask[:, None, None, :])  # mask [B, 1, 1, N]
-        others = [s for s in spans if s.row_end - s.row_start > 1]
+        others = [s for s in spans if s.row_end - s.row_start > 1 or not decode]
         x = self.embed[token_ids]  # [T, D]
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
@@ -169,9 +172,9 @@ class Qwen3MoeModel:
             if layer.router_t is not None:
                 x = x + self.moe(i, layer, h, experts)
             else:
-                x = x + swiglu(h, layer.mlp_gate_up_t, layer.mlp_down_t)
+                x = x + split_swiglu(h, layer.mlp_gate_up, layer.mlp_down)
         x = x[logit_rows]  # [S, D]
-        return (rms_norm(x, self.final_norm, eps) @ self.lm_head_t).float()  # [S, V]
+        return matmul_split(rms_norm(x, self.final_norm, eps), self.lm_head).float()  # [S, V]
 
     def attention(
         self,
@@ -188,7 +191,9 @@ class Qwen3MoeModel:
         decode_batch = (rows [B], block ids [B, nb], mask [B, 1, 1, N]) in one call."""
         c = self.config
         T = x.shape[0]
-        q, k, v = x @ w.q_t, x @ w.k_t, x @ w.v_t  # [T, H*Hd], [T, G*Hd], [T, G*Hd]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = matmul_split(x, w.qkv).split([q_size, kv_size, kv_size], dim=1)  # [T, H*Hd],
+        # [T, G*Hd], [T, G*Hd]
         if w.qkv_bias is not None:
             q, k, v = q + w.qkv_bias[0], k + w.qkv_bias[1], v + w.qkv_bias[2]
         q = rms_norm(q.view(T, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)  # [T, H, Hd]
@@ -218,7 +223,7 @@ class Qwen3MoeModel:
                 q[rows][:, :, None], k_all, v_all, attn_mask=mask,
                 enable_gqa=c.num_heads != c.num_kv_heads,
             )[:, :, 0]  # [B, H, Hd]
-        out = out.reshape(T, c.num_heads * c.head_dim) @ w.o_t  # [T, D]
+        out = matmul_split(out.reshape(T, c.num_heads * c.head_dim), w.o)  # [T, D]
         return out if w.o_bias is None else out + w.o_bias
 
     def moe(
@@ -246,17 +251,19 @@ class Qwen3MoeModel:
         order = torch.argsort(flat_idx, stable=True).to(x.device)  # [T*K], grouped by expert
         token_of = order // K  # [T*K]
         weight_of = top_w.flatten()[order]  # [T*K]
-        out = torch.zeros_like(x)  # [T, D]
+        # One gather in, one scatter-add out per layer; per expert only views and its own math
+        # (Python dispatches per expert are what decode pays beyond the weight bytes).
+        xs = x[token_of]  # [T*K, D], rows grouped by expert
+        ys = torch.empty_like(xs)  # [T*K, D]
         start = 0
         for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            tokens = token_of[start : start + n]  # [n]
-            y = experts.expert_forward(layer_idx, expert, x[tokens])  # [n, D]
-            out.index_add_(0, tokens, y * weight_of[start : start + n, None])
-            start += n
+            if n:
+                ys[start : start + n] = experts.expert_forward(
+                    layer_idx, expert, xs[start : start + n])  # [n, D]
+                start += n
         experts.layer_done(layer_idx)
-        return out
+        # index_add_ walks the rows in order: each token still sums its experts by ascending id.
+        return torch.zeros_like(x).index_add_(0, token_of, ys * weight_of[:, None])  # [T, D]
 
 
 def load_qwen3_moe(
@@ -268,8 +275,11 @@ def load_qwen3_moe(
     """Load the non-expert weights (embeddings, attention, norms, routers, dense MLPs, lm_head)."""
     t0 = time.perf_counter()
 
-    def get_t(name: str) -> torch.Tensor:  # a [out, in] weight as a contiguous [in, out]
-        return reader.get(name, dtype).t().contiguous().to(device)
+    def get_t(name: str) -> torch.Tensor:  # a [out, in] weight as [in, out]
+        return reader.get(name, dtype).t()
+
+    def get_split(*names: str) -> torch.Tensor:  # [out_i, in] weights -> [S, in, sum(out)/S]
+        return split_columns(torch.cat([get_t(n) for n in names], dim=1)).to(device)
 
     def get(name: str) -> torch.Tensor:
         return reader.get(name, dtype).to(device)
@@ -281,10 +291,8 @@ def load_qwen3_moe(
         w = LayerWeights(
             input_norm=get(f"{p}.input_layernorm.weight"),
             post_attn_norm=get(f"{p}.post_attention_layernorm.weight"),
-            q_t=get_t(f"{a}.q_proj.weight"),
-            k_t=get_t(f"{a}.k_proj.weight"),
-            v_t=get_t(f"{a}.v_proj.weight"),
-            o_t=get_t(f"{a}.o_proj.weight"),
+            qkv=get_split(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+            o=get_split(f"{a}.o_proj.weight"),
             q_norm=get(f"{a}.q_norm.weight"),
             k_norm=get(f"{a}.k_norm.weight"),
         )
@@ -292,19 +300,19 @@ def load_qwen3_moe(
             w.qkv_bias = (get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias"))
             w.o_bias = get(f"{a}.o_proj.bias") if f"{a}.o_proj.bias" in reader else None
         if config.is_moe_layer(i):
-            w.router_t = get_t(f"{p}.mlp.gate.weight")
+            w.router_t = get_t(f"{p}.mlp.gate.weight").contiguous().to(device)
         else:
-            w.mlp_gate_up_t = torch.cat(
-                [get_t(f"{p}.mlp.gate_proj.weight"), get_t(f"{p}.mlp.up_proj.weight")], dim=1
-            ).contiguous()
-            w.mlp_down_t = get_t(f"{p}.mlp.down_proj.weight")
+            w.mlp_gate_up = torch.stack(
+                [get_t(f"{p}.mlp.gate_proj.weight"), get_t(f"{p}.mlp.up_proj.weight")]
+            ).contiguous().to(device)
+            w.mlp_down = get_split(f"{p}.mlp.down_proj.weight")
         layers.append(w)
     embed = get("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in reader:
-        lm_head_t = embed.t().contiguous()
+        lm_head = split_columns(embed.t()).to(device)
     else:
-        lm_head_t = get_t("lm_head.weight")
-    model = Qwen3MoeModel(config, embed, layers, get("model.norm.weight"), lm_head_t, device)
+        lm_head = get_split("lm_head.weight")
+    model = Qwen3MoeModel(config, embed, layers, get("model.norm.weight"), lm_head, device)
     log.info(
         "loaded non-expert weights of %d layers in %.1f s",
         config.num_layers,

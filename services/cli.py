@@ -7,6 +7,7 @@
     strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
     strata bench run|sweep|soak|overload|longctx|dataset   measure a running cluster
     strata bench cache        cache policies on held-out prompts (static, LRU, default, Belady)
+    strata bench engine       prefill/decode tok/s in-process vs the memory-bandwidth bound
     strata cache profile|replay   build expert-profile.bin from traces; replay a routing trace
     strata plan [fit]         capacity table: memory -> coverage -> hit rate -> tok/s
 """
@@ -34,6 +35,10 @@ def _bench(argv: list[str]) -> int:
         from services.cachetools.bench_cmd import main as bench_cache
 
         return bench_cache(argv[1:])
+    if argv[:1] == ["engine"]:  # decode speed of the model in-process, vs the bandwidth bound
+        from services.bench.engine_bench import main as bench_engine
+
+        return bench_engine(argv[1:])
     from services.bench.cli import bench_main
 
     return bench_main(argv)
@@ -90,7 +95,12 @@ def _model(argv: list[str]) -> int:
         from services.training.cli import main as train_demo
 
         return train_demo(argv[1:])
-    from services.engine.model.demo import default_model_dir, write_demo_checkpoint
+    from services.engine.model.demo import (
+        PRESETS,
+        default_model_dir,
+        strata_home,
+        write_demo_checkpoint,
+    )
 
     parser = argparse.ArgumentParser(prog="strata model", description="Model checkpoints.")
     sub = parser.add_subparsers(dest="action", required=True)
@@ -100,12 +110,18 @@ def _model(argv: list[str]) -> int:
     demo.add_argument("--output", type=Path, default=None,
                       help="directory to write (default: the default model location)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--preset", choices=list(PRESETS), default="demo",
+                      help="demo: the default model's shape; bench: the standard shape for "
+                      "`strata bench engine` (written to $STRATA_HOME/models/strata-bench-moe)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    path = write_demo_checkpoint(args.output or default_model_dir(), seed=args.seed)
+    output = args.output or (default_model_dir() if args.preset == "demo"
+                             else strata_home() / "models" / f"strata-{args.preset}-moe")
+    path = write_demo_checkpoint(output, seed=args.seed, preset=args.preset)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     if args.json:
-        print(json.dumps({"path": str(path), "bytes": size, "seed": args.seed}))
+        print(json.dumps({"path": str(path), "bytes": size, "seed": args.seed,
+                          "preset": args.preset}))
     else:
         print(f"wrote the demo checkpoint to {path} ({size / 2**20:.1f} MiB, seed {args.seed})")
     return 0

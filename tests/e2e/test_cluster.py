@@ -193,7 +193,9 @@ async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(
     before = await asyncio.to_thread(engine_status)
     async with aiohttp.ClientSession() as session:
         statuses = await asyncio.gather(*(leave_mid_stream(session) for _ in range(12)))
-    assert statuses.count(200) == 3 and statuses.count(429) == 9  # in-flight 1 + queue 2
+    served = statuses.count(200)
+    # In-flight 1 + queue 2 at once; a slow machine may admit more as the first ones leave.
+    assert served >= 3 and served + statuses.count(429) == 12, statuses
 
     deadline = time.monotonic() + 15
     while True:
@@ -203,6 +205,6 @@ async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(
             break
         assert time.monotonic() < deadline, status
         await asyncio.sleep(0.1)
-    assert status.requests_finished - before.requests_finished == 3
-    assert status.tokens_generated - before.tokens_generated < 3 * 2000 // 10, \
+    assert status.requests_finished - before.requests_finished == served
+    assert status.tokens_generated - before.tokens_generated < served * 2000 // 10, \
         "the engine kept generating for clients that had left"

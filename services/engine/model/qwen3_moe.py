@@ -99,6 +99,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query token over all N keys, GQA (query head h reads KV head h // (H/G), as HF's
+    repeat_kv): q [1, H, Hd], k/v [G, N, Hd] -> [1, H, Hd]."""
+    _, H, Hd = q.shape
+    G = k.shape[0]
+    scores = torch.bmm(q.view(G, H // G, Hd), k.transpose(1, 2)) * Hd**-0.5  # [G, H/G, N]
+    return torch.bmm(torch.softmax(scores, dim=-1), v).view(1, H, Hd)
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
@@ -208,6 +217,9 @@ class Qwen3MoeModel:
             rows = slice(s.row_start, s.row_end)
             n, t = s.pos_end, s.row_end - s.row_start
             k_all, v_all = kv.read(layer_idx, s.block_table, n)  # [G, N, Hd]
+            if t == 1:  # a lone decode token: three small ops instead of SDPA's dispatch
+                out[rows] = decode_attention(q[rows], k_all, v_all)
+                continue
             mask = None
             if t > 1:  # query i sits at position pos_start + i and sees keys up to it
                 q_pos = torch.arange(s.pos_start, n, device=x.device)

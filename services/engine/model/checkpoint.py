@@ -70,9 +70,6 @@ class CheckpointReader:
         self._slice(name)  # raises a CheckpointError naming a missing tensor
         return self._handles[self._file_of[name]].get_tensor(name).to(dtype)
 
-    def get_optional(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        return self.get(name, dtype) if name in self else None
-
     def expert_weights(
         self,
         layer: int,

@@ -2,8 +2,9 @@
 
     strata up                 the whole cluster on this machine (redis, cachemgr, engine, gateway)
     strata gateway|engine|cachemgr   one service, configured by flags or STRATA_* variables
-    strata model demo         write the built-in demo checkpoint
+    strata model demo         write a random-weight checkpoint (tests, benchmarks)
     strata model train-demo   train a small MoE on the Python standard library
+    strata model routing      routing statistics of the trained model (train vs held-out text)
     strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
     strata bench run|sweep|soak|overload|longctx|dataset   measure a running cluster
     strata bench cache        cache policies on held-out prompts (static, LRU, default, Belady)
@@ -35,6 +36,10 @@ def _bench(argv: list[str]) -> int:
         from services.cachetools.bench_cmd import main as bench_cache
 
         return bench_cache(argv[1:])
+    if argv[:1] == ["quality"]:  # records the quality set with the in-process reference path
+        from services.bench.reference import main as bench_quality
+
+        return bench_quality(argv[1:])
     if argv[:1] == ["engine"]:  # decode speed of the model in-process, vs the bandwidth bound
         from services.bench.engine_bench import main as bench_engine
 
@@ -59,7 +64,8 @@ def _up(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="strata up", description="Start redis, the cache "
                                      "manager, one engine and the gateway on this machine.")
-    parser.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--model", help="checkpoint directory (default: the shipped "
+                        "strata-stdlib-moe)")
     parser.add_argument("--device-memory", help="engine device memory budget, e.g. 768MiB")
     parser.add_argument("--max-inflight", type=positive_int, help="requests at the engine")
     parser.add_argument("--max-queue", type=non_negative_int, help="requests waiting at the gateway")
@@ -95,28 +101,33 @@ def _model(argv: list[str]) -> int:
         from services.training.cli import main as train_demo
 
         return train_demo(argv[1:])
+    if argv[:1] == ["routing"]:  # routing statistics of a trained checkpoint; its own flags
+        from services.training.routing import main as routing
+
+        return routing(argv[1:])
     from services.engine.model.demo import (
         PRESETS,
-        default_model_dir,
-        strata_home,
+        demo_model_dir,
         write_demo_checkpoint,
     )
 
     parser = argparse.ArgumentParser(prog="strata model", description="Model checkpoints.")
     sub = parser.add_subparsers(dest="action", required=True)
-    demo = sub.add_parser("demo", help="write the built-in demo checkpoint (random weights)")
+    demo = sub.add_parser("demo", help="write a random-weight checkpoint (tests, benchmarks)")
     sub.add_parser("train-demo", help="train a small MoE on the Python standard library "
                    "(strata model train-demo --help)")
+    sub.add_parser("routing", help="routing statistics of a trained checkpoint on training "
+                   "and held-out text (strata model routing --help)")
     demo.add_argument("--output", type=Path, default=None,
-                      help="directory to write (default: the default model location)")
+                      help="directory to write (default: "
+                      "$STRATA_HOME/models/strata-PRESET-moe, strata-demo-moe for demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--preset", choices=list(PRESETS), default="demo",
-                      help="demo: the default model's shape; bench: the standard shape for "
-                      "`strata bench engine` (written to $STRATA_HOME/models/strata-bench-moe)")
+                      help="demo: small and quick (tests); bench: the standard shape for "
+                      "`strata bench engine` figures")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    output = args.output or (default_model_dir() if args.preset == "demo"
-                             else strata_home() / "models" / f"strata-{args.preset}-moe")
+    output = args.output or demo_model_dir(args.preset)
     path = write_demo_checkpoint(output, seed=args.seed, preset=args.preset)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     if args.json:

@@ -26,6 +26,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.models import DEFAULT_MODEL_NAME
+
 
 class LaunchError(RuntimeError):
     pass
@@ -238,7 +240,7 @@ def run_up(config: UpConfig) -> int:
         url = f"http://127.0.0.1:{config.port}/v1"
         print(f"strata up: Strata is serving at {url} (metrics: http://127.0.0.1:"
               f"{config.metrics_port}/metrics; logs: {config.log_dir}); Ctrl-C stops it", flush=True)
-        model = Path(config.model).name if config.model else "strata-demo-moe"
+        model = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
         print(f"strata up: try  curl {url}/chat/completions -H 'Content-Type: application/json' "
               f"""-d '{{"model": "{model}", "messages": [{{"role": "user", """
               """"content": "Hello"}], "max_tokens": 32}'""", flush=True)

@@ -55,9 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--decode-tokens", type=int, default=128)
     run.add_argument("--repeat", type=int, default=3, help="short-decode requests")
     run.add_argument("--prefill-fractions", type=float, nargs="+", default=[1 / 8, 1 / 2])
-    run.add_argument("--quality-file", type=Path)
-    run.add_argument("--record-quality", action="store_true",
-                     help="record the model's greedy answers as the new expected set")
+    run.add_argument("--quality-file", type=Path, help="recorded answers (default: "
+                     "services/bench/quality/MODEL.json; record with `strata bench quality`)")
     run.add_argument("--skip-quality", action="store_true")
     sweep = sub.add_parser("sweep", parents=both, help="concurrency sweep")
     sweep.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -99,7 +98,7 @@ async def _dispatch(ctx: suites.BenchContext, a: argparse.Namespace) -> dict:
         return await suites.bench_run(
             ctx, decode_tokens=a.decode_tokens, repeat=a.repeat,
             prefill_fractions=a.prefill_fractions, quality_file=a.quality_file,
-            record_quality=a.record_quality, skip_quality=a.skip_quality)
+            skip_quality=a.skip_quality)
     if a.bench == "sweep":
         return await load.bench_sweep(ctx, levels=a.levels,
                                       requests_per_client=a.requests_per_client,

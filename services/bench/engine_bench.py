@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata bench engine", description="In-process prefill "
                                 "and decode speed against the memory-bandwidth bound.")
     p.add_argument("--model", type=Path, help="a qwen3_moe checkpoint directory (default: the "
-                   "demo model)")
+                   "shipped default model)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens per sequence, the first "
                    "from prefill")
@@ -163,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--gen-tokens >= 2, --prompt-tokens, --batch, --repeat >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from services.engine.model.demo import ensure_default_model
     from services.engine.runner import ModelRunner
+    from services.models import default_model_dir
 
-    model_dir = args.model or ensure_default_model()
+    model_dir = args.model or default_model_dir()
     read_bps, copy_bps = measure_bandwidth()
     progress(f"memory bandwidth: read {read_bps / 1e9:.1f} GB/s (sum of 256 MiB, best of "
              f"{BANDWIDTH_REPEATS}), copy {copy_bps / 1e9:.1f} GB/s")

@@ -1,4 +1,4 @@
-"""Prompts of a chosen token length, and the fixed quality set with its recorded answers.
+"""Prompts of a chosen token length, and the quality set: prompts with recorded answers.
 
 Prompt text is deterministic pseudo-English (seeded), so every run sends the same requests;
 different seeds give different prompts (no accidental prefix reuse between cases). The
@@ -19,20 +19,6 @@ _TEXT = ("the system keeps a cache of experts in device memory and reads the res
 _WORDS = tuple(_TEXT.split(" "))
 
 QUALITY_DIR = Path(__file__).with_name("quality")
-QUALITY_PROMPTS = (
-    "The capital of France is",
-    "1, 2, 3, 4, 5,",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "The quick brown fox",
-    "Q: What is 7 times 8?\nA:",
-    "Translate to French: good morning ->",
-    "<html><body>",
-    "SELECT name FROM users WHERE",
-    "Roses are red, violets are",
-    "import numpy as np\n",
-    "Mixture-of-Experts models route each token to",
-)
 
 
 def text(num_chars: int, seed: int) -> str:
@@ -60,23 +46,44 @@ class PromptMaker:
 
 @dataclass(frozen=True)
 class QualitySet:
+    """Prompts with their expected greedy continuations (written by `strata bench quality`)."""
+
     model: str
     max_tokens: int
     cases: tuple[tuple[str, str], ...]  # (prompt, expected greedy continuation)
+    token_ids: tuple[tuple[int, ...], ...] = ()  # the expected continuations' token ids
 
     @classmethod
     def load(cls, path: Path) -> QualitySet:
         data = json.loads(path.read_text())
+        cases = data["cases"]
+        ids = tuple(tuple(c["expected_token_ids"]) for c in cases
+                    if "expected_token_ids" in c)
         return cls(data["model"], data["max_tokens"],
-                   tuple((c["prompt"], c["expected"]) for c in data["cases"]))
+                   tuple((c["prompt"], c["expected"]) for c in cases),
+                   ids if len(ids) == len(cases) else ())
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path, note: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"model": self.model, "max_tokens": self.max_tokens,
-                "note": "greedy continuations recorded from the model by "
-                        "`strata bench run --record-quality`; checked by exact match",
-                "cases": [{"prompt": p, "expected": e} for p, e in self.cases]}
+        cases = [{"prompt": p, "expected": e} for p, e in self.cases]
+        for case, ids in zip(cases, self.token_ids, strict=False):
+            case["expected_token_ids"] = list(ids)
+        data = {"model": self.model, "max_tokens": self.max_tokens, "note": note,
+                "cases": cases}
         path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def agreement(expected: str, got: str) -> float:
+    """Share of the expected continuation reproduced before the first difference (1.0 = exact);
+    a figure for paths that may drift (int8 KV), where exact match is not the bar."""
+    if got == expected:
+        return 1.0
+    same = 0
+    for a, b in zip(expected, got, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same / len(expected) if expected else 0.0
 
 
 def quality_path(model: str) -> Path:

@@ -26,7 +26,9 @@ def render_run(report: Report, r: dict) -> None:
     q = r["quality"]
     report.section("Quality", f"{q['passed']}/{q['total']} exact-match greedy continuations"
                    + (f" (skipped: {q['skipped']})" if q.get("skipped") else
-                      f" against `{q.get('file')}`") + "\n")
+                      f" against `{q.get('file')}`, agreement {_pct(q.get('agreement'))} "
+                      "(share of each expected answer reproduced before the first difference)")
+                   + "\n")
     report.text(f"Total wall time: {r['total_wall_s']:.1f} s\n")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     names = [c["name"] for c in cases]

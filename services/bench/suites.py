@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.bench.client import Gateway, Outcome, discover
-from services.bench.prompts import QUALITY_PROMPTS, PromptMaker, QualitySet, quality_path, text
+from services.bench.prompts import PromptMaker, QualitySet, agreement, quality_path, text
 from services.bench.stats import percentile
 
 
@@ -104,44 +104,37 @@ def _brief(o: Outcome) -> str:
             f"{(o.hit_rate or 0):.1%}")
 
 
-async def quality_checks(ctx: BenchContext, path: Path | None, record: bool,
-                         max_tokens: int = 24) -> dict:
-    """Exact-match greedy continuations against the recorded set (or record a new set)."""
+async def quality_checks(ctx: BenchContext, path: Path | None) -> dict:
+    """Greedy continuations against the recorded set: exact matches, and the agreement (share of
+    each expected answer reproduced before the first difference)."""
     path = path or quality_path(ctx.gateway.model or "model")
-    if record:
-        cases = []
-        for prompt in QUALITY_PROMPTS:
-            outcome = await ctx.gateway.complete(prompt, max_tokens)
-            if not outcome.ok:
-                raise RuntimeError(f"quality recording failed on {prompt!r}: "
-                                   f"{outcome.error_message}")
-            cases.append((prompt, outcome.text))
-        QualitySet(ctx.gateway.model or "", max_tokens, tuple(cases)).write(path)
-        ctx.progress(f"quality: recorded {len(cases)} answers to {path}")
     if not path.is_file():
         return {"name": "quality", "skipped": f"no recorded answers at {path}; record them "
-                "with --record-quality", "passed": 0, "total": 0}
+                "with `strata bench quality --model DIR`", "passed": 0, "total": 0}
     qset = QualitySet.load(path)
     checks = []
     for prompt, expected in qset.cases:
         outcome = await ctx.gateway.complete(prompt, qset.max_tokens)
         checks.append({"prompt": prompt, "expected": expected, "got": outcome.text,
                        "passed": outcome.ok and outcome.text == expected,
+                       "agreement": agreement(expected, outcome.text) if outcome.ok else 0.0,
                        "status": outcome.status, "ttft_s": outcome.ttft_s})
     passed = sum(c["passed"] for c in checks)
-    ctx.progress(f"quality: {passed}/{len(checks)} exact matches")
+    mean_agreement = sum(c["agreement"] for c in checks) / max(len(checks), 1)
+    ctx.progress(f"quality: {passed}/{len(checks)} exact matches, agreement "
+                 f"{mean_agreement:.1%}")
     shown = path.resolve()
     if shown.is_relative_to(Path.cwd()):
         shown = shown.relative_to(Path.cwd())
     return {"name": "quality", "file": str(shown), "model": qset.model, "passed": passed,
-            "total": len(checks), "checks": checks}
+            "total": len(checks), "agreement": mean_agreement, "checks": checks}
 
 
 async def bench_run(ctx: BenchContext, *, decode_tokens: int = 128, repeat: int = 3,
                     short_prompt_tokens: int = 32, prefill_fractions: Sequence[float] = (1 / 8,
                                                                                       1 / 2),
                     prefill_max_tokens: int = 16, quality_file: Path | None = None,
-                    record_quality: bool = False, skip_quality: bool = False) -> dict:
+                    skip_quality: bool = False) -> dict:
     started = time.perf_counter()
     cases = [await _case(ctx, "short_decode", short_prompt_tokens, decode_tokens, repeat, 100)]
     for i, fraction in enumerate(prefill_fractions):
@@ -149,7 +142,7 @@ async def bench_run(ctx: BenchContext, *, decode_tokens: int = 128, repeat: int 
         name = f"prefill_{_fraction_name(fraction)}_window"
         cases.append(await _case(ctx, name, tokens, prefill_max_tokens, 1, 200 + 10 * i))
     quality = ({"name": "quality", "skipped": "--skip-quality", "passed": 0, "total": 0}
-               if skip_quality else await quality_checks(ctx, quality_file, record_quality))
+               if skip_quality else await quality_checks(ctx, quality_file))
     return {"bench": "run", "cases": cases, "quality": quality,
             "total_wall_s": time.perf_counter() - started}
 

@@ -3,16 +3,19 @@
     strata bench cache [--model DIR] [--json] [--plot hit-rate.png]
 
 1. Decode a *profile* prompt set with sampling (temperature 0.8), recording routing; rank the
-   pairs by routed tokens: the profile.
-2. Decode a disjoint *held-out* prompt set the same way, recording routing.
+   pairs by routed tokens: the profile. With `--text stdlib` (default) the prompts are code
+   snippets from the training split of the default model's corpus (the Python standard
+   library), continued as raw text; with `--text topics`, chat questions on a set of topics.
+2. Decode a disjoint *held-out* prompt set the same way, recording routing: snippets of the
+   held-out modules (`stdlib`), or questions on other topics (`topics`).
 3. Replay the held-out trace (the engine's own residency code; outputs do not depend on the
    cache, so a replay is what the engine would have done live) at 10/25/50% coverage, all
    pre-filled from the profile: static (every slot pinned), plain LRU (no pinned core, every
    miss admitted, prefill's too), the engine's default policy (and prefetch setting), and the
    Belady (MIN) oracle.
 
-Sampling, not greedy: greedy decoding of random weights falls into repetition cycles that make
-a trace degenerate. Progress goes to stderr.
+Sampling, not greedy: greedy decoding of a small model falls into repetition cycles that make a
+trace degenerate. Progress goes to stderr.
 
 `--speed` also decodes the held-out set live at 25% coverage (`--device`, default cuda when
 visible) with next-layer prefetch on and off, and reports decode tok/s of each.
@@ -54,8 +57,12 @@ TEMPLATES = (
 )
 
 
-def prompt_sets(num_prompts: int) -> tuple[list[str], list[str]]:
-    """Two disjoint prompt sets (different topics) of `num_prompts` each."""
+def prompt_sets(num_prompts: int, text: str = "topics") -> tuple[list[str], list[str]]:
+    """Two disjoint prompt sets of `num_prompts` each: (profile, held-out)."""
+    if text == "stdlib":
+        from services.training.corpus import snippets
+
+        return snippets("train", num_prompts), snippets("heldout", num_prompts)
     half = len(TOPICS) // 2
     sets = []
     for topics, shift in ((TOPICS[:half], 0), (TOPICS[half:], 3)):
@@ -65,26 +72,29 @@ def prompt_sets(num_prompts: int) -> tuple[list[str], list[str]]:
 
 
 def record_trace(runner, prompts: list[str], path: Path, max_tokens: int, temperature: float,
-                 seed: int, label: str) -> int:
+                 seed: int, label: str, chat: bool) -> int:
     """Decode every prompt with sampling while recording routing to `path`; tokens decoded."""
     runner.cache.recorder = TraceWriter(path, runner.trace_meta(prefetch=False))
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
-    total, _ = decode_prompts(runner, prompts, max_tokens, temperature, seed, label)
+    total, _ = decode_prompts(runner, prompts, max_tokens, temperature, seed, label, chat)
     runner.cache.recorder.close()
     runner.cache.recorder = None
     return total
 
 
 def decode_prompts(runner, prompts: list[str], max_tokens: int, temperature: float, seed: int,
-                   label: str) -> tuple[int, float]:
-    """Sample up to max_tokens per prompt; (tokens decoded, seconds spent in decode steps)."""
+                   label: str, chat: bool) -> tuple[int, float]:
+    """Sample up to max_tokens per prompt (a user message in the chat template, or raw text to
+    continue); (tokens decoded, seconds spent in decode steps)."""
     from services.engine.sampling import Sampler, SamplingConfig
 
     t0, total, decode_s = time.perf_counter(), 0, 0.0
     eos = set(runner.tokenizer.eos_token_ids)
     for i, text in enumerate(prompts):
-        ids = runner.tokenizer.encode(runner.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True))
+        if chat:
+            text = runner.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = runner.tokenizer.encode(text)
         sampler = Sampler(SamplingConfig(temperature=temperature, seed=seed + i))
         seq = runner.start(ids)
         logits = runner.prefill(seq)
@@ -107,8 +117,8 @@ def decode_prompts(runner, prompts: list[str], max_tokens: int, temperature: flo
 
 
 def measure_speed(model_dir: Path, device: str, fill: list[tuple[int, int]], prompts: list[str],
-                  max_tokens: int, temperature: float, seed: int, coverage: float = 0.25
-                  ) -> dict[str, dict]:
+                  max_tokens: int, temperature: float, seed: int, chat: bool,
+                  coverage: float = 0.25) -> dict[str, dict]:
     """Decode tok/s and hit rate at `coverage`, default policy, prefetch on and off."""
     from services.engine.runner import ModelRunner
 
@@ -121,7 +131,8 @@ def measure_speed(model_dir: Path, device: str, fill: list[tuple[int, int]], pro
         del probe
         runner.fill_cache(fill, source="profile")
         label = f"speed ({device}, prefetch {'on' if prefetch else 'off'})"
-        tokens, decode_s = decode_prompts(runner, prompts, max_tokens, temperature, seed, label)
+        tokens, decode_s = decode_prompts(runner, prompts, max_tokens, temperature, seed, label,
+                                          chat)
         d = runner.cache.decode
         out["prefetch_on" if prefetch else "prefetch_off"] = {
             "decode_tok_s": tokens / decode_s if decode_s else 0.0, "hit_rate": d.hit_rate,
@@ -159,7 +170,11 @@ def evaluate(trace: Trace, fill: list[tuple[int, int]], coverages=COVERAGES,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata bench cache", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: demo model)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the default model)")
+    parser.add_argument("--text", choices=("stdlib", "topics"), default="stdlib",
+                        help="stdlib: code snippets, profile from the training split of the "
+                        "standard library and measured on held-out modules; topics: chat "
+                        "questions on two disjoint topic sets")
     parser.add_argument("--prompts", type=int, default=24, help="prompts per set")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per prompt")
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -183,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     model_dir = args.model or EngineConfig().model_dir
     runner = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0)
-    profile_set, held_out = prompt_sets(args.prompts)
+    profile_set, held_out = prompt_sets(args.prompts, args.text)
+    chat = args.text == "topics"
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or Path(tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             if reused:
                 print(f"bench cache: reusing {path}", file=sys.stderr)
                 continue
-            record_trace(runner, prompts, path, args.max_tokens, args.temperature, seed, label)
+            record_trace(runner, prompts, path, args.max_tokens, args.temperature, seed, label,
+                         chat)
         profile = build_profile([Trace.read(paths[0])])
         trace = Trace.read(paths[1])
     fill = profile.top_pairs(profile.total_pairs)
@@ -213,13 +230,15 @@ def main(argv: list[str] | None = None) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         speed = measure_speed(model_dir, device, fill, held_out, args.max_tokens,
-                              args.temperature, args.seed + 10_000)
+                              args.temperature, args.seed + 10_000, chat)
     if args.json:
         print(json.dumps({"coverage": table, **({"speed": speed} if speed else {})}))
         return 0
+    source = ("training-split snippets", "held-out-module snippets") if args.text == "stdlib" \
+        else ("prompts", "others")
     sets = (f"traces reused from {args.trace_dir}" if reused else
-            f"profile from {len(profile_set)} prompts, measured on {len(held_out)} others "
-            f"(temperature {args.temperature}, {args.max_tokens} tokens each)")
+            f"profile from {len(profile_set)} {source[0]}, measured on {len(held_out)} "
+            f"{source[1]} (temperature {args.temperature}, {args.max_tokens} tokens each)")
     print(f"expert cache on held-out prompts: {runner.model_name}, {trace.total_pairs} pairs, "
           f"{sets}; default policy "
           f"{PolicySpec().label}{' + prefetch' if DEFAULT_PREFETCH else ''}")

@@ -62,7 +62,8 @@ def _crf_lambda(text: str) -> float:
 
 SETTINGS = (
     Setting("model", "STRATA_MODEL", optional_str, None,
-            "checkpoint directory (default: the built-in demo model, created on first use)"),
+            "checkpoint directory (default: the shipped strata-stdlib-moe, trained on the Python "
+            "standard library)"),
     Setting("host", "STRATA_ENGINE_HOST", str, "127.0.0.1", "gRPC bind address"),
     Setting("port", "STRATA_ENGINE_PORT", non_negative_int, 50051, "gRPC port (0 = any free port)"),
     Setting("engine_id", "STRATA_ENGINE_ID", optional_str, None,
@@ -161,9 +162,9 @@ class EngineConfig:
     def model_dir(self) -> Path:
         if self.model:
             return Path(self.model).expanduser()
-        from services.engine.model.demo import ensure_default_model
+        from services.models import default_model_dir
 
-        return ensure_default_model()
+        return default_model_dir()
 
     @property
     def policy_spec(self) -> PolicySpec:

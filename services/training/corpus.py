@@ -117,3 +117,41 @@ def split_summary(root: Path | None = None) -> SplitSummary:
         train_modules=len({s.module for s in sources if not s.held_out}),
         heldout_modules=tuple(sorted({s.module for s in held})),
     )
+
+
+def snippets(split: str, count: int, max_chars: int = 320, root: Path | None = None) -> list[str]:
+    """`count` code snippets of one split, from files spread evenly over the split: each starts at
+    a top-level `def` or `class` line and ends at a line boundary within `max_chars`. Prompts for
+    benchmarks and quality checks that are real Python the model did (train) or did not (heldout)
+    see; deterministic for a given Python installation."""
+    assert split in ("train", "heldout"), split
+    root = Path(root) if root is not None else stdlib_root()
+    files = [s for s in list_sources(root) if s.held_out == (split == "heldout")]
+    out: list[str] = []
+    stride = max(1, len(files) // max(count, 1))
+    for start in range(stride):  # a second pass over shifted files fills skipped ones
+        for src in files[start::stride]:
+            if len(out) == count:
+                return out
+            text = read_source(root, src)
+            snippet = _snippet(text, max_chars) if text else None
+            if snippet and snippet not in out:
+                out.append(snippet)
+            if len(out) == count:
+                return out
+    return out
+
+
+def _snippet(text: str, max_chars: int = 320) -> str | None:
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith(("def ", "class ")):
+            taken, size = [], 0
+            for part in lines[i:]:
+                if size + len(part) > max_chars:
+                    break
+                taken.append(part)
+                size += len(part)
+            snippet = "".join(taken)
+            return snippet if len(taken) >= 2 else None
+    return None

@@ -75,6 +75,9 @@ def test_bench_cache_json_shape(tools_model, tmp_path, capsys):
     assert png.exists()
 
 
-def test_prompt_sets_are_disjoint():
-    a, b = bench_cmd.prompt_sets(24)
+@pytest.mark.parametrize("text", ["topics", "stdlib"])
+def test_prompt_sets_are_disjoint(text):
+    a, b = bench_cmd.prompt_sets(24, text)
     assert len(a) == len(b) == 24 and not set(a) & set(b)
+    if text == "stdlib":  # snippets of distinct files
+        assert len(set(a)) == len(set(b)) == 24

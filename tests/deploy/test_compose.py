@@ -30,6 +30,8 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from strata_settings import COMMON, accepted, read_in_services
 
+from services.models import DEFAULT_MODEL_NAME
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 COMPOSE_TEXT = (DEPLOY / "compose.yaml").read_text()
@@ -604,7 +606,7 @@ def test_cpu_profile_settings_bring_up_a_healthy_stack(tmp_path):
                         cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT))
                 wait_healthy(service, processes[-1], ports, log)
             url = f"http://127.0.0.1:{ports['8000']}/v1/completions"
-            body = {"model": "strata-demo-moe", "prompt": "hi", "max_tokens": 2}
+            body = {"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": 2}
             status, reply = post(url, body, key=None)
             assert status == 401, reply
             status, reply = post(url, body, key="strata-demo-key")

@@ -1,8 +1,9 @@
-"""End to end: `strata up` on the demo model, called with the official openai client."""
+"""End to end: `strata up` on the default model, called with the official openai client."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -11,7 +12,11 @@ import aiohttp
 import openai
 import pytest
 
+from services.models import DEFAULT_MODEL_NAME as MODEL
+from services.models import default_model_dir
+
 pytestmark = pytest.mark.e2e
+WINDOW = json.loads((default_model_dir() / "config.json").read_text())["max_position_embeddings"]
 
 PROMPT = [{"role": "user", "content": "Name three prime numbers."}]
 LINE_1 = re.compile(r"strata serve: prompt (\d+) tokens = (\d+) reused \+ (\d+) read in \d+ ms, "
@@ -27,7 +32,7 @@ def client(cluster) -> openai.OpenAI:
 def test_chat_completion_reports_usage_and_logs_two_lines(cluster):
     before = cluster.engine_log().count("strata serve: prompt")
     reply = client(cluster).chat.completions.create(
-        model="strata-demo-moe", messages=PROMPT, max_tokens=12, temperature=0)
+        model=MODEL, messages=PROMPT, max_tokens=12, temperature=0)
     assert reply.choices[0].finish_reason in {"stop", "length"}
     assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens > 5
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
@@ -47,23 +52,42 @@ def test_chat_completion_reports_usage_and_logs_two_lines(cluster):
 
 def test_streaming_matches_non_streaming(cluster):
     c = client(cluster)
-    whole = c.chat.completions.create(model="strata-demo-moe", messages=PROMPT, max_tokens=16,
+    whole = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16,
                                       temperature=0)
     chunks = list(c.chat.completions.create(
-        model="strata-demo-moe", messages=PROMPT, max_tokens=16, temperature=0, stream=True,
+        model=MODEL, messages=PROMPT, max_tokens=16, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_code_prompt_gets_python_looking_text(cluster):
+    """The default model is trained on the standard library: a code prompt gets code back, text
+    that re-tokenizes mostly into learned multi-character merges, not byte-level debris."""
+    from services.engine.model.tokenizer import Tokenizer
+
+    reply = client(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "def read_config(path):"}],
+        max_tokens=64, temperature=0)
+    text = reply.choices[0].message.content
+    assert reply.usage.completion_tokens >= 16 and text.strip()
+    assert text.encode("utf-8").decode("utf-8") == text and "\ufffd" not in text
+    tokenizer = Tokenizer(default_model_dir())
+    ids = tokenizer.encode(text)
+    merged = sum(len(tokenizer.decode([i])) >= 2 for i in ids) / len(ids)
+    assert merged >= 0.6, (merged, text)
+    python = ("self", "return", "def ", "if ", "None", "(", ")", ":", "=", "    ")
+    assert sum(marker in text for marker in python) >= 4, text
+
+
 def test_models_lists_the_default_model(cluster):
     ids = [m.id for m in client(cluster).models.list()]
-    assert ids == ["strata-demo-moe"]
+    assert ids == [MODEL]
 
 
 def test_cache_metrics_reach_the_cachemgr_endpoint(cluster):
-    client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
+    client(cluster).chat.completions.create(model=MODEL, messages=PROMPT,
                                             max_tokens=4, temperature=0)
     url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
     deadline = time.monotonic() + 20
@@ -79,7 +103,7 @@ def test_cache_metrics_reach_the_cachemgr_endpoint(cluster):
 
 async def test_overload_gives_exactly_queue_plus_inflight_answers(cluster):
     """--max-inflight 1 --max-queue 2: of 10 simultaneous requests, 3 complete, 7 get 429."""
-    body = {"model": "strata-demo-moe", "messages": PROMPT, "max_tokens": 48,
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 48,
             "temperature": 0}
     async with aiohttp.ClientSession() as session:
         async def one():
@@ -95,11 +119,11 @@ async def test_overload_gives_exactly_queue_plus_inflight_answers(cluster):
 
 @pytest.mark.parametrize(("payload", "status"), [
     (b"{not json", 400),
-    (b'{"model": "strata-demo-moe"}', 400),
-    (b'{"model": "strata-demo-moe", "messages": "hi"}', 400),
-    (b'{"model": "strata-demo-moe", "messages": [{"role": "user", "content": 5}]}', 400),
+    (b'{"model": "strata-stdlib-moe"}', 400),
+    (b'{"model": "strata-stdlib-moe", "messages": "hi"}', 400),
+    (b'{"model": "strata-stdlib-moe", "messages": [{"role": "user", "content": 5}]}', 400),
     (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404),
-    (b'{"model": "strata-demo-moe", "messages": [{"role": "user", "content": "hi"}], '
+    (b'{"model": "strata-stdlib-moe", "messages": [{"role": "user", "content": "hi"}], '
      b'"max_tokens": -3}', 400),
 ])
 async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
@@ -110,7 +134,7 @@ async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
         assert r.status == status
         error = (await r.json())["error"]
         assert {"message", "type", "param", "code"} <= error.keys() and error["message"]
-    reply = client(cluster).chat.completions.create(model="strata-demo-moe", messages=PROMPT,
+    reply = client(cluster).chat.completions.create(model=MODEL, messages=PROMPT,
                                                     max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens >= 1
 
@@ -118,10 +142,10 @@ async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
 def test_over_long_prompt_is_a_400_with_both_token_counts(cluster):
     with pytest.raises(openai.BadRequestError) as caught:
         client(cluster).chat.completions.create(
-            model="strata-demo-moe", messages=[{"role": "user", "content": "x " * 5000}],
+            model=MODEL, messages=[{"role": "user", "content": "x " * 5000}],
             max_tokens=4)
     message = caught.value.body["message"]
-    assert "4096" in message and re.search(r"\b\d{4,5} tokens", message), message
+    assert f"{WINDOW}" in message and re.search(r"\b\d{3,5} tokens", message), message
 
 
 def test_engine_holds_the_cache_managers_plan_and_is_registered(cluster):
@@ -156,9 +180,9 @@ def test_a_repeated_prompt_reuses_cached_kv_blocks_and_answers_the_same(cluster)
     messages = [{"role": "system", "content": "You are a careful assistant. " * 8},
                 {"role": "user", "content": "What is an expert cache?"}]
     c = client(cluster)
-    first = c.chat.completions.create(model="strata-demo-moe", messages=messages, max_tokens=8,
+    first = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                       temperature=0)
-    again = c.chat.completions.create(model="strata-demo-moe", messages=messages, max_tokens=8,
+    again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                       temperature=0)
     assert again.choices[0].message.content == first.choices[0].message.content
     cached = again.usage.prompt_tokens_details.cached_tokens
@@ -173,7 +197,7 @@ async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(
 
     from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 
-    body = {"model": "strata-demo-moe", "messages": PROMPT, "max_tokens": 2000,
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2000,
             "temperature": 0.8, "stream": True}
 
     async def leave_mid_stream(session):

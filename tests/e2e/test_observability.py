@@ -23,6 +23,7 @@ from services.engine.runner import ModelRunner
 from services.engine.server import StatusSource, set_serving, start_server
 from services.gateway.app import init_app
 from services.gateway.config import GatewayConfig
+from services.models import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.e2e
 
@@ -126,7 +127,7 @@ def test_gateway_and_engine_export_the_genai_request_metrics(cluster):
                         if n == "gen_ai_client_token_usage_sum"
                         and labels.get("gen_ai_token_type") == "output")
               for name, url in urls.items() if name != "cachemgr"}
-    reply = client.chat.completions.create(model="strata-demo-moe", messages=PROMPT,
+    reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=PROMPT,
                                            max_tokens=5, temperature=0)
     for name in ("gateway", "engine"):
         got = samples(urls[name])
@@ -135,7 +136,7 @@ def test_gateway_and_engine_export_the_genai_request_metrics(cluster):
         assert output - before[name] == reply.usage.completion_tokens, name
         ttft = [(labels, v) for n, labels, v in got
                 if n == "gen_ai_server_time_to_first_token_seconds_count"]
-        assert ttft and all(labels["gen_ai_request_model"] == "strata-demo-moe"
+        assert ttft and all(labels["gen_ai_request_model"] == DEFAULT_MODEL_NAME
                             for labels, _ in ttft), name
         assert any(n == "strata_requests_running" for n, _, _ in got), name
     engine = samples(urls["engine"])

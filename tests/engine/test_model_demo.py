@@ -1,4 +1,4 @@
-"""The default demo model: deterministic, written atomically under $STRATA_HOME, loads in Strata."""
+"""The random-weight demo checkpoint: deterministic, written under $STRATA_HOME, loads in Strata."""
 
 from __future__ import annotations
 
@@ -28,23 +28,17 @@ def test_demo_checkpoint_shape_and_determinism(tmp_path, demo_dir):
     assert w.dtype.is_floating_point and 0.015 < w.std().item() < 0.025
 
 
-def test_ensure_default_model_under_strata_home(tmp_path, monkeypatch):
+def test_strata_model_demo_writes_presets_under_strata_home(tmp_path, monkeypatch, capsys):
+    from services.cli import main
+
     monkeypatch.setenv("STRATA_HOME", str(tmp_path / "home"))
     assert demo.strata_home() == tmp_path / "home"
-    assert demo.default_model_dir() == tmp_path / "home" / "models" / "strata-demo-moe"
-    calls = []
-    real_write = demo.write_demo_checkpoint
-
-    def small_write(path, **kwargs):
-        calls.append(path)
-        return real_write(path, num_hidden_layers=1, num_experts=4, **kwargs)
-
-    monkeypatch.setattr(demo, "write_demo_checkpoint", small_write)
-    path = demo.ensure_default_model()
-    assert path == demo.default_model_dir() and (path / "tokenizer.json").is_file()
-    assert calls and calls[0] != path  # written elsewhere, then renamed into place
-    assert demo.ensure_default_model() == path and len(calls) == 1  # second use: no rewrite
-    assert [p.name for p in path.parent.iterdir()] == ["strata-demo-moe"]  # no tmp left
+    assert demo.demo_model_dir() == tmp_path / "home" / "models" / "strata-demo-moe"
+    assert demo.demo_model_dir("bench").name == "strata-bench-moe"
+    assert main(["model", "demo", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written["path"] == str(demo.demo_model_dir()) and written["preset"] == "demo"
+    assert (demo.demo_model_dir() / "tokenizer.json").is_file()
 
 
 def test_demo_runs_in_strata(demo_dir):

@@ -1,4 +1,5 @@
-"""The default demo model: a small random-weight `qwen3_moe` checkpoint Strata writes itself.
+"""Random-weight `qwen3_moe` checkpoints Strata writes itself: arbitrary shapes for tests and the
+`bench` preset for `strata bench engine` (the default model is the trained one in services/models).
 
 Written with safetensors + tokenizers + json only (no transformers), from a fixed seed, so every
 machine gets byte-identical weights; it also loads in transformers' Qwen3MoeForCausalLM.
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,27 +79,10 @@ def strata_home() -> Path:
     return Path(os.environ.get("STRATA_HOME") or Path.home() / ".cache" / "strata")
 
 
-def default_model_dir() -> Path:
-    return strata_home() / "models" / DEMO_MODEL_NAME
-
-
-def ensure_default_model() -> Path:
-    """The demo checkpoint's directory, written on first use (tmp dir + rename, so concurrent
-    first uses never see a half-written model)."""
-    final = default_model_dir()
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.", dir=final.parent))
-    try:
-        write_demo_checkpoint(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():  # not merely a concurrent writer winning
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+def demo_model_dir(preset: str = "demo") -> Path:
+    """Where `strata model demo` writes a preset's checkpoint unless told otherwise."""
+    name = DEMO_MODEL_NAME if preset == "demo" else f"strata-{preset}-moe"
+    return strata_home() / "models" / name
 
 
 def write_demo_checkpoint(

@@ -4,11 +4,14 @@
     strata gateway|engine|cachemgr   one service, configured by flags or STRATA_* variables
     strata model demo         write a random-weight checkpoint (tests, benchmarks)
     strata model train-demo   train a small MoE on the Python standard library
+    strata model train-mtp    train a multi-token-prediction draft head (--spec-method mtp)
     strata model routing      routing statistics of the trained model (train vs held-out text)
     strata top                live view of engines, queue, hit rate, spill, coverage, tok/s
     strata bench run|sweep|soak|overload|longctx|dataset   measure a running cluster
     strata bench cache        cache policies on held-out prompts (static, LRU, default, Belady)
     strata bench engine       prefill/decode tok/s in-process vs the memory-bandwidth bound
+    strata bench spec         speculative decoding: tok/s, expert reads per token, acceptance
+    strata bench quant        quantized experts: held-out perplexity and top-1 agreement
     strata cache profile|replay   build expert-profile.bin from traces; replay a routing trace
     strata plan [fit]         capacity table: memory -> coverage -> hit rate -> tok/s
 """
@@ -40,6 +43,14 @@ def _bench(argv: list[str]) -> int:
         from services.bench.reference import main as bench_quality
 
         return bench_quality(argv[1:])
+    if argv[:1] == ["quant"]:  # quantized experts: held-out perplexity, top-1 agreement
+        from services.bench.quant_bench import main as bench_quant
+
+        return bench_quant(argv[1:])
+    if argv[:1] == ["spec"]:  # speculative decoding in-process: speed, expert reads, acceptance
+        from services.bench.spec_bench import main as bench_spec
+
+        return bench_spec(argv[1:])
     if argv[:1] == ["engine"]:  # decode speed of the model in-process, vs the bandwidth bound
         from services.bench.engine_bench import main as bench_engine
 
@@ -101,6 +112,10 @@ def _model(argv: list[str]) -> int:
         from services.training.cli import main as train_demo
 
         return train_demo(argv[1:])
+    if argv[:1] == ["train-mtp"]:  # a draft head for a trained checkpoint; its own flags
+        from services.training.mtp import main as train_mtp
+
+        return train_mtp(argv[1:])
     if argv[:1] == ["routing"]:  # routing statistics of a trained checkpoint; its own flags
         from services.training.routing import main as routing
 
@@ -116,6 +131,8 @@ def _model(argv: list[str]) -> int:
     demo = sub.add_parser("demo", help="write a random-weight checkpoint (tests, benchmarks)")
     sub.add_parser("train-demo", help="train a small MoE on the Python standard library "
                    "(strata model train-demo --help)")
+    sub.add_parser("train-mtp", help="train a multi-token-prediction draft head for a "
+                   "trained checkpoint (strata model train-mtp --help)")
     sub.add_parser("routing", help="routing statistics of a trained checkpoint on training "
                    "and held-out text (strata model routing --help)")
     demo.add_argument("--output", type=Path, default=None,

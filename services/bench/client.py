@@ -185,7 +185,8 @@ def engine_status(address: str, timeout_s: float = 3.0) -> dict | None:
             "device_memory_bytes": c.device_memory_bytes, "reserved_bytes": c.reserved_bytes,
             "plan_source": c.plan_source, "plan_version": c.plan_version,
             "requests_finished": s.requests_finished, "tokens_generated": s.tokens_generated,
-            "lookups": c.lookups, "hits": c.hits,
+            "lookups": c.lookups, "hits": c.hits, "demand_fills": c.demand_fills,
+            "prefetch_fills": c.prefetch_fills,
             "distinct_pairs_routed": c.distinct_pairs_routed, "layer_steps": c.layer_steps}
 
 

@@ -1,7 +1,8 @@
 """`strata bench engine`: in-process prefill and decode speed against the memory-bandwidth bound.
 
     strata bench engine [--model DIR] [--prompt-tokens P] [--gen-tokens G] [--batch B]
-                        [--repeat R] [--coverage C] [--threads N] [--compare-hf] [--json]
+                        [--repeat R] [--coverage C] [--threads N] [--expert-dtype auto|int8|int4]
+                        [--compare-hf] [--json]
 
 1. Measure the machine's memory read bandwidth (sum of a 256 MiB fp32 tensor, best of N) and its
    copy bandwidth in the same process, before the model is loaded.
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 
+from services.engine.model.quant import EXPERT_DTYPES
+
 BANDWIDTH_BYTES = 256 * 2**20
 BANDWIDTH_REPEATS = 7
 TEXT = (
@@ -55,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coverage", type=float, default=1.0, help="expert-cache slots as a "
                    "fraction of all (layer, expert) pairs")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto", help="expert "
+                   "weights in the host store and slots (int8/int4: quantized, as the engine's "
+                   "--expert-dtype)")
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate()")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -170,12 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     read_bps, copy_bps = measure_bandwidth()
     progress(f"memory bandwidth: read {read_bps / 1e9:.1f} GB/s (sum of 256 MiB, best of "
              f"{BANDWIDTH_REPEATS}), copy {copy_bps / 1e9:.1f} GB/s")
-    probe = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0)
+    probe = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0,
+                        expert_dtype=args.expert_dtype)
     slots = round(args.coverage * probe.total_pairs)
     slot_bytes, total_pairs = probe.slot_bytes, probe.total_pairs
     del probe
     runner = ModelRunner(model_dir, device="cpu", device_memory_bytes=slots * slot_bytes,
-                         reserved_bytes=0, prefetch=False)
+                         reserved_bytes=0, prefetch=False, expert_dtype=args.expert_dtype)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     c = runner.config
     batch_prompts = prompts(args.batch, args.prompt_tokens)
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "gen_tokens": args.gen_tokens,
         "threads": torch.get_num_threads(),
         "coverage": slots / total_pairs if total_pairs else 1.0,
+        "expert_dtype": args.expert_dtype,
         "prefill_tok_s": args.batch * args.prompt_tokens / statistics.median(prefill_s),
         "decode_tok_s": decode_tok_s,
         "decode_runs_tok_s": [args.batch * (args.gen_tokens - 1) / s for s in decode_s],
@@ -234,7 +242,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"model {r['model']}: batch {r['batch']}, {r['prompt_tokens']} prompt + "
         f"{r['gen_tokens']} generated tokens, {r['threads']} threads, coverage "
-        f"{r['coverage']:.0%}",
+        f"{r['coverage']:.0%}, experts {r.get('expert_dtype', 'auto')}",
         f"prefill     {r['prefill_tok_s']:10.1f} tok/s",
         f"decode      {r['decode_tok_s']:10.1f} tok/s",
         f"active      {r['active_bytes_per_token'] / 1e6:10.1f} MB/token (non-expert "

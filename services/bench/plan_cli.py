@@ -2,6 +2,7 @@
 
     strata plan --free-mib 8192 16384 --slot-mib 1.318 --pairs 24576 --reserved-mib 700
     strata plan --model DIR --profile expert-profile.bin --target-tok-s 150
+    strata plan --model DIR --trace routing.trace --profile expert-profile.bin   (replayed)
     strata plan fit bench-a/run.json bench-b/run.json      (stored at $STRATA_HOME/plan/fit.json)
 """
 
@@ -18,6 +19,7 @@ from services.bench.fit import fit_results
 from services.bench.planner import MIB, CostModel, Hardware, HitRateModel
 from services.bench.report import table
 from services.common.profile import Profile, ProfileError
+from services.engine.cache.trace import TraceError
 
 
 def default_fit_path() -> Path:
@@ -37,8 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="checkpoint directory (slot size and pairs)")
     p.add_argument("--dtype-bytes", type=int, default=4,
                    help="bytes per expert weight in the slots (the engine runs fp32: 4)")
+    p.add_argument("--expert-dtype", choices=("auto", "int8", "int4"), default="auto",
+                   help="with --model: the engine's --expert-dtype; int8/int4 slots are the "
+                   "quantized blob's exact size (auto: --dtype-bytes per weight)")
     p.add_argument("--profile", type=Path, help="expert-profile.bin: hit rate from its "
-                   "cumulative distribution")
+                   "decode cumulative distribution (with --trace: the pre-fill ranking)")
+    p.add_argument("--trace", type=Path, help="routing trace (engine --record-routing; may be "
+                   "gzipped, .gz): hit rate by replaying it through the recorded cache policy "
+                   "at each size")
     p.add_argument("--fit", type=Path, help="cost model from `strata plan fit` "
                    "(default: $STRATA_HOME/plan/fit.json when present)")
     p.add_argument("--target-tok-s", type=float, help="inverse: memory needed for this decode "
@@ -51,11 +59,19 @@ def _hardware(a: argparse.Namespace, fit: dict | None) -> Hardware:
     slot_bytes, pairs = a.slot_bytes, a.pairs
     if a.slot_mib is not None:
         slot_bytes = round(a.slot_mib * MIB)
+    if a.expert_dtype != "auto" and (a.model is None or slot_bytes):
+        raise ValueError(f"--expert-dtype {a.expert_dtype} needs --model DIR (the slot size "
+                         "follows the expert shape) and no --slot-mib/--slot-bytes")
     if a.model is not None:
         from services.engine.cache.layout import ExpertLayout
         from services.engine.model.config import load_model_config
 
         c = load_model_config(a.model)
+        if a.expert_dtype != "auto":
+            from services.engine.model.quant import expert_layout
+
+            slot_bytes = expert_layout(c.hidden_size, c.moe_intermediate_size,
+                                       a.expert_dtype).numel
         slot_bytes = slot_bytes or ExpertLayout(c.hidden_size, c.moe_intermediate_size).numel * (
             a.dtype_bytes)
         pairs = pairs or c.total_pairs
@@ -78,11 +94,16 @@ def _load_fit(path: Path | None) -> dict | None:
 
 
 def _hit_model(a: argparse.Namespace, hw: Hardware, fit: dict | None) -> HitRateModel | None:
-    if a.profile is not None:
-        profile = Profile.read(a.profile)
-        if profile.total_pairs != hw.total_pairs:
-            raise ValueError(f"profile has {profile.total_pairs} pairs, the model "
-                             f"{hw.total_pairs}")
+    profile = Profile.read(a.profile) if a.profile is not None else None
+    if profile is not None and profile.total_pairs != hw.total_pairs:
+        raise ValueError(f"profile has {profile.total_pairs} pairs, the model {hw.total_pairs}")
+    if a.trace is not None:
+        trace = planner.read_trace(a.trace)
+        if trace.total_pairs != hw.total_pairs:
+            raise ValueError(f"trace has {trace.total_pairs} pairs, the model {hw.total_pairs}")
+        fill = profile.top_pairs(len(profile.ranked)) if profile is not None else None
+        return planner.trace_hit_rate(trace, fill, label=a.trace.name)
+    if profile is not None:
         return planner.profile_hit_rate(profile)
     fit_hw = (fit or {}).get("hardware") or {}
     if fit and fit.get("hit_points") and fit_hw.get("total_pairs") == hw.total_pairs:
@@ -98,7 +119,7 @@ def plan_main(argv: list[str]) -> int:
         fit = _load_fit(a.fit)
         hw = _hardware(a, fit)
         hits = _hit_model(a, hw, fit)
-    except (ValueError, OSError, ProfileError, KeyError) as exc:
+    except (ValueError, OSError, ProfileError, TraceError, KeyError) as exc:
         print(f"strata plan: {exc}", file=sys.stderr)
         return 2
     cost = CostModel.from_dict(fit["cost_model"]) if fit else None
@@ -106,16 +127,19 @@ def plan_main(argv: list[str]) -> int:
              else planner.default_free_sizes(hw))
     result: dict = {"rows": planner.plan_table(hw, sizes, hits, cost),
                     "inputs": {"slot_bytes": hw.slot_bytes, "pairs": hw.total_pairs,
+                               "expert_dtype": a.expert_dtype,
                                "reserved_mib": hw.reserved_bytes / MIB,
                                "draft_mib": hw.draft_bytes / MIB,
                                "hit_rate_source": hits.source if hits else None,
                                "profile": str(a.profile) if a.profile else None,
+                               "trace": str(a.trace) if a.trace else None,
                                "fit": fit.get("path") if fit else None,
                                "fit_error": fit.get("error", {}).get("rms_rel_error")
-                               if fit else None}}
+                               if fit else None,
+                               "fit_basis": fit["cost_model"].get("basis") if fit else None}}
     if a.target_tok_s is not None:
         if hits is None or cost is None:
-            print("strata plan: --target-tok-s needs a hit-rate source (--profile, or a fit "
+            print("strata plan: --target-tok-s needs a hit-rate source (--trace, --profile, or a fit "
                   "with measured hit rates) and a cost model (--fit)", file=sys.stderr)
             return 2
         result["target"] = planner.plan_inverse(hw, a.target_tok_s, hits, cost)
@@ -137,10 +161,14 @@ def _print_plan(result: dict) -> None:
                   f"{r['coverage']:.1%}", cell(r, "hit_rate", 3), cell(r, "decode_tok_s", 1)]
                  for r in result["rows"]]))
     i = result["inputs"]
-    print(f"\nslot {i['slot_bytes']} bytes, {i['pairs']} pairs, {i['reserved_mib']:.0f} MiB "
+    experts = "" if i.get("expert_dtype", "auto") == "auto" else f" ({i['expert_dtype']})"
+    print(f"\nslot {i['slot_bytes']} bytes{experts}, {i['pairs']} pairs, "
+          f"{i['reserved_mib']:.0f} MiB "
           f"reserved, {i['draft_mib']:.0f} MiB draft head; hit rate from "
-          f"{i['hit_rate_source'] or 'nothing (give --profile or a fit)'}; cost model "
+          f"{i['hit_rate_source'] or 'nothing (give --trace, --profile or a fit)'}; cost model "
           f"{i['fit'] or 'none (run strata plan fit)'}")
+    if i.get("fit_basis"):
+        print(f"cost model: {i['fit_basis']}")
     t = result.get("target")
     if t and t["reachable"]:
         print(f"target {t['target_tok_s']} tok/s: {t['free_bytes'] / MIB:.1f} MiB of device "
@@ -173,9 +201,11 @@ def fit_main(argv: list[str]) -> int:
         print(json.dumps(summary))
     else:
         m, e = fit["cost_model"], fit["error"]
+        driver = "cache work" if m.get("driver") == "work" else "miss rate"
         print(f"decode s/token = {m['base_s'] * 1e3:.3f} ms + {m['per_miss_s'] * 1e3:.3f} ms x "
-              f"miss rate (miss rates seen {m['miss_lo']:.3f}..{m['miss_hi']:.3f}); "
+              f"{driver} ({driver} seen {m['miss_lo']:.3f}..{m['miss_hi']:.3f}); "
               f"{e['num_points']} requests, RMS relative error {e['rms_rel_error']:.1%}")
+        print(f"model: {m['basis']}")
         print(table(["slots", "requests", "hit rate p50", "decode tok/s p50", "fitted tok/s",
                      "error"],
                     [[g["slots"], g["num_requests"], f"{g['hit_rate_p50']:.3f}",

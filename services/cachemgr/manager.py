@@ -26,7 +26,7 @@ from services.cachemgr.device import (
     read_device_memory,
 )
 from services.cachemgr.planner import ModelShape, Plan, Planner
-from services.cachemgr.store import MemoryStore, RedisStore
+from services.cachemgr.store import DECODE, MemoryStore, RedisStore
 from services.common.settings import format_bytes
 
 log = logging.getLogger("strata.cachemgr")
@@ -70,6 +70,7 @@ class RoutingReport:
     reserved_bytes: int
     plan_version: int
     extra: LinkFigures = LinkFigures()
+    decode_counts: np.ndarray | None = None  # [L, E] the decode-phase share of `counts`
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,8 @@ class CacheManager:
         """Fold fresh counts (other cache managers' too) and time decay into every model."""
         for shape in self.planner.shapes():
             before = self.planner.version(shape.fingerprint)
-            self.planner.refresh(shape, await self.store.counts(shape))
+            self.planner.refresh(shape, await self.store.counts(shape),
+                                 decode_totals=await self.store.counts(shape, phase=DECODE))
             self._notify_if_new(shape.fingerprint, before)
 
     # -- reports -------------------------------------------------------------------------------
@@ -195,9 +197,13 @@ class CacheManager:
         fingerprint = report.shape.fingerprint
         if report.counts is not None and report.counts.any():
             await self.store.add(fingerprint, report.counts)
+        if report.decode_counts is not None and report.decode_counts.any():
+            await self.store.add(fingerprint, report.decode_counts, phase=DECODE)
         before = self.planner.version(fingerprint)
         counts = await self.store.counts(report.shape, fresh=False)  # the loop reads afresh
-        version = self.planner.refresh(report.shape, counts, engine_slots=report.slots)
+        decode = await self.store.counts(report.shape, fresh=False, phase=DECODE)
+        version = self.planner.refresh(report.shape, counts, engine_slots=report.slots,
+                                       decode_totals=decode)
         self._notify_if_new(fingerprint, before)
         figures = self._figures(report.engine_id, report.shape)
         if report.engine_id not in self.engines:

@@ -164,12 +164,14 @@ class Planner:
         return state
 
     def refresh(self, shape: ModelShape, totals: np.ndarray | None, engine_slots: int = 0,
-                now_s: float | None = None) -> int:
-        """Fold in the model's cumulative routing counts [L, E] (None: none read) and an engine's
-        cache size; returns the model's plan version, new when drift called for one."""
+                now_s: float | None = None, decode_totals: np.ndarray | None = None) -> int:
+        """Fold in the model's cumulative routing counts [L, E] (None: none read), their decode
+        share when known, and an engine's cache size; returns the model's plan version, new
+        when drift called for one."""
         now_s = self.clock() if now_s is None else now_s
         state = self._state(shape)
-        if totals is not None and totals.size and state.live.observe(totals, now_s):
+        if totals is not None and totals.size and state.live.observe(totals, now_s,
+                                                                     decode_totals):
             state.dirty = True
         state.watch_slots = max(state.watch_slots, engine_slots)
         self._evaluate(state, now_s)

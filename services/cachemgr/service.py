@@ -57,7 +57,8 @@ def _report(request: cachemgr_pb2.RoutingReport) -> RoutingReport:
     return RoutingReport(
         request.engine_id, shape, counts_from_flat(request.counts, shape), request.lookups,
         request.hits, request.spilled, request.tokens_generated, request.slots,
-        request.device_memory_bytes, request.reserved_bytes, request.plan_version, extra)
+        request.device_memory_bytes, request.reserved_bytes, request.plan_version, extra,
+        counts_from_flat(request.decode_counts, shape))
 
 
 def _engine_message(e: EngineFigures, now_s: float) -> cachemgr_pb2.EngineOverview:

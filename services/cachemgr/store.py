@@ -1,7 +1,8 @@
 """Routing counts per model: in memory, or in Redis shared by every cache manager.
 
 Redis layout: one hash per model, `strata:routing:{fingerprint}`, field "L:E" -> routed tokens,
-incremented with HINCRBY, all of one report in one atomic server-side script call.
+incremented with HINCRBY, all of one report in one atomic server-side script call; the decode
+tokens alone (phase "decode") in a second hash, `strata:routing-decode:{fingerprint}`, the same way.
 
 When Redis is unreachable the store keeps serving: new counts are buffered in memory and added to
 the last counts read, a single warning says so, and `flush()` (called by the daemon loop) writes the
@@ -26,10 +27,13 @@ from services.cachemgr.planner import ModelShape
 log = logging.getLogger("strata.cachemgr")
 
 KEY_PREFIX = "strata:routing:"
+DECODE_KEY_PREFIX = "strata:routing-decode:"
+ALL, DECODE = "all", "decode"  # phases: every routed token, or decode tokens alone
 
 
-def routing_key(fingerprint: str) -> str:
-    return KEY_PREFIX + fingerprint
+def routing_key(fingerprint: str, phase: str = ALL) -> str:
+    assert phase in (ALL, DECODE), phase
+    return (KEY_PREFIX if phase == ALL else DECODE_KEY_PREFIX) + fingerprint
 
 
 def redact_url(url: str) -> str:
@@ -48,14 +52,16 @@ class MemoryStore:
     healthy = True
 
     def __init__(self) -> None:
-        self._counts: dict[str, np.ndarray] = {}
+        self._counts: dict[str, np.ndarray] = {}  # routing key -> [L, E]
 
-    async def add(self, fingerprint: str, counts: np.ndarray) -> None:
-        table = self._counts.get(fingerprint)
-        self._counts[fingerprint] = counts.copy() if table is None else table + counts
+    async def add(self, fingerprint: str, counts: np.ndarray, phase: str = ALL) -> None:
+        key = routing_key(fingerprint, phase)
+        table = self._counts.get(key)
+        self._counts[key] = counts.copy() if table is None else table + counts
 
-    async def counts(self, shape: ModelShape, fresh: bool = True) -> np.ndarray:
-        table = self._counts.get(shape.fingerprint)
+    async def counts(self, shape: ModelShape, fresh: bool = True,
+                     phase: str = ALL) -> np.ndarray:
+        table = self._counts.get(routing_key(shape.fingerprint, phase))
         if table is None or table.shape != (shape.num_layers, shape.num_experts):
             return np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64)
         return table.copy()
@@ -84,6 +90,7 @@ class RedisStore:
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.healthy = True
         self._down_since = 0.0
+        # Both keyed by routing key (model and phase):
         self._pending: dict[str, np.ndarray] = {}  # [L, E] counts not yet in Redis
         self._last: dict[str, np.ndarray] = {}  # [L, E] counts last read + written since
         self._hincrby_many = self._client.register_script(_HINCRBY_MANY)
@@ -93,9 +100,9 @@ class RedisStore:
     def pending_pairs(self) -> int:
         return sum(int(np.count_nonzero(t)) for t in self._pending.values())
 
-    def _buffer(self, fingerprint: str, counts: np.ndarray) -> None:
-        table = self._pending.get(fingerprint)
-        self._pending[fingerprint] = counts.copy() if table is None else table + counts
+    def _buffer(self, key: str, counts: np.ndarray) -> None:
+        table = self._pending.get(key)
+        self._pending[key] = counts.copy() if table is None else table + counts
 
     def _went_down(self, exc: Exception) -> None:
         if self.healthy:
@@ -106,17 +113,18 @@ class RedisStore:
                         "that Redis is running and STRATA_REDIS_URL points at it.",
                         self.description, type(exc).__name__, exc)
 
-    async def add(self, fingerprint: str, counts: np.ndarray) -> None:
+    async def add(self, fingerprint: str, counts: np.ndarray, phase: str = ALL) -> None:
+        key = routing_key(fingerprint, phase)
         if not self.healthy:
-            self._buffer(fingerprint, counts)
+            self._buffer(key, counts)
             return
         try:
-            await self._write(fingerprint, counts)
+            await self._write(key, counts)
         except (RedisError, OSError) as exc:
-            self._buffer(fingerprint, counts)
+            self._buffer(key, counts)
             self._went_down(exc)
 
-    async def _write(self, fingerprint: str, counts: np.ndarray) -> None:
+    async def _write(self, key: str, counts: np.ndarray) -> None:
         num_experts = counts.shape[1]
         nonzero = np.flatnonzero(counts)
         if nonzero.size == 0:
@@ -126,31 +134,31 @@ class RedisStore:
         for index, count in zip(nonzero.tolist(), flat[nonzero].tolist(), strict=True):
             args += (f"{index // num_experts}:{index % num_experts}", count)
         # One script call: atomic like MULTI/EXEC, and ~5x faster than 10^4 pipelined HINCRBYs.
-        await self._hincrby_many(keys=[routing_key(fingerprint)], args=args)
-        table = self._last.get(fingerprint)
+        await self._hincrby_many(keys=[key], args=args)
+        table = self._last.get(key)
         if table is not None and table.shape == counts.shape:
             table += counts
 
-    async def counts(self, shape: ModelShape, fresh: bool = True) -> np.ndarray:
-        """Counts [L, E] for the model: Redis plus anything still buffered.
+    async def counts(self, shape: ModelShape, fresh: bool = True,
+                     phase: str = ALL) -> np.ndarray:
+        """Counts [L, E] for the model (and phase): Redis plus anything still buffered.
 
         fresh=False answers from the last read plus what this process wrote since (no round
         trip); counts other cache managers added since then are missing.
         """
-        fingerprint = shape.fingerprint
-        table = self._last.get(fingerprint)
+        key = routing_key(shape.fingerprint, phase)
+        table = self._last.get(key)
         if self.healthy and (fresh or table is None):
             try:
-                key = routing_key(fingerprint)
                 table = _parse_joined(await self._hgetall_joined(keys=[key]), shape)
                 if table is None:  # a field that is not "L:E": parse one by one, skipping it
                     table = _parse_hash_slowly(await self._client.hgetall(key), shape)
-                self._last[fingerprint] = table
+                self._last[key] = table
             except (RedisError, OSError) as exc:
                 self._went_down(exc)
         if table is None or table.shape != (shape.num_layers, shape.num_experts):
             table = np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64)
-        pending = self._pending.get(fingerprint)
+        pending = self._pending.get(key)
         if pending is not None and pending.shape == table.shape:
             table = table + pending
         return table.copy()
@@ -162,13 +170,13 @@ class RedisStore:
         flushed = 0
         try:
             await self._client.ping()
-            for fingerprint in list(self._pending):
+            for key in list(self._pending):
                 # Taken out before the await: counts added meanwhile start a new buffer.
-                table = self._pending.pop(fingerprint)
+                table = self._pending.pop(key)
                 try:
-                    await self._write(fingerprint, table)
+                    await self._write(key, table)
                 except BaseException:
-                    self._buffer(fingerprint, table)
+                    self._buffer(key, table)
                     raise
                 flushed += int(np.count_nonzero(table))
         except (RedisError, OSError) as exc:

@@ -24,15 +24,19 @@ PHASES = {"decode": (DECODE,), "prefill": (PREFILL,), "all": (DECODE, PREFILL)}
 
 def build_profile(traces: Sequence[Trace], phase: str = "all", built_for_slots: int = 0
                   ) -> Profile:
-    """Rank every pair of the traces' model by routed tokens in `phase`."""
+    """Rank every pair of the traces' model by routed tokens in `phase`; the decode tokens are
+    kept alongside (the capacity planner's hit rate is computed on them)."""
     first = traces[0].meta
     counts = np.zeros((traces[0].num_layers, traces[0].num_experts), dtype=np.int64)
+    decode = np.zeros_like(counts)
     for t in traces:
         if (t.meta.get("fingerprint"), t.num_layers, t.num_experts) != (
                 first.get("fingerprint"), traces[0].num_layers, traces[0].num_experts):
             raise TraceError("traces come from different models (fingerprint or shape differ)")
         counts += t.routing_counts(PHASES[phase])
-    return Profile.from_counts(counts, str(first.get("fingerprint", "")), built_for_slots)
+        decode += t.routing_counts((DECODE,))
+    return Profile.from_counts(counts, str(first.get("fingerprint", "")), built_for_slots,
+                               decode_counts=decode if phase != "prefill" else None)
 
 
 def main(argv: list[str] | None = None) -> int:

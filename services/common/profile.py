@@ -3,19 +3,25 @@
 The engine pre-fills its cache with the hottest `slots` pairs; the cache manager ranks pairs from
 it when no routing counts are known yet. Both read and write through this module.
 
-File format, version 1, all little-endian:
+File format, version 2 (version 1 lacks the decode counts), all little-endian:
 
     offset  size  field
          0     8  magic            b"STRATAPF"
-         8     4  u32 version      1
+         8     4  u32 version      1 or 2
         12    16  fingerprint      model fingerprint, ASCII (hex), NUL-padded; first 16 chars
         28     4  u32 num_layers
         32     4  u32 num_experts
         36     4  u32 num_pairs      <= num_layers * num_experts
         40     8  u64 built_for_slots  slots of the cache it was built for (0 = unknown)
-        48        num_pairs records of 12 bytes, hottest first:
-                  u16 layer, u16 expert, u64 count
+        48        num_pairs records, hottest first:
+                  version 1 (12 bytes): u16 layer, u16 expert, u64 count
+                  version 2 (20 bytes): u16 layer, u16 expert, u64 count, u64 decode_count
                   (count descending; equal counts in (layer, expert) order)
+
+`count` is every routed token (prompt and decode), which ranks the pairs; `decode_count` is the
+decode tokens alone, the routing the decode hit rate is measured on (the capacity planner's hit
+rate comes from it). A profile without decode counts is written as version 1, so files that
+older builds wrote and read stay unchanged; both versions are read.
 """
 
 from __future__ import annotations
@@ -28,11 +34,15 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"STRATAPF"
-VERSION = 1
+VERSION = 2  # written when the profile has decode counts; otherwise version 1
+READABLE_VERSIONS = (1, 2)
 FINGERPRINT_CHARS = 16
 _HEADER = struct.Struct("<8sI16sIIIQ")
-_RECORD = np.dtype([("layer", "<u2"), ("expert", "<u2"), ("count", "<u8")])
-assert _HEADER.size == 48 and _RECORD.itemsize == 12
+_RECORD_V1 = np.dtype([("layer", "<u2"), ("expert", "<u2"), ("count", "<u8")])
+_RECORD_V2 = np.dtype([("layer", "<u2"), ("expert", "<u2"), ("count", "<u8"),
+                       ("decode_count", "<u8")])
+_RECORDS = {1: _RECORD_V1, 2: _RECORD_V2}
+assert _HEADER.size == 48 and _RECORD_V1.itemsize == 12 and _RECORD_V2.itemsize == 20
 
 
 class ProfileError(ValueError):
@@ -64,15 +74,19 @@ class Profile:
     num_experts: int
     ranked: tuple[tuple[int, int, int], ...]  # (layer, expert, count), hottest first
     built_for_slots: int = 0
+    # Decode-phase routed tokens of each ranked pair, in `ranked` order; None: not recorded
+    # (a version 1 file, or counts that were never split by phase).
+    decode_counts: tuple[int, ...] | None = None
 
     @property
     def total_pairs(self) -> int:
         return self.num_layers * self.num_experts
 
     @classmethod
-    def from_counts(cls, counts: np.ndarray, fingerprint: str,
-                    built_for_slots: int = 0) -> Profile:
-        """Rank every pair of a [L, E] count table (zero counts included, last)."""
+    def from_counts(cls, counts: np.ndarray, fingerprint: str, built_for_slots: int = 0,
+                    decode_counts: np.ndarray | None = None) -> Profile:
+        """Rank every pair of a [L, E] count table (zero counts included, last); `decode_counts`
+        [L, E], when given, are the decode-phase share of `counts`, kept alongside."""
         counts = np.asarray(counts)
         if counts.ndim != 2:
             raise ValueError(f"counts must be [num_layers, num_experts], got shape {counts.shape}")
@@ -82,8 +96,16 @@ class Profile:
         order = rank_pairs(counts)
         flat = counts.reshape(-1)
         ranked = tuple((int(i) // num_experts, int(i) % num_experts, int(flat[i])) for i in order)
+        decode = None
+        if decode_counts is not None:
+            decode_flat = np.asarray(decode_counts).reshape(-1)  # [L*E]
+            if decode_flat.size != flat.size:
+                raise ValueError(f"decode_counts must have the shape of counts {counts.shape}")
+            if decode_flat.size and decode_flat.min() < 0:
+                raise ValueError("decode_counts must be >= 0")
+            decode = tuple(int(decode_flat[i]) for i in order)
         profile = cls(fingerprint_key(fingerprint), num_layers, num_experts, ranked,
-                      built_for_slots)
+                      built_for_slots, decode)
         profile._check()
         return profile
 
@@ -103,6 +125,15 @@ class Profile:
         """The count table [L, E] (0 for pairs the file does not list)."""
         table = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
         for layer, expert, count in self.ranked:
+            table[layer, expert] = count
+        return table
+
+    def decode_table(self) -> np.ndarray | None:
+        """The decode-phase count table [L, E] (0 for unlisted pairs); None if not recorded."""
+        if self.decode_counts is None:
+            return None
+        table = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        for (layer, expert, _), count in zip(self.ranked, self.decode_counts, strict=True):
             table[layer, expert] = count
         return table
 
@@ -129,15 +160,21 @@ class Profile:
         if len(self.ranked) > self.total_pairs:
             raise ProfileError(f"{len(self.ranked)} pairs listed but the model has only "
                                f"{self.total_pairs}")
+        if self.decode_counts is not None and len(self.decode_counts) != len(self.ranked):
+            raise ProfileError(f"{len(self.decode_counts)} decode counts for "
+                               f"{len(self.ranked)} ranked pairs")
 
     def write(self, path: str | Path) -> None:
         """Write atomically: a temporary file in the same directory, then rename."""
         self._check()
         path = Path(path)
         records = np.array(self.ranked, dtype=np.int64).reshape(-1, 3)
-        table = np.empty(len(self.ranked), dtype=_RECORD)
+        version = 1 if self.decode_counts is None else 2
+        table = np.empty(len(self.ranked), dtype=_RECORDS[version])
         table["layer"], table["expert"], table["count"] = records.T
-        header = _HEADER.pack(MAGIC, VERSION, self.fingerprint.encode("ascii"), self.num_layers,
+        if self.decode_counts is not None:
+            table["decode_count"] = np.array(self.decode_counts, dtype=np.int64)
+        header = _HEADER.pack(MAGIC, version, self.fingerprint.encode("ascii"), self.num_layers,
                               self.num_experts, len(self.ranked), self.built_for_slots)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -167,17 +204,18 @@ class Profile:
         if magic != MAGIC:
             raise ProfileError(f"{source}: not an expert profile (magic {magic!r}, "
                                f"expected {MAGIC!r})")
-        if version != VERSION:
+        if version not in READABLE_VERSIONS:
             raise ProfileError(f"{source}: profile format version {version}; this build reads "
-                               f"version {VERSION}")
-        expected = _HEADER.size + num_pairs * _RECORD.itemsize
+                               f"versions {READABLE_VERSIONS}")
+        record = _RECORDS[version]
+        expected = _HEADER.size + num_pairs * record.itemsize
         if len(data) != expected:
             raise ProfileError(f"{source}: {len(data)} bytes, expected {expected} for "
                                f"{num_pairs} pairs (truncated or corrupt)")
         if num_pairs > num_layers * num_experts:
             raise ProfileError(f"{source}: {num_pairs} pairs for a {num_layers}x{num_experts} "
                                "model")
-        table = np.frombuffer(data, dtype=_RECORD, offset=_HEADER.size, count=num_pairs)
+        table = np.frombuffer(data, dtype=record, offset=_HEADER.size, count=num_pairs)
         layers = table["layer"].astype(np.int64)
         experts = table["expert"].astype(np.int64)
         counts = table["count"].astype(np.uint64)
@@ -193,4 +231,5 @@ class Profile:
         except UnicodeDecodeError:
             raise ProfileError(f"{source}: fingerprint is not ASCII: {raw_fp!r}") from None
         ranked = tuple(zip(layers.tolist(), experts.tolist(), counts.tolist(), strict=True))
-        return cls(fingerprint, num_layers, num_experts, ranked, built_for_slots)
+        decode = tuple(table["decode_count"].tolist()) if version == 2 else None
+        return cls(fingerprint, num_layers, num_experts, ranked, built_for_slots, decode)

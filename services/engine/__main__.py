@@ -12,6 +12,7 @@ import sys
 from services.common.logs import setup_logging
 from services.common.settings import ConfigError, add_settings, format_bytes, resolve
 from services.engine.config import DEFAULT_CPU_DEVICE_MEMORY, SETTINGS, EngineConfig
+from services.engine.spec.base import DraftSource
 
 log = logging.getLogger("strata.engine")
 
@@ -47,16 +48,20 @@ async def serve(config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(config.threads)
+    draft_bytes = config.draft_reserve or _draft_bytes(config)
     runner = ModelRunner(config.model_dir, device=device,
                          device_memory_bytes=device_budget(config, device),
                          reserved_bytes=config.reserve, policy=config.policy_spec,
                          placement=config.placement, prefetch=config.prefetch,
                          record_routing=config.record_routing,
-                         draft_head_bytes=config.draft_reserve,
+                         draft_head_bytes=draft_bytes,
                          kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
-                         kv_dtype=config.kv_dtype, prefix_reuse=config.prefix_reuse)
+                         kv_dtype=config.kv_dtype, prefix_reuse=config.prefix_reuse,
+                         expert_dtype=config.expert_dtype)
+    draft_source = _draft_source(config, runner, device)  # in the room reserved above
     engine = Engine(runner, max_running=config.max_running,
-                    max_step_tokens=config.prefill_chunk)
+                    max_step_tokens=config.prefill_chunk, draft_source=draft_source,
+                    spec_tokens=config.spec_tokens)
     status = StatusSource(engine, "", runner.model_name, device)
     meter_provider, tracer_provider = _telemetry(config)
     server, port, health = await start_server(engine, status, config.host, config.port,
@@ -114,6 +119,43 @@ async def serve(config: EngineConfig) -> None:
     tracer_provider.shutdown()
     meter_provider.shutdown()
     log.info("engine %s stopped after %d requests", engine_id, engine.totals.requests_finished)
+
+
+def _draft_bytes(config: EngineConfig) -> int:
+    """Device memory of the draft source, estimated before the expert cache is sized."""
+    if not config.spec_tokens:
+        return 0
+    from services.engine.model.config import load_model_config
+    from services.engine.spec import draft_memory_bytes
+
+    try:
+        return draft_memory_bytes(config.spec_method, config.spec_draft_model,
+                                  load_model_config(config.model_dir), config.model_dir)
+    except (OSError, ValueError) as exc:
+        model = (f", --spec-draft-model={config.spec_draft_model}"
+                 if config.spec_method == "draft" else "")
+        raise ConfigError(f"--spec-method={config.spec_method} (STRATA_SPEC_METHOD){model}: "
+                          f"{exc}") from None
+
+
+def _draft_source(config: EngineConfig, runner: object, device: str) -> DraftSource | None:
+    """The --spec-method draft source when --spec-tokens > 0; a ConfigError when the
+    checkpoint cannot give it."""
+    if not config.spec_tokens:
+        return None
+    from services.engine.spec import make_draft_source
+
+    try:
+        source = make_draft_source(
+            config.spec_method, runner.config,  # type: ignore[attr-defined]
+            draft_model=config.spec_draft_model, device=device,
+            tokenizer=runner.tokenizer, runner=runner)  # type: ignore[attr-defined]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--spec-method={config.spec_method} (STRATA_SPEC_METHOD): "
+                          f"{exc}") from None
+    log.info("speculative decoding: %d draft tokens per step from %s", config.spec_tokens,
+             source.describe())
+    return source
 
 
 async def _register(config: EngineConfig, engine: object, engine_id: str, model: str,

@@ -108,6 +108,19 @@ class BlockManager:
                 raise NoFreeBlocks("no free KV block to grow the sequence")
             table.block_ids.append(self._take_fresh())
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Release the blocks past the first num_tokens positions (taken for draft positions
+        that were rejected). They never hold a prefix hash, so they go to the LRU end of the
+        free list, to be handed out before blocks that cached K/V is still reusable from."""
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= table.num_hashed_blocks
+        while len(table.block_ids) > keep:
+            block = self.blocks[table.block_ids.pop()]
+            assert block.prefix_hash is None and block.ref_count == 1
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+
     def mark_computed(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register prefix hashes of the blocks whose positions are now all computed."""
         if not self.enable_prefix_reuse:

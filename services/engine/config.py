@@ -26,6 +26,8 @@ from services.engine.cache.policy import (
     POLICIES,
     PolicySpec,
 )
+from services.engine.model.quant import EXPERT_DTYPES
+from services.engine.spec.base import SPEC_METHODS
 
 DEFAULT_CPU_DEVICE_MEMORY = 768 * 2**20
 
@@ -95,12 +97,26 @@ SETTINGS = (
             "token positions per KV block (the unit of prefix reuse)"),
     Setting("kv_dtype", "STRATA_KV_DTYPE", _kv_dtype, "auto",
             "auto (the model's dtype) or int8 (per-block scales, about 1/4 of fp32)"),
+    Setting("expert_dtype", "STRATA_EXPERT_DTYPE", choice(EXPERT_DTYPES), "auto",
+            "expert weights in the host store and the cache slots: auto (the engine's dtype, "
+            "fp32), int8 (per-channel scales, ~1/4 of fp32) or int4 (scales per 32 weights, "
+            "~1/7); the slot size and the auto-sized slot count follow"),
     Setting("prefix_reuse", "STRATA_PREFIX_REUSE", parse_bool, True,
             "reuse KV blocks of an equal prompt prefix already in the cache"),
     Setting("threads", "STRATA_ENGINE_THREADS", non_negative_int, 0,
             "CPU threads for the engine's tensor work (0: torch's default, one per core)"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
-            "device memory kept for a draft head, besides --reserve (0: none configured)"),
+            "device memory kept for a draft head, besides --reserve (0: what the "
+            "--spec-method source reports, none for ngram)"),
+    Setting("spec_tokens", "STRATA_SPEC_TOKENS", non_negative_int, 0,
+            "speculative decoding: draft tokens verified per sequence and step, in the same "
+            "forward as its decode token (0: off)"),
+    Setting("spec_method", "STRATA_SPEC_METHOD", choice(SPEC_METHODS), "ngram",
+            "where drafts come from: ngram (prompt lookup in the prompt and output so far), "
+            "mtp (the checkpoint's multi-token-prediction head), draft (a separate small model)"),
+    Setting("spec_draft_model", "STRATA_SPEC_DRAFT_MODEL", optional_str, None,
+            "--spec-method draft: checkpoint directory of the draft model (same tokenizer); "
+            "its weights and KV are reserved before the expert cache is sized"),
     Setting("policy", "STRATA_CACHE_POLICY", choice(POLICIES), DEFAULT_POLICY,
             "eviction order of the dynamic cache region: " + ", ".join(POLICIES)
             + " (static: every slot pinned from the profile)"),
@@ -142,9 +158,13 @@ class EngineConfig:
     kv_memory: int | None = None
     kv_block_size: int = 16
     kv_dtype: str = "auto"
+    expert_dtype: str = "auto"
     prefix_reuse: bool = True
     threads: int = 0
     draft_reserve: int = 0
+    spec_tokens: int = 0
+    spec_method: str = "ngram"
+    spec_draft_model: str | None = None
     policy: str = DEFAULT_POLICY
     pinned_fraction: float = DEFAULT_PINNED_FRACTION
     crf_lambda: float = DEFAULT_CRF_LAMBDA

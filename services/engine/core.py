@@ -5,6 +5,10 @@
         runner.step()         one forward pass over all of them (one shared expert cache)
         per sampled chunk:    sample, detokenize, stop checks ──> Delta ... ──> Finished
 
+With speculation on (`spec_tokens` > 0) every decoding sequence first gets up to k drafts from
+the draft source; its decode chunk verifies them in the same forward, and the accepted ones
+plus one more token go through the same per-token stop checks (services/engine/spec/).
+
 The loop thread owns the model runner (and so the device). Every accepted request ends with
 exactly one Finished event, whatever happens: EOS, stop string, length, cancellation (blocks freed
 within one step), an engine error in its own chunk, or shutdown.
@@ -28,7 +32,9 @@ from services.engine.cache.stats import CacheCounters
 from services.engine.detokenize import TextStream
 from services.engine.runner import ChunkWork
 from services.engine.sampling import Sampler, SamplingConfig
-from services.engine.scheduler import Scheduler, SeqState, Step
+from services.engine.scheduler import Chunk, Scheduler, SeqState, Step
+from services.engine.spec.base import DraftRequest, DraftSource
+from services.engine.spec.verify import accept_tokens
 
 log = logging.getLogger("strata.engine")
 serve_log = logging.getLogger("strata.serve")
@@ -86,10 +92,22 @@ class RequestStats:
     prefetch_routed: int = 0  # distinct pairs routed in layers that had a prediction
     prefill_lookups: int = 0
     prefill_hits: int = 0
+    # Speculative decoding: draft tokens proposed / accepted, verification steps, decode
+    # lookups spent on rejected draft positions, lookups by the draft source's own forward.
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    verify_steps: int = 0
+    rejected_lookups: int = 0
+    draft_lookups: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        p = self.drafts_proposed
+        return self.drafts_accepted / p if p else 0.0
 
     @property
     def spill_ratio(self) -> float:
@@ -179,6 +197,16 @@ class EngineTotals:
     lookups: int = 0
     hits: int = 0
     spilled: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    verify_steps: int = 0
+    rejected_lookups: int = 0
+    draft_lookups: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        p = self.drafts_proposed
+        return self.drafts_accepted / p if p else 0.0
 
 
 class _Live:
@@ -195,6 +223,8 @@ class _Live:
         self.decode = CacheCounters()
         self.prefill = CacheCounters()
         self.first_token_at: float | None = None
+        self.drafts_proposed = self.drafts_accepted = self.verify_steps = 0
+        self.rejected_lookups = self.draft_lookups = 0
 
     def stats(self, seq: SeqState, finished_at: float) -> RequestStats:
         h = self.handle
@@ -216,15 +246,21 @@ class _Live:
             misses_copied=d.misses_copied, prefetch_predicted=d.predicted,
             prefetch_predicted_routed=d.predicted_routed,
             prefetch_routed=d.routed_with_prediction, prefill_lookups=p.lookups,
-            prefill_hits=p.hits)
+            prefill_hits=p.hits, drafts_proposed=self.drafts_proposed,
+            drafts_accepted=self.drafts_accepted, verify_steps=self.verify_steps,
+            rejected_lookups=self.rejected_lookups, draft_lookups=self.draft_lookups)
 
 
 class Engine:
     """Continuous batching over one model runner: every step is one forward pass over the
     decode tokens of all running sequences plus chunks of pending prefills (see scheduler.py)."""
 
-    def __init__(self, runner: Runner, *, max_running: int = 8, max_step_tokens: int = 512):
+    def __init__(self, runner: Runner, *, max_running: int = 8, max_step_tokens: int = 512,
+                 draft_source: DraftSource | None = None, spec_tokens: int = 0):
         self.runner = runner
+        # Speculative decoding: up to spec_tokens drafts per decoding sequence and step.
+        self.draft_source = draft_source if spec_tokens > 0 else None
+        self.spec_tokens = spec_tokens if draft_source is not None else 0
         self.context_window: int = runner.config.context_window  # type: ignore[attr-defined]
         self.totals = EngineTotals()
         self.scheduler = Scheduler(runner.blocks, max_running,  # type: ignore[attr-defined]
@@ -331,15 +367,19 @@ class Engine:
                 log.exception("engine step failed outside the model; the engine keeps serving")
 
     def _step(self) -> None:
+        self._propose_drafts()
         step = self.scheduler.schedule()
         for seq in step.dropped:
             self._finish(seq, "abort", "cancelled by the client")
+        if self.draft_source is not None:
+            for seq in step.preempted:  # recomputed later from its tokens alone
+                self.draft_source.release(seq.seq_id)
         if not step.chunks:
             return
-        work = [ChunkWork(c.seq.token_ids[c.start:c.end], c.start,
+        work = [ChunkWork([*c.seq.token_ids[c.start:c.end], *c.draft], c.start,
                           c.seq.table.block_ids,  # type: ignore[union-attr]
                           prefill=not (c.end - c.start == 1 and c.start >= c.seq.prompt_len),
-                          wants_logits=c.samples)
+                          wants_logits=c.samples, num_draft=len(c.draft), seq_id=c.seq.seq_id)
                 for c in step.chunks]
         try:
             results: list = self.runner.step(work)  # type: ignore[attr-defined]
@@ -358,7 +398,10 @@ class Engine:
             (live.prefill if w.prefill else live.decode).add(counters)
             if chunk.samples:
                 try:
-                    self._advance(seq, logits)
+                    if chunk.draft:
+                        self._verify(chunk, logits, counters)
+                    else:
+                        self._advance(seq, logits)
                 except Exception as exc:
                     log.exception("request %s failed after its step", live.handle.request.request_id)
                     self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
@@ -377,17 +420,70 @@ class Engine:
             results.append(result)
         return results
 
+    def _propose_drafts(self) -> None:
+        """Give every decoding sequence up to spec_tokens drafts, never more than it may still
+        emit after the verification's own token (max_tokens, the context window)."""
+        if self.draft_source is None:
+            return
+        wanting: list[SeqState] = []
+        requests: list[DraftRequest] = []
+        for seq in self.scheduler.running:
+            live: _Live = seq.payload
+            limit = min(self.spec_tokens, live.max_new - live.generated - 1)
+            if seq.num_pending == 1 and limit > 0 and not seq.cancelled:
+                wanting.append(seq)
+                requests.append(DraftRequest(seq.seq_id, seq.token_ids, seq.prompt_len, limit))
+        if not requests:
+            return
+        lookups_before = self.draft_source.draft_lookups
+        try:
+            drafts = self.draft_source.propose(requests)
+        except Exception:  # drafts are an optimisation: decode without them this step
+            log.exception("the draft source failed; this step decodes without drafts")
+            return
+        spent = self.draft_source.draft_lookups - lookups_before
+        share, extra = divmod(spent, len(requests))  # the source's forward, shared
+        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
+        for i, (seq, request, draft) in enumerate(zip(wanting, requests, drafts, strict=True)):
+            seq.draft = []
+            for token in draft[:request.max_tokens]:  # stop at an id the model cannot take
+                if not 0 <= int(token) < vocab:
+                    break
+                seq.draft.append(int(token))
+            seq.payload.draft_lookups += share + (i < extra)
+
+    def _verify(self, chunk: Chunk, logits: torch.Tensor, counters: CacheCounters) -> None:
+        """Accept a prefix of the chunk's drafts (verify.py), then emit the accepted tokens and
+        the one after them one by one, with the stop checks of plain decoding."""
+        seq, live = chunk.seq, chunk.seq.payload
+        tokens = accept_tokens(live.sampler, logits, chunk.draft)
+        accepted = len(tokens) - 1
+        live.drafts_proposed += len(chunk.draft)
+        live.drafts_accepted += accepted
+        live.verify_steps += 1
+        live.rejected_lookups += (len(chunk.draft) - accepted) * (
+            counters.lookups // (1 + len(chunk.draft)))
+        for row, token_id in enumerate(tokens):
+            if not self._take(seq, token_id, logits[row]):
+                return  # finished: its blocks are freed
+        self.scheduler.accept_draft(seq, accepted)
+
     def _advance(self, seq: SeqState, logits: torch.Tensor) -> None:
-        """Sample the next token; emit its text; finish on EOS, a stop string or the limit."""
+        """Sample the next token and take it."""
+        live: _Live = seq.payload
+        self._take(seq, live.sampler.sample(logits), logits)
+
+    def _take(self, seq: SeqState, token_id: int, logits: torch.Tensor) -> bool:
+        """Emit one token's text; finish on EOS, a stop string or the limit (returns False),
+        else append it to the sequence (True). logits [V]: its distribution, for logprobs."""
         live: _Live = seq.payload
         params = live.handle.request.params
-        token_id = live.sampler.sample(logits)
         if live.first_token_at is None:
             live.first_token_at = time.perf_counter()
         if token_id in self.runner.tokenizer.eos_token_ids:  # type: ignore[attr-defined]
             self._emit(live.handle, live.text.flush(), ())
             self._finish(seq, "stop")
-            return
+            return False
         live.generated += 1
         new_text, hit_stop = live.text.push(token_id)
         logprobs = (self._logprobs(logits, token_id, params.top_logprobs),
@@ -400,10 +496,14 @@ class Engine:
             self._finish(seq, "length")
         else:
             seq.token_ids.append(token_id)
+            return True
+        return False
 
     def _finish(self, seq: SeqState, reason: str, error: str = "") -> None:
         """The request's one terminal event: free its blocks, log, account, tell the client."""
         self.scheduler.finish(seq)
+        if self.draft_source is not None:
+            self.draft_source.release(seq.seq_id)
         live: _Live = seq.payload
         stats = live.stats(seq, time.perf_counter())
         if seq.admitted_at is not None:
@@ -442,15 +542,21 @@ class Engine:
         totals.lookups += stats.lookups
         totals.hits += stats.hits
         totals.spilled += stats.spilled
+        totals.drafts_proposed += stats.drafts_proposed
+        totals.drafts_accepted += stats.drafts_accepted
+        totals.verify_steps += stats.verify_steps
+        totals.rejected_lookups += stats.rejected_lookups
+        totals.draft_lookups += stats.draft_lookups
 
-    @staticmethod
-    def _log_request(s: RequestStats) -> None:
+    def _log_request(self, s: RequestStats) -> None:
         # The two per-request lines of design.md section 1, paired in order by `strata bench dataset`.
         serve_log.info(
             "strata serve: prompt %d tokens = %d reused + %d read in %.0f ms, "
-            "%d generated in %.0f ms (%.1f tok/s)",
+            "%d generated in %.0f ms (%.1f tok/s)%s",
             s.prompt_tokens, s.reused_prompt_tokens, s.prompt_tokens - s.reused_prompt_tokens,
-            s.prefill_ms, s.completion_tokens, s.decode_ms, s.decode_tok_s)
+            s.prefill_ms, s.completion_tokens, s.decode_ms, s.decode_tok_s,
+            f", drafts accepted {s.drafts_accepted}/{s.drafts_proposed}"
+            if self.draft_source is not None else "")
         serve_log.info(
             "strata serve: decode expert cache hit rate: %.1f%% (%d hits / %d lookups); "
             "%d more served from host RAM (%.2f%% of all %d routed); "

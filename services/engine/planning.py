@@ -92,7 +92,8 @@ class CacheManagerLink:
         self._reported = (0, 0, 0, 0)  # lookups, hits, spilled, tokens at the last report
         self._reported_cache = _CacheFigures()  # prefetch and link figures at the last report
         self._failures = 0
-        self._unsent: np.ndarray | None = None  # counts of reports that could not be sent
+        # (all, decode) counts of reports that could not be sent
+        self._unsent: tuple[np.ndarray, np.ndarray] | None = None
 
     def shape(self) -> cachemgr_pb2.ModelShape:
         r = self.runner
@@ -115,9 +116,9 @@ class CacheManagerLink:
         """Send routing counts and cache figures since the last report (with the requests
         (running, waiting) now, when given); returns the cache manager's plan version, or None
         when it could not be reached (counts are kept)."""
-        counts = self.runner.take_routing_counts()  # type: ignore[attr-defined]
+        counts, decode = self.runner.take_phase_routing_counts()  # type: ignore[attr-defined]
         if self._unsent is not None:
-            counts = counts + self._unsent
+            counts, decode = counts + self._unsent[0], decode + self._unsent[1]
             self._unsent = None
         now = (totals.lookups, totals.hits, totals.spilled,  # type: ignore[attr-defined]
                totals.tokens_generated)  # type: ignore[attr-defined]
@@ -129,12 +130,13 @@ class CacheManagerLink:
         try:
             ack = await self._stub.ReportRouting(cachemgr_pb2.RoutingReport(
                 engine_id=self.engine_id, model=self.shape(), counts=counts.ravel().tolist(),
+                decode_counts=decode.ravel().tolist(),
                 lookups=delta[0], hits=delta[1], spilled=delta[2], tokens_generated=delta[3],
                 slots=self.runner.slots, device_memory_bytes=self.device_memory_bytes,  # type: ignore[attr-defined]
                 reserved_bytes=self.reserved_bytes, plan_version=plan_version, **optional),
                 timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            self._unsent = counts
+            self._unsent = (counts, decode)
             self._failures += 1
             if self._failures in (1, 10) or self._failures % 100 == 0:
                 log.warning("cache manager at %s unreachable (%s, %d reports failed); routing "

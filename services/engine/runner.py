@@ -43,6 +43,7 @@ from services.engine.cache.trace import TraceWriter
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig, load_model_config
 from services.engine.model.paged_kv import PagedKVCache
+from services.engine.model.quant import QuantExpertLayout, expert_layout
 from services.engine.model.qwen3_moe import Span, load_qwen3_moe
 from services.engine.model.tokenizer import Tokenizer
 
@@ -68,6 +69,13 @@ class ChunkWork:
     block_table: abc.Sequence[int]
     prefill: bool  # prompt (or recomputed) tokens: the expert cache counts them apart
     wants_logits: bool  # the chunk ends at the sequence's last token
+    num_draft: int = 0  # the last num_draft token_ids are drafts to verify (speculation)
+    seq_id: int | None = None  # whose chunk (for a hidden-state sink; None: no one asks)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows whose logits the chunk wants: its last token's, plus one per draft."""
+        return 1 + self.num_draft if self.wants_logits else 0
 
 
 @dataclass
@@ -137,6 +145,7 @@ class ModelRunner:
         kv_block_size: int = 16,
         kv_dtype: str = "auto",
         prefix_reuse: bool = True,
+        expert_dtype: str = "auto",
     ):
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
@@ -144,6 +153,10 @@ class ModelRunner:
         self.dtype = dtype
         self.config: ModelConfig = load_model_config(model_dir)
         self.model_name = model_dir.name
+        self.model_dir = model_dir
+        # Called after each step with (chunks, hidden [T, D] before the final norm): how an
+        # MTP draft head (services/engine/spec/mtp.py) sees the main model's hidden states.
+        self.hidden_sink: abc.Callable[[abc.Sequence[ChunkWork], torch.Tensor], None] | None = None
         self.tokenizer = Tokenizer(model_dir)
         reader = CheckpointReader(model_dir)
         self.fingerprint = reader.fingerprint(self.config)
@@ -166,8 +179,13 @@ class ModelRunner:
         self.num_usable_tokens = min(c.vocab_size, self.tokenizer.vocab_size)
         self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype, prefix_reuse)
 
-        layout = ExpertLayout(c.hidden_size, c.moe_intermediate_size)
+        layout = expert_layout(c.hidden_size, c.moe_intermediate_size, expert_dtype)
+        self.expert_dtype = expert_dtype
         self.slot_bytes = layout.blob_bytes(dtype)
+        if isinstance(layout, QuantExpertLayout):
+            full = ExpertLayout(c.hidden_size, c.moe_intermediate_size).blob_bytes(dtype)
+            log.info("experts %s: %d bytes per slot, %.3f of %s", layout.describe(),
+                     self.slot_bytes, self.slot_bytes / full, str(dtype).removeprefix("torch."))
         self.total_pairs = c.total_pairs
         free_bytes = self._free_bytes(device_memory_bytes)
         self.cache_size: CacheSize = size_cache(
@@ -237,13 +255,14 @@ class ModelRunner:
                  num_blocks * per_block / 2**20, num_blocks * block_size,
                  num_blocks / window_blocks, "on" if prefix_reuse else "off")
 
-    def _cost_model(self, layout: ExpertLayout, host: HostStore, link: LinkProbe) -> CostModel:
+    def _cost_model(self, layout: ExpertLayout | QuantExpertLayout, host: HostStore,
+                    link: LinkProbe) -> CostModel:
         """Measured host and device expert speeds (the same on CPU) for miss placement."""
         pair = host.pairs[0]
-        host_timing = time_expert(layout, host.blob(pair))
+        host_timing = time_expert(layout, host.blob(pair), dtype=self.dtype)
         device_timing, activation_s = host_timing, 0.0
         if self.device.type == "cuda":
-            device_timing = time_expert(layout, host.blob(pair).to(self.device))
+            device_timing = time_expert(layout, host.blob(pair).to(self.device), dtype=self.dtype)
             x = torch.zeros(1, layout.hidden_size, dtype=self.dtype, device=self.device)
             torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
@@ -312,8 +331,10 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, chunks: abc.Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
                                                                   CacheCounters]]:
-        """One forward pass over every chunk; per chunk: fp32 logits [V] (for chunks that want
-        them, else None) and its expert-cache figures. Lookups, hits and misses by placement are
+        """One forward pass over every chunk; per chunk: fp32 logits (for chunks that want
+        them, else None) and its expert-cache figures. Logits are [V] for a plain chunk and
+        [1 + num_draft, V] for a verification chunk (row i: the distribution after its i-th
+        draft; row 0: after its last real token). Lookups, hits and misses by placement are
         exact per chunk; prefetch figures are the step's, shared by its decode chunks."""
         ids, positions, spans, prefill_rows, logit_rows = [], [], [], [], []
         for chunk in chunks:
@@ -323,8 +344,7 @@ class ModelRunner:
             positions.extend(range(chunk.pos_start, chunk.pos_start + n))
             spans.append(Span(row, row + n, chunk.pos_start, chunk.block_table))
             prefill_rows.extend([chunk.prefill] * n)
-            if chunk.wants_logits:
-                logit_rows.append(row + n - 1)
+            logit_rows.extend(range(row + n - chunk.num_logits, row + n))
         self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
         before = self.cache.decode.copy()
         logits = self.model.forward(
@@ -333,10 +353,12 @@ class ModelRunner:
             spans, self.kv, self.cache,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device))  # [S, V]
         logits[:, self.num_usable_tokens:] = float("-inf")
+        if self.hidden_sink is not None:
+            self.hidden_sink(chunks, self.model.last_hidden)
         step_decode = self.cache.decode.since(before)
         lookups_per_token = self.config.experts_per_token * len(self.config.moe_layers)
         results: list[tuple[torch.Tensor | None, CacheCounters]] = []
-        next_logits = iter(logits)
+        next_row = 0
         for chunk, span in zip(chunks, spans, strict=True):
             rows = slice(span.row_start, span.row_end)
             counters = CacheCounters(
@@ -348,7 +370,12 @@ class ModelRunner:
                 counters.predicted = step_decode.predicted
                 counters.predicted_routed = step_decode.predicted_routed
                 counters.routed_with_prediction = step_decode.routed_with_prediction
-            results.append((next(next_logits) if chunk.wants_logits else None, counters))
+            rows_logits = None
+            if chunk.wants_logits:
+                rows_logits = logits[next_row:next_row + chunk.num_logits]  # [1 + drafts, V]
+                rows_logits = rows_logits if chunk.num_draft else rows_logits[0]  # or [V]
+                next_row += chunk.num_logits
+            results.append((rows_logits, counters))
         return results
 
     # -- one sequence at a time (tools and tests) ---------------------------------------------
@@ -429,3 +456,7 @@ class ModelRunner:
     def take_routing_counts(self) -> np.ndarray:
         """Per-pair routing counts [L, E] int64 since the last call; then resets."""
         return self.cache.take_routing_counts()
+
+    def take_phase_routing_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(all, decode-only) per-pair routing counts [L, E] since the last call; resets both."""
+        return self.cache.take_phase_routing_counts()

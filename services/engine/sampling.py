@@ -44,8 +44,15 @@ class Sampler:
         """logits [V] -> one token id."""
         if self.cfg.greedy:
             return int(torch.argmax(logits))
-        probs = self.probs(logits)
+        return self.draw(self.probs(logits))
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token id from probs [V] (sums to 1), with this request's generator."""
         return int(torch.multinomial(probs, 1, generator=self._gen))
+
+    def uniform(self) -> float:
+        """One draw from U[0, 1) with this request's generator (speculative acceptance)."""
+        return float(torch.rand(1, generator=self._gen))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution drawn from: [V] fp32, zero outside the top-k / top-p support."""

@@ -9,6 +9,14 @@ chunks and never freezes the others. When a growing sequence needs a KV block an
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed (prefix reuse usually finds its blocks again).
 
+Speculative decoding: a decoding sequence may carry `draft` tokens (set by the engine before
+`schedule`). Its decode chunk then also covers the draft's positions, so one forward verifies
+them; KV blocks for those positions are taken only while free blocks last (a draft never
+preempts anyone) and the draft is cut to the blocks and the step's token budget. After the
+verification `accept_draft` keeps the K/V of the accepted drafts and releases the blocks that
+only rejected positions used; rejected positions are simply recomputed (overwritten) later, and
+prefix hashes only ever cover computed, accepted tokens.
+
 Plain Python over lists and ids: no torch here. The runner turns a `Step` into one forward pass.
 """
 
@@ -36,6 +44,7 @@ class SeqState:
     admitted_at: float | None = None
     num_preemptions: int = 0
     cancelled: bool = False
+    draft: list[int] = field(default_factory=list)  # proposed tokens to verify next step
 
     @property
     def num_tokens(self) -> int:
@@ -54,16 +63,22 @@ class SeqState:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Positions [start, end) of one sequence, computed in this step."""
+    """Positions [start, end) of one sequence, computed in this step; a decode chunk may also
+    carry draft tokens for positions [end, end + len(draft)), verified in the same forward."""
 
     seq: SeqState
     start: int
     end: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the next token."""
         return self.end == self.seq.num_tokens
+
+    @property
+    def num_positions(self) -> int:
+        return self.end - self.start + len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.end - c.start for c in self.chunks)
+        return sum(c.num_positions for c in self.chunks)
 
 
 @dataclass
@@ -100,13 +115,18 @@ class Scheduler:
 
     def schedule(self) -> Step:
         dropped = self._drop_cancelled()
+        for seq in self.running:
+            if seq.num_pending != 1:
+                seq.draft = []  # only decoding sequences verify drafts
         preempted = self._grow_decodes()
         budget = self.max_step_tokens
         chunks: list[Chunk] = []
-        for seq in self.running:  # decodes first: one token each
-            if seq.num_pending == 1:
-                chunks.append(Chunk(seq, seq.num_computed, seq.num_tokens))
-                budget -= 1
+        decoding = [s for s in self.running if s.num_pending == 1]
+        budget -= len(decoding)
+        for seq in decoding:  # decodes first: one token each, plus drafts while budget lasts
+            draft = tuple(seq.draft[:max(0, budget)])
+            budget -= len(draft)
+            chunks.append(Chunk(seq, seq.num_computed, seq.num_tokens, draft))
         for seq in self.running:  # then prefill chunks, oldest first
             if seq.num_pending > 1 and budget > 0:
                 chunks.append(self._prefill_chunk(seq, budget))
@@ -128,6 +148,16 @@ class Scheduler:
             seq.num_computed = chunk.end
             assert seq.table is not None
             self.blocks.mark_computed(seq.table, seq.token_ids, seq.num_computed)
+
+    def accept_draft(self, seq: SeqState, num_accepted: int) -> None:
+        """After a verification step (and `complete`): the first num_accepted drafts, now in
+        seq.token_ids, have their K/V computed; blocks beyond the sequence's tokens, which only
+        rejected positions used, go back to the free list."""
+        assert seq.table is not None and seq.num_computed + num_accepted < seq.num_tokens
+        seq.num_computed += num_accepted
+        seq.draft = []
+        self.blocks.mark_computed(seq.table, seq.token_ids, seq.num_computed)
+        self.blocks.trim(seq.table, seq.num_tokens)
 
     def finish(self, seq: SeqState) -> None:
         """The sequence is done (or failed): free its blocks; they stay reusable until evicted."""
@@ -167,6 +197,14 @@ class Scheduler:
                     break
             if seq in self.running:
                 self.blocks.append(seq.table, seq.num_tokens)
+        for seq in self.running:  # then room for drafts, from free blocks only
+            if seq.draft:
+                assert seq.table is not None
+                room = len(seq.table.block_ids) * self.blocks.block_size - seq.num_tokens
+                while room < len(seq.draft) and self.blocks.num_free_blocks:
+                    self.blocks.append(seq.table, seq.num_tokens + room + 1)
+                    room = len(seq.table.block_ids) * self.blocks.block_size - seq.num_tokens
+                del seq.draft[room:]
         return preempted
 
     def _preempt(self, seq: SeqState) -> None:
@@ -176,6 +214,7 @@ class Scheduler:
         seq.table = None
         seq.num_computed = 0
         seq.num_preemptions += 1
+        seq.draft = []
         self.waiting.appendleft(seq)
 
     def _drop_cancelled(self) -> list[SeqState]:

@@ -14,10 +14,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -85,7 +86,10 @@ def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:
         prefetch_predicted_routed=s.prefetch_predicted_routed,
         prefetch_routed=s.prefetch_routed, prefetch_precision=s.prefetch_precision,
         prefetch_recall=s.prefetch_recall, prefill_lookups=s.prefill_lookups,
-        prefill_hits=s.prefill_hits)
+        prefill_hits=s.prefill_hits, drafts_proposed=s.drafts_proposed,
+        drafts_accepted=s.drafts_accepted, draft_acceptance_rate=s.draft_acceptance_rate,
+        verify_steps=s.verify_steps, rejected_lookups=s.rejected_lookups,
+        draft_lookups=s.draft_lookups)
 
 
 def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
@@ -116,9 +120,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._status = status
         # Without providers: spans still carry ids (for the log), nothing is exported.
         self._tracer = (tracer_provider or TracerProvider()).get_tracer("strata.engine")
-        self.metrics = GenAIMetrics((meter_provider or MeterProvider()).get_meter("strata.engine"))
+        meter = (meter_provider or MeterProvider()).get_meter("strata.engine")
+        self.metrics = GenAIMetrics(meter)
         self.metrics.set_load_source(
             lambda: (engine.num_running, engine.num_waiting, kv_usage(engine.runner)))
+        _spec_instruments(meter, engine)
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateEvent]:
@@ -211,6 +217,30 @@ class _Call:
                  extra={"request_id": self.request_id, "trace_id": self.trace_id})
 
 
+def _spec_instruments(meter: Meter, engine: Engine) -> None:
+    """Speculative decoding on the engine's metrics endpoint: draft tokens proposed and
+    accepted (strata.spec.draft_tokens, by strata.spec.outcome) and their ratio; nothing while
+    speculation is off. Read from the loop thread's plain lifetime ints."""
+    totals = engine.totals
+
+    def tokens(_: CallbackOptions) -> Iterable[Observation]:
+        if engine.draft_source is None:
+            return []
+        return [Observation(totals.drafts_proposed, {"strata.spec.outcome": "proposed"}),
+                Observation(totals.drafts_accepted, {"strata.spec.outcome": "accepted"})]
+
+    def rate(_: CallbackOptions) -> Iterable[Observation]:
+        if engine.draft_source is None:
+            return []
+        return [Observation(totals.draft_acceptance_rate,
+                            {"strata.spec.method": engine.draft_source.method})]
+
+    meter.create_observable_counter("strata.spec.draft_tokens", [tokens], unit="{token}",
+                                    description="Draft tokens proposed / accepted")
+    meter.create_observable_gauge("strata.spec.acceptance_rate", [rate], unit="1",
+                                  description="Accepted / proposed draft tokens, lifetime")
+
+
 def _error_type(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return "cancelled"
@@ -248,6 +278,12 @@ class StatusSource:
             kv_blocks_total=runner.blocks.num_blocks,  # type: ignore[attr-defined]
             kv_blocks_free=runner.blocks.num_free_blocks,  # type: ignore[attr-defined]
             max_running=engine.scheduler.max_running,
+            spec=engine_pb2.SpecStatus(
+                method=engine.draft_source.method if engine.draft_source else "",
+                spec_tokens=engine.spec_tokens, drafts_proposed=totals.drafts_proposed,
+                drafts_accepted=totals.drafts_accepted,
+                acceptance_rate=totals.draft_acceptance_rate, verify_steps=totals.verify_steps,
+                rejected_lookups=totals.rejected_lookups, draft_lookups=totals.draft_lookups),
             cache=engine_pb2.CacheStatus(
                 slots=size.slots, total_pairs=size.total_pairs, coverage=size.coverage,
                 slot_bytes=size.slot_bytes, device_memory_bytes=size.free_bytes,

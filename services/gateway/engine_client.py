@@ -87,6 +87,9 @@ class RequestStats:
     decode_tok_s: float = 0.0
     hit_rate: float = 0.0
     spill_ratio: float = 0.0
+    drafts_proposed: int = 0  # speculative decoding
+    drafts_accepted: int = 0
+    draft_acceptance_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ def _stats(pb: engine_pb2.RequestStats) -> RequestStats:
         prompt_tokens=pb.prompt_tokens, reused_prompt_tokens=pb.reused_prompt_tokens,
         completion_tokens=pb.completion_tokens, queue_ms=pb.queue_ms, prefill_ms=pb.prefill_ms,
         decode_ms=pb.decode_ms, ttft_ms=pb.ttft_ms, decode_tok_s=pb.decode_tok_s,
-        hit_rate=pb.hit_rate, spill_ratio=pb.spill_ratio)
+        hit_rate=pb.hit_rate, spill_ratio=pb.spill_ratio, drafts_proposed=pb.drafts_proposed,
+        drafts_accepted=pb.drafts_accepted, draft_acceptance_rate=pb.draft_acceptance_rate)
 
 
 def _event(pb: engine_pb2.GenerateEvent) -> Event:

@@ -137,7 +137,9 @@ class _Run:
             engine_id=self.started.engine_id,
             queue_wait_ms=self.queue_wait_s * 1e3, ttft_ms=(first - self.arrived_at) * 1e3,
             engine_queue_ms=s.queue_ms, decode_tok_s=s.decode_tok_s, expert_hit_rate=s.hit_rate,
-            spill_ratio=s.spill_ratio, reused_prompt_tokens=s.reused_prompt_tokens)
+            spill_ratio=s.spill_ratio, reused_prompt_tokens=s.reused_prompt_tokens,
+            drafts_proposed=s.drafts_proposed, drafts_accepted=s.drafts_accepted,
+            draft_acceptance_rate=s.draft_acceptance_rate)
 
     def usage(self, finished: Finished) -> dict[str, Any]:
         stats = finished.stats

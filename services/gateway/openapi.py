@@ -84,7 +84,8 @@ _SCHEMAS: dict[str, Any] = {
     "StrataFigures": {"type": "object", "description": "per-request figures", "properties": {
         k: {"type": "number"} for k in ("queue_wait_ms", "ttft_ms", "engine_queue_ms",
                                          "decode_tok_s", "expert_hit_rate", "spill_ratio",
-                                         "reused_prompt_tokens")} | {
+                                         "reused_prompt_tokens", "drafts_proposed",
+                                         "drafts_accepted", "draft_acceptance_rate")} | {
         "engine_id": {"type": "string"}}},
     "Health": {"type": "object", "properties": {
         "status": {"enum": ["ok", "no_engine", "draining", "generation_failed"]},

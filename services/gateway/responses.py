@@ -26,6 +26,9 @@ class Figures:
     expert_hit_rate: float
     spill_ratio: float
     reused_prompt_tokens: int
+    drafts_proposed: int = 0  # speculative decoding: draft tokens proposed / accepted
+    drafts_accepted: int = 0
+    draft_acceptance_rate: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +40,9 @@ class Figures:
             "expert_hit_rate": round(self.expert_hit_rate, 4),
             "spill_ratio": round(self.spill_ratio, 4),
             "reused_prompt_tokens": self.reused_prompt_tokens,
+            "drafts_proposed": self.drafts_proposed,
+            "drafts_accepted": self.drafts_accepted,
+            "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),
         }
 
     def headers(self) -> dict[str, str]:

@@ -3,7 +3,7 @@ import pytest
 import redis
 
 from services.cachemgr.planner import ModelShape
-from services.cachemgr.store import MemoryStore, RedisStore, redact_url
+from services.cachemgr.store import DECODE, MemoryStore, RedisStore, redact_url
 
 SHAPE = ModelShape("fp-store", 3, 5, 1)
 
@@ -23,6 +23,23 @@ async def test_counts_add_up(kind, redis_server):
     np.testing.assert_array_equal(await store.counts(SHAPE), a + b)
     other = ModelShape("fp-other", 3, 5, 1)
     assert not (await store.counts(other)).any()
+    await store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_decode_counts_are_kept_apart(kind, redis_server):
+    store = MemoryStore() if kind == "memory" else RedisStore(redis_server.url)
+    every, decode = random_counts(3) + 1, random_counts(4)
+    await store.add(SHAPE.fingerprint, every)
+    await store.add(SHAPE.fingerprint, decode, phase=DECODE)
+    np.testing.assert_array_equal(await store.counts(SHAPE), every)
+    np.testing.assert_array_equal(await store.counts(SHAPE, phase=DECODE), decode)
+    if kind == "redis":
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.exists("strata:routing-decode:fp-store")
+        # Not under the all-tokens prefix, which readers scan for one hash per model.
+        assert all(b"decode" not in key for key in client.scan_iter("strata:routing:*"))
+        client.close()
     await store.close()
 
 

@@ -69,7 +69,7 @@ def test_bench_cache_json_shape(tools_model, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["coverage"] and list(out["coverage"]) == ["0.1", "0.25", "0.5"]
     for row in out["coverage"].values():
-        assert list(row) == ["static", "lru", "default", "belady"]
+        assert list(row) == ["static", "lru", "demand", "default", "belady"]
         assert all(0.0 <= v <= 1.0 for v in row.values())
         assert row["belady"] >= max(row["static"], row["lru"])
     assert png.exists()

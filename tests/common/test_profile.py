@@ -50,7 +50,8 @@ def test_layout_is_little_endian_and_documented(tmp_path):
 
 @pytest.mark.parametrize("mangle, message", [
     (lambda d: b"NOTAPROF" + d[8:], "not an expert profile"),
-    (lambda d: d[:8] + struct.pack("<I", 2) + d[12:], "version 2"),
+    (lambda d: d[:8] + struct.pack("<I", 3) + d[12:], "version 3"),
+    (lambda d: d[:8] + struct.pack("<I", 2) + d[12:], "truncated or corrupt"),  # v1 records
     (lambda d: d[:30], "truncated header"),
     (lambda d: d[:-5], "truncated or corrupt"),
     (lambda d: d[:48] + struct.pack("<HHQ", 9, 0, 99) + d[60:], "outside"),
@@ -63,6 +64,28 @@ def test_corrupt_files_raise_profile_error(tmp_path, mangle, message):
     path.write_bytes(mangle(path.read_bytes()))
     with pytest.raises(ProfileError, match=message):
         Profile.read(path)
+
+
+def test_decode_counts_round_trip_as_version_2(tmp_path):
+    decode = sample_counts() // 2  # [L, E] the decode share of every pair's routed tokens
+    profile = Profile.from_counts(sample_counts(), FP, built_for_slots=3, decode_counts=decode)
+    assert profile.ranked[:2] == ((2, 1, 50), (0, 3, 20))  # ranked by all routed tokens
+    assert profile.decode_counts[:2] == (25, 10)
+    np.testing.assert_array_equal(profile.decode_table(), decode)
+    path = tmp_path / "p.bin"
+    profile.write(path)
+    data = path.read_bytes()
+    assert struct.unpack_from("<I", data, 8) == (2,)
+    assert len(data) == 48 + 20 * 12
+    assert struct.unpack_from("<HHQQ", data, 48) == (2, 1, 50, 25)
+    assert Profile.read(path) == profile
+
+
+def test_profile_without_decode_counts_stays_version_1(tmp_path):
+    profile = Profile.from_counts(sample_counts(), FP)
+    assert profile.decode_counts is None and profile.decode_table() is None
+    profile.write(tmp_path / "p.bin")
+    assert struct.unpack_from("<I", (tmp_path / "p.bin").read_bytes(), 8) == (1,)
 
 
 def test_missing_file_is_a_profile_error(tmp_path):

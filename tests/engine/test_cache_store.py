@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,17 @@ def test_lookups_counted_per_routed_token(host):
     assert counts.dtype.name == "int64" and counts.shape == (3, 8)
     assert counts[0, 0] == 4 and counts[0, 1] == 3 and counts[0, 2] == 1 and counts.sum() == 8
     assert cache.take_routing_counts().sum() == 0
+
+
+def test_decode_routing_counts_leave_out_prompt_tokens(host):
+    pool = SlotPool(2, host, torch.device("cpu"))
+    cache = ExpertCache(host, pool, num_layers=3, num_experts=8)
+    cache.begin_step(3, prefill=np.array([True, True, False]))  # two prompt rows, one decode
+    cache.route(1, torch.tensor([[0, 1], [0, 2], [0, 3]]), [3, 1, 1, 1, 0, 0, 0, 0])
+    counts, decode = cache.take_phase_routing_counts()
+    assert counts[1].tolist() == [3, 1, 1, 1, 0, 0, 0, 0]
+    assert decode[1].tolist() == [1, 0, 0, 1, 0, 0, 0, 0] and decode.sum() == cache.decode.lookups
+    assert cache.take_routing_counts().sum() == 0 and cache.decode_routing_counts.sum() == 0
 
 
 def test_static_residency_is_pure_and_deduplicates():

@@ -109,7 +109,7 @@ def _finished(reason: int, prompt_tokens: int, completion_tokens: int,
     stats = engine_pb2.RequestStats(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, queue_ms=1.5,
         ttft_ms=2.0, decode_tok_s=123.0, lookups=100, hits=75, spilled=25, hit_rate=0.75,
-        spill_ratio=0.25)
+        spill_ratio=0.25, drafts_proposed=8, drafts_accepted=6, draft_acceptance_rate=0.75)
     return engine_pb2.GenerateEvent(finished=engine_pb2.Finished(reason=reason, stats=stats,
                                                                  error=error))
 

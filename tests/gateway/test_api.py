@@ -26,6 +26,8 @@ async def test_chat_non_streaming(client, engine):
     strata = reply.model_extra["strata"]
     assert strata["expert_hit_rate"] == 0.75 and strata["spill_ratio"] == 0.25
     assert strata["decode_tok_s"] == 123.0 and strata["queue_wait_ms"] >= 0
+    assert (strata["drafts_accepted"], strata["drafts_proposed"]) == (6, 8)
+    assert strata["draft_acceptance_rate"] == 0.75
     assert raw.headers["x-strata-expert-hit-rate"] == "0.75"
     assert float(raw.headers["x-strata-ttft-ms"]) > 0
     sent = servicer.requests[-1]

@@ -70,6 +70,7 @@ class ExpertCache:
         self.decode = CacheCounters()  # lifetime figures per phase
         self.prefill = CacheCounters()
         self.routing_counts = np.zeros((num_layers, num_experts), dtype=np.int64)  # [L, E]
+        self.decode_routing_counts = np.zeros_like(self.routing_counts)  # [L, E] decode tokens
         self.link = LinkMeter()  # every host -> device copy: fills, staged misses, plan swaps
         self._predictions = PredictionTracker()
         self.distinct_pairs_routed = 0  # lifetime, over (step, layer): how batching shares pairs
@@ -135,6 +136,7 @@ class ExpertCache:
         if decoded:
             self._predictions.routed(self.decode, layer, decoded)
         self.routing_counts[layer, experts] += [n for _, n in entries]
+        self.decode_routing_counts[layer, experts] += [d for _, d, _ in phases]
         if self.recorder is not None:
             self._record(layer, phases)
         self._plan = {}
@@ -215,9 +217,16 @@ class ExpertCache:
             self._reads_done = None
 
     def take_routing_counts(self) -> np.ndarray:
-        """Counts [L, E] since the last call; resets them."""
+        """Counts [L, E] since the last call; resets them (the decode counts too)."""
+        return self.take_phase_routing_counts()[0]
+
+    def take_phase_routing_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(all routed tokens, decode tokens alone), each [L, E], since the last call; resets
+        both. The decode counts are what the decode hit rate is measured on."""
         counts, self.routing_counts = self.routing_counts, np.zeros_like(self.routing_counts)
-        return counts
+        decode = self.decode_routing_counts
+        self.decode_routing_counts = np.zeros_like(decode)
+        return counts, decode
 
     # -- a new plan, a few slots per step ------------------------------------------------------
     def begin_plan(self, ranked_pairs: Sequence[tuple[int, int]]) -> None:

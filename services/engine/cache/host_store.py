@@ -1,7 +1,9 @@
 """Host store: every (layer, expert) pair's blob in one contiguous host tensor [P, numel].
 
 Pinned on CUDA so slot fills and miss copies run at full link speed. Pair p of the ranking
-`pairs` lives at row p; `blob(pair)` is a view, never a copy.
+`pairs` lives at row p; `blob(pair)` is a view, never a copy. Weights are read in `weight_dtype`
+(the engine's compute dtype) and packed by the layout: as they are, or quantized to bytes
+(services.engine.model.quant), in which case `dtype`, the blobs' element type, is uint8.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,29 +20,33 @@ from services.engine.cache.layout import ExpertLayout
 from services.engine.cache.policy import Pair
 from services.engine.model.checkpoint import CheckpointReader
 
+if TYPE_CHECKING:
+    from services.engine.model.quant import QuantExpertLayout
+
 log = logging.getLogger("strata.engine")
 
 
 class HostStore:
     def __init__(
         self,
-        layout: ExpertLayout,
+        layout: ExpertLayout | QuantExpertLayout,
         pairs: Sequence[Pair],
         dtype: torch.dtype,
         pin_memory: bool = False,
     ):
         self.layout = layout
-        self.dtype = dtype
+        self.weight_dtype = dtype  # what the weights compute in
+        self.dtype = layout.blob_dtype(dtype)  # what a blob (host row, slot) is made of
         self.pairs = [(int(layer), int(e)) for layer, e in pairs]
         self._row_of = {pair: row for row, pair in enumerate(self.pairs)}
         assert len(self._row_of) == len(self.pairs), "duplicate pairs"
         self.blobs = torch.empty(
-            len(self.pairs), layout.numel, dtype=dtype, pin_memory=pin_memory
+            len(self.pairs), layout.numel, dtype=self.dtype, pin_memory=pin_memory
         )  # [P, numel]
 
     @property
     def slot_bytes(self) -> int:
-        return self.layout.blob_bytes(self.dtype)
+        return self.layout.blob_bytes(self.weight_dtype)
 
     @property
     def total_bytes(self) -> int:
@@ -60,7 +67,7 @@ class HostStore:
         D, Fs = self.layout.hidden_size, self.layout.ffn_size
         step = max(64, -(-len(self.pairs) // 10))  # about every 10%, at most ~10 lines
         for row, (layer, expert) in enumerate(self.pairs):
-            gate, up, down = reader.expert_weights(layer, expert, D, Fs, self.dtype)
+            gate, up, down = reader.expert_weights(layer, expert, D, Fs, self.weight_dtype)
             self.layout.pack(gate, up, down, out=self.blobs[row])
             if (row + 1) % step == 0 or row + 1 == len(self.pairs):
                 log.info(

@@ -58,6 +58,11 @@ class ExpertLayout:
     def numel(self) -> int:
         return 3 * self.hidden_size * self.ffn_size
 
+    def blob_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Element type of a blob whose weights compute in `dtype`: `dtype` itself (the
+        quantized layout, services.engine.model.quant, stores bytes)."""
+        return dtype
+
     def blob_bytes(self, dtype: torch.dtype) -> int:
         """Exact byte size of one pair's blob (= one slot) in `dtype`."""
         return self.numel * dtype.itemsize

@@ -23,10 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.cache.layout import ExpertLayout
+
+if TYPE_CHECKING:
+    from services.engine.model.quant import QuantExpertLayout
 
 log = logging.getLogger("strata.engine")
 
@@ -82,14 +86,16 @@ class ExpertTiming:
         return 1.0 / self.seconds(1)
 
 
-def time_expert(layout: ExpertLayout, blob: torch.Tensor, tries: int = 5) -> ExpertTiming:
-    """Time one expert in `blob`'s place (host or device) on 1 and 16 tokens: the best of
-    `tries` rounds of several runs each (a short run is easily disturbed)."""
+def time_expert(layout: ExpertLayout | QuantExpertLayout, blob: torch.Tensor, tries: int = 5,
+                dtype: torch.dtype | None = None) -> ExpertTiming:
+    """Time one expert in `blob`'s place (host or device) on 1 and 16 tokens of `dtype`
+    (default: the blob's; a quantized blob is bytes): the best of `tries` rounds of several
+    runs each (a short run is easily disturbed)."""
     device = blob.device
     on_cuda = device.type == "cuda"
     best = {}
     for n, runs in ((1, 16), (16, 4)):
-        x = torch.randn(n, layout.hidden_size, dtype=blob.dtype, device=device)
+        x = torch.randn(n, layout.hidden_size, dtype=dtype or blob.dtype, device=device)
         layout.forward(x, blob)  # warm-up
         times = []
         for _ in range(tries):

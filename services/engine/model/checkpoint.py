@@ -39,7 +39,9 @@ class CheckpointReader:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
         else:
-            files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
+            # mtp.safetensors holds a draft head (services/engine/spec/mtp_head.py), not the model
+            files = sorted(p.name for p in self.model_dir.glob("*.safetensors")
+                           if p.name != "mtp.safetensors")
         if not files:
             raise CheckpointError(f"{self.model_dir} has no *.safetensors files")
         missing = [f for f in files if not (self.model_dir / f).is_file()]

@@ -145,6 +145,7 @@ class Qwen3MoeModel:
         )
         moe = [i for i, w in enumerate(layers) if w.router_t is not None]
         self.next_moe_layer = {i: j for i, j in zip(moe, moe[1:], strict=False)}
+        self.last_hidden: torch.Tensor | None = None  # of the last forward
 
     @torch.no_grad()
     def forward(
@@ -182,6 +183,7 @@ class Qwen3MoeModel:
                 x = x + self.moe(i, layer, h, experts)
             else:
                 x = x + split_swiglu(h, layer.mlp_gate_up, layer.mlp_down)
+        self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
         x = x[logit_rows]  # [S, D]
         return matmul_split(rms_norm(x, self.final_norm, eps), self.lm_head).float()  # [S, V]
 

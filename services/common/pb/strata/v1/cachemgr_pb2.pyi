@@ -73,7 +73,7 @@ class Plan(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., pairs: _Optional[_Iterable[_Union[Pair, _Mapping]]] = ..., source: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RoutingReport(_message.Message):
-    __slots__ = ("engine_id", "model", "counts", "lookups", "hits", "spilled", "tokens_generated", "slots", "device_memory_bytes", "reserved_bytes", "plan_version", "prefetched", "prefetch_used", "link_bytes", "link_busy_s", "requests_running", "requests_waiting")
+    __slots__ = ("engine_id", "model", "counts", "lookups", "hits", "spilled", "tokens_generated", "slots", "device_memory_bytes", "reserved_bytes", "plan_version", "prefetched", "prefetch_used", "link_bytes", "link_busy_s", "requests_running", "requests_waiting", "decode_counts")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class RoutingReport(_message.Message):
     LINK_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: ModelShape
     counts: _containers.RepeatedScalarFieldContainer[int]
@@ -108,7 +109,8 @@ class RoutingReport(_message.Message):
     link_busy_s: float
     requests_running: int
     requests_waiting: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., counts: _Optional[_Iterable[int]] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., slots: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., link_bytes: _Optional[int] = ..., link_busy_s: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ...) -> None: ...
+    decode_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., counts: _Optional[_Iterable[int]] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., slots: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., link_bytes: _Optional[int] = ..., link_busy_s: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., decode_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("plan_version",)

@@ -111,7 +111,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_prompt_tokens", "completion_tokens", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "decode_tok_s", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "misses_host", "misses_copied", "prefetch_predicted", "prefetch_predicted_routed", "prefetch_routed", "prefetch_precision", "prefetch_recall", "prefill_lookups", "prefill_hits")
+    __slots__ = ("prompt_tokens", "reused_prompt_tokens", "completion_tokens", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "decode_tok_s", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "misses_host", "misses_copied", "prefetch_predicted", "prefetch_predicted_routed", "prefetch_routed", "prefetch_precision", "prefetch_recall", "prefill_lookups", "prefill_hits", "drafts_proposed", "drafts_accepted", "draft_acceptance_rate", "verify_steps", "rejected_lookups", "draft_lookups")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,12 @@ class RequestStats(_message.Message):
     PREFETCH_RECALL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     reused_prompt_tokens: int
     completion_tokens: int
@@ -156,7 +162,13 @@ class RequestStats(_message.Message):
     prefetch_recall: float
     prefill_lookups: int
     prefill_hits: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., prefetch_predicted: _Optional[int] = ..., prefetch_predicted_routed: _Optional[int] = ..., prefetch_routed: _Optional[int] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefill_lookups: _Optional[int] = ..., prefill_hits: _Optional[int] = ...) -> None: ...
+    drafts_proposed: int
+    drafts_accepted: int
+    draft_acceptance_rate: float
+    verify_steps: int
+    rejected_lookups: int
+    draft_lookups: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., prefetch_predicted: _Optional[int] = ..., prefetch_predicted_routed: _Optional[int] = ..., prefetch_routed: _Optional[int] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefill_lookups: _Optional[int] = ..., prefill_hits: _Optional[int] = ..., drafts_proposed: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., verify_steps: _Optional[int] = ..., rejected_lookups: _Optional[int] = ..., draft_lookups: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "stats", "error")
@@ -253,8 +265,28 @@ class CacheStatus(_message.Message):
     layer_steps: int
     def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., placement_reasons: _Optional[_Mapping[str, int]] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefetch_fills: _Optional[int] = ..., demand_fills: _Optional[int] = ..., evictions: _Optional[int] = ..., distinct_pairs_routed: _Optional[int] = ..., layer_steps: _Optional[int] = ...) -> None: ...
 
+class SpecStatus(_message.Message):
+    __slots__ = ("method", "spec_tokens", "drafts_proposed", "drafts_accepted", "acceptance_rate", "verify_steps", "rejected_lookups", "draft_lookups")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    spec_tokens: int
+    drafts_proposed: int
+    drafts_accepted: int
+    acceptance_rate: float
+    verify_steps: int
+    rejected_lookups: int
+    draft_lookups: int
+    def __init__(self, method: _Optional[str] = ..., spec_tokens: _Optional[int] = ..., drafts_proposed: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., verify_steps: _Optional[int] = ..., rejected_lookups: _Optional[int] = ..., draft_lookups: _Optional[int] = ...) -> None: ...
+
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "model", "ready", "running", "waiting", "context_window", "device", "requests_finished", "tokens_generated", "cache", "kv_blocks_total", "kv_blocks_free", "max_running")
+    __slots__ = ("engine_id", "model", "ready", "running", "waiting", "context_window", "device", "requests_finished", "tokens_generated", "cache", "kv_blocks_total", "kv_blocks_free", "max_running", "spec")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +300,7 @@ class EngineStatus(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     ready: bool
@@ -281,4 +314,5 @@ class EngineStatus(_message.Message):
     kv_blocks_total: int
     kv_blocks_free: int
     max_running: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., cache: _Optional[_Union[CacheStatus, _Mapping]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+    spec: SpecStatus
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., cache: _Optional[_Union[CacheStatus, _Mapping]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., max_running: _Optional[int] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ...) -> None: ...

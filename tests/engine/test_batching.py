@@ -42,17 +42,21 @@ class Client:
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
         self.tokens: list[int] = []
+        self.text = ""
+        self.logprobs: list = []
         self.finished: Finished | None = None
 
     def __call__(self, event) -> None:
         self.events.put(event)
 
-    def wait(self, timeout_s: float = 60.0) -> Client:
+    def wait(self, timeout_s: float = 120.0) -> Client:
         deadline = time.monotonic() + timeout_s
         while self.finished is None:
             event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
             if isinstance(event, Delta):
                 self.tokens.extend(event.token_ids)
+                self.text += event.text
+                self.logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
                 assert self.finished is None, "two terminal events"
                 self.finished = event

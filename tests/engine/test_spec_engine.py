@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import re
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
@@ -20,12 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.common.telemetry import setup_metrics
-from services.engine.core import Delta, Engine, EngineRequest, Finished, GenerateParams
+from services.engine.core import Engine, EngineRequest, GenerateParams
 from services.engine.runner import ModelRunner
 from services.engine.sampling import Sampler, SamplingConfig
 from services.engine.server import StatusSource, set_serving, start_server
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.ngram import NgramDraft
+from tests.engine.test_batching import Client
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
@@ -42,31 +41,6 @@ def make_runner(path, slots: int | None = None, **kwargs) -> ModelRunner:
     return ModelRunner(
         path, device_memory_bytes=slots * probe.slot_bytes, reserved_bytes=0, **kwargs
     )
-
-
-class Client:
-    def __init__(self) -> None:
-        self.events: queue.Queue = queue.Queue()
-        self.tokens: list[int] = []
-        self.text = ""
-        self.logprobs: list = []
-        self.finished: Finished | None = None
-
-    def __call__(self, event) -> None:
-        self.events.put(event)
-
-    def wait(self, timeout_s: float = 120.0) -> Client:
-        deadline = time.monotonic() + timeout_s
-        while self.finished is None:
-            event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            if isinstance(event, Delta):
-                self.tokens.extend(event.token_ids)
-                self.text += event.text
-                self.logprobs.extend(event.logprobs)
-            elif isinstance(event, Finished):
-                assert self.finished is None, "two terminal events"
-                self.finished = event
-        return self
 
 
 def request(

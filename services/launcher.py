@@ -243,7 +243,7 @@ def run_up(config: UpConfig) -> int:
         model = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
         print(f"strata up: try  curl {url}/chat/completions -H 'Content-Type: application/json' "
               f"""-d '{{"model": "{model}", "messages": [{{"role": "user", """
-              """"content": "Hello"}], "max_tokens": 32}'""", flush=True)
+              """"content": "def parse_args(argv):"}], "max_tokens": 48}'""", flush=True)
         cluster.watch()
         return 0
     except LaunchError as exc:

@@ -158,7 +158,7 @@ class ModelRunner:
         # MTP draft head (services/engine/spec/mtp.py) sees the main model's hidden states.
         self.hidden_sink: abc.Callable[[abc.Sequence[ChunkWork], torch.Tensor], None] | None = None
         self.tokenizer = Tokenizer(model_dir)
-        reader = CheckpointReader(model_dir)
+        reader = CheckpointReader(model_dir, self.config.weight_names)
         self.fingerprint = reader.fingerprint(self.config)
         c = self.config
         log.info(

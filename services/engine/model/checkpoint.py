@@ -4,6 +4,8 @@ Expert weights come in two spellings, both read here:
   per expert  model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight   [F, D] [F, D] [D, F]
   fused 3-D   model.layers.L.mlp.experts.gate_up_proj [E, 2F, D], .down_proj [E, D, F]
 (`transformers` 5 holds the fused form in memory and converts to per-expert keys on save.)
+Other families rename the block and the projections (WeightNames: mixtral's
+block_sparse_moe.experts.E.{w1,w3,w2}); the reader is told which names its checkpoint uses.
 Tensors are converted to the compute dtype (bf16/fp16 -> fp32 by default) on the CPU.
 """
 
@@ -16,16 +18,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.model.config import CheckpointError, ModelConfig
+from services.engine.model.config import CheckpointError, ModelConfig, WeightNames
 
-EXPERTS = "model.layers.{layer}.mlp.experts"
+EXPERTS = "model.layers.{layer}.{moe}.experts"
 
 
 class CheckpointReader:
     """Name -> tensor access over all safetensors shards of one checkpoint directory."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, names: WeightNames | None = None):
         self.model_dir = Path(model_dir)
+        self.weight_names = names or WeightNames()
         files = self._shard_files()
         self._handles = {f: safe_open(str(self.model_dir / f), framework="pt") for f in files}
         self._file_of: dict[str, str] = {}
@@ -81,12 +84,13 @@ class CheckpointReader:
         dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [F, D], up [F, D], down [D, F]) of one pair, whichever spelling is stored."""
-        prefix = EXPERTS.format(layer=layer)
-        per_expert = f"{prefix}.{expert}.gate_proj.weight"
+        n = self.weight_names
+        prefix = EXPERTS.format(layer=layer, moe=n.moe)
+        per_expert = f"{prefix}.{expert}.{n.gate}.weight"
         if per_expert in self:
             return tuple(
-                self.get(f"{prefix}.{expert}.{p}_proj.weight", dtype)  # type: ignore[return-value]
-                for p in ("gate", "up", "down")
+                self.get(f"{prefix}.{expert}.{p}.weight", dtype)  # type: ignore[return-value]
+                for p in (n.gate, n.up, n.down)
             )
         fused_gu = next(
             (n for n in (f"{prefix}.gate_up_proj", f"{prefix}.gate_up_proj.weight") if n in self),

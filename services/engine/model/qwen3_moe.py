@@ -1,13 +1,16 @@
-"""Strata's torch forward pass for Qwen3-MoE (`qwen3_moe`).
+"""Strata's torch forward pass for Qwen3-MoE (`qwen3_moe`) and the families that differ from it
+only by flags and tensor names (mixtral, olmoe, qwen2_moe: see model/config.py), or by the
+attention and routing of model/deepseek.py (deepseek_v3).
 
 Shape legend: T tokens in this step, N cached positions (KV length), D hidden, H query heads,
 G KV heads, Hd head dim, E experts, K routed per token, F expert FFN, V vocab.
 
     tokens -> embed -> L x [ x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)) ] -> rmsnorm -> lm_head
-    attn: q/k/v proj -> per-head RMSNorm on q, k -> RoPE -> paged KV write -> causal GQA per
-          sequence over its blocks -> o_proj
+    attn: q/k/v proj -> RMSNorm on q, k (per head, whole projection or none) -> (clip) -> RoPE
+          -> paged KV write -> causal GQA per sequence over its blocks -> o_proj
     mlp:  dense SwiGLU (mlp_only_layers) or sparse MoE: router -> softmax (fp32) -> top-K ->
           (renormalize) -> experts via the ExpertSource (the expert cache) -> weighted sum
+          (+ sigmoid(gate) * shared expert, a resident dense SwiGLU, where the family has one)
 
 Only non-expert weights live here (on the device). Expert weights are never in the model: the
 MoE block hands each expert's tokens to an `ExpertSource`, which decides where they run.
@@ -23,15 +26,19 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from services.engine.cache.layout import matmul_split, split_columns, split_swiglu
+from services.engine.model import deepseek
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig
 from services.engine.model.paged_kv import PagedKVCache
+
+if TYPE_CHECKING:
+    from services.engine.model.deepseek import MlaWeights
 
 log = logging.getLogger("strata.engine")
 
@@ -112,15 +119,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
     post_attn_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split by columns
+    qkv: torch.Tensor | None  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split by columns (not MLA)
     o: torch.Tensor  # [S, H*Hd, D/S]
-    q_norm: torch.Tensor  # [Hd]
-    k_norm: torch.Tensor  # [Hd]
+    q_norm: torch.Tensor | None  # [Hd] per head, [H*Hd] whole projection, None
+    k_norm: torch.Tensor | None  # [Hd], [G*Hd], None
     qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     o_bias: torch.Tensor | None = None
     router_t: torch.Tensor | None = None  # [D, E]   (MoE layers)
     mlp_gate_up: torch.Tensor | None = None  # [2, D, I] (dense layers: gate, up)
     mlp_down: torch.Tensor | None = None  # [S, I, D/S] (dense layers)
+    shared_gate_up: torch.Tensor | None = None  # [2, D, Is] (MoE layers with a shared expert)
+    shared_down: torch.Tensor | None = None  # [S, Is, D/S]
+    shared_gate_t: torch.Tensor | None = None  # [D, 1] (None: an ungated shared expert)
+    mla: MlaWeights | None = None  # deepseek_v3 latent attention instead of qkv
+    router_bias: torch.Tensor | None = None  # [E] deepseek_v3 score correction
 
 
 class Qwen3MoeModel:
@@ -140,9 +152,9 @@ class Qwen3MoeModel:
         self.final_norm = final_norm  # [D]
         self.lm_head = lm_head  # [S, D, V/S]
         self.dtype = embed.dtype
-        self.rope_cos, self.rope_sin = rope_tables(
-            config.head_dim, config.rope_theta, config.context_window, device
-        )
+        self.rope_cos, self.rope_sin = rope_tables(  # MLA rotates only Dr dims of a head
+            config.qk_rope_head_dim or config.head_dim, config.rope_theta, config.context_window,
+            device)
         moe = [i for i, w in enumerate(layers) if w.router_t is not None]
         self.next_moe_layer = {i: j for i, j in zip(moe, moe[1:], strict=False)}
         self.last_hidden: torch.Tensor | None = None  # of the last forward
@@ -181,11 +193,39 @@ class Qwen3MoeModel:
             h = rms_norm(x, layer.post_attn_norm, eps)
             if layer.router_t is not None:
                 x = x + self.moe(i, layer, h, experts)
+                if layer.shared_gate_up is not None:  # resident, never a cache pair
+                    shared = split_swiglu(h, layer.shared_gate_up, layer.shared_down)  # [T, D]
+                    if layer.shared_gate_t is not None:
+                        shared = torch.sigmoid(h @ layer.shared_gate_t) * shared
+                    x = x + shared
             else:
                 x = x + split_swiglu(h, layer.mlp_gate_up, layer.mlp_down)
         self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
         x = x[logit_rows]  # [S, D]
         return matmul_split(rms_norm(x, self.final_norm, eps), self.lm_head).float()  # [S, V]
+
+    def qkv(
+        self, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, H, Hd], k, v [T, G, Hd]: fused projection, (bias), q/k norm,
+        (clip), RoPE."""
+        c = self.config
+        T = x.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = matmul_split(x, w.qkv).split([q_size, kv_size, kv_size], dim=1)  # [T, H*Hd],
+        # [T, G*Hd], [T, G*Hd]
+        if w.qkv_bias is not None:
+            q, k, v = q + w.qkv_bias[0], k + w.qkv_bias[1], v + w.qkv_bias[2]
+        if c.qk_norm == "proj":  # olmoe: one norm over all heads
+            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q = q.view(T, c.num_heads, c.head_dim)  # [T, H, Hd]
+        k = k.view(T, c.num_kv_heads, c.head_dim)  # [T, G, Hd]
+        v = v.view(T, c.num_kv_heads, c.head_dim)  # [T, G, Hd]
+        if c.qk_norm == "head":
+            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attention(
         self,
@@ -202,17 +242,12 @@ class Qwen3MoeModel:
         decode_batch = (rows [B], block ids [B, nb], mask [B, 1, 1, N]) in one call."""
         c = self.config
         T = x.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = matmul_split(x, w.qkv).split([q_size, kv_size, kv_size], dim=1)  # [T, H*Hd],
-        # [T, G*Hd], [T, G*Hd]
-        if w.qkv_bias is not None:
-            q, k, v = q + w.qkv_bias[0], k + w.qkv_bias[1], v + w.qkv_bias[2]
-        q = rms_norm(q.view(T, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)  # [T, H, Hd]
-        k = rms_norm(k.view(T, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
-        v = v.view(T, c.num_kv_heads, c.head_dim)  # [T, G, Hd]
         cos = self.rope_cos[positions][:, None]  # [T, 1, Hd]
         sin = self.rope_sin[positions][:, None]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if w.mla is None:
+            q, k, v = self.qkv(w, x, cos, sin)
+        else:
+            q, k, v = deepseek.mla_qkv(c, w.mla, x, cos, sin)
         kv.write(layer_idx, slots, k, v)
         out = torch.empty_like(q)  # [T, H, Hd]
         for s in spans:
@@ -237,7 +272,8 @@ class Qwen3MoeModel:
                 q[rows][:, :, None], k_all, v_all, attn_mask=mask,
                 enable_gqa=c.num_heads != c.num_kv_heads,
             )[:, :, 0]  # [B, H, Hd]
-        out = matmul_split(out.reshape(T, c.num_heads * c.head_dim), w.o)  # [T, D]
+        out = out[..., : c.v_head_dim or c.head_dim]  # MLA: V was zero-padded to Hd
+        out = matmul_split(out.reshape(T, -1), w.o)  # [T, D]
         return out if w.o_bias is None else out + w.o_bias
 
     def moe(
@@ -245,10 +281,13 @@ class Qwen3MoeModel:
     ) -> torch.Tensor:
         c = self.config
         K = c.experts_per_token
-        probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
-        top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K]
-        if c.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if c.grouped_routing:
+            top_w, top_idx = deepseek.grouped_topk(c, (x @ w.router_t).float(), w.router_bias)
+        else:
+            probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
+            top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K]
+            if c.norm_topk_prob:
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
         # Group routed (token, k) entries by expert; experts accumulate in ascending id order
         # whatever their residency, so results never depend on the cache.
@@ -286,7 +325,8 @@ def load_qwen3_moe(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
 ) -> Qwen3MoeModel:
-    """Load the non-expert weights (embeddings, attention, norms, routers, dense MLPs, lm_head)."""
+    """Load the non-expert weights (embeddings, attention, norms, routers, dense MLPs, shared
+    experts, lm_head) of any supported family."""
     t0 = time.perf_counter()
 
     def get_t(name: str) -> torch.Tensor:  # a [out, in] weight as [in, out]
@@ -298,6 +338,12 @@ def load_qwen3_moe(
     def get(name: str) -> torch.Tensor:
         return reader.get(name, dtype).to(device)
 
+    def get_swiglu(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:  # [2, D, I], [S, I, D/S]
+        gate_up = torch.stack([get_t(f"{prefix}.gate_proj.weight"),
+                               get_t(f"{prefix}.up_proj.weight")])
+        return gate_up.contiguous().to(device), get_split(f"{prefix}.down_proj.weight")
+
+    qk_norm = config.qk_norm != "none"
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
@@ -305,21 +351,29 @@ def load_qwen3_moe(
         w = LayerWeights(
             input_norm=get(f"{p}.input_layernorm.weight"),
             post_attn_norm=get(f"{p}.post_attention_layernorm.weight"),
-            qkv=get_split(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+            qkv=None if config.kv_lora_rank else get_split(
+                f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
             o=get_split(f"{a}.o_proj.weight"),
-            q_norm=get(f"{a}.q_norm.weight"),
-            k_norm=get(f"{a}.k_norm.weight"),
+            q_norm=get(f"{a}.q_norm.weight") if qk_norm else None,
+            k_norm=get(f"{a}.k_norm.weight") if qk_norm else None,
         )
-        if config.attention_bias:
+        if config.kv_lora_rank:
+            w.mla = deepseek.load_mla(get, get_split, a, config)
+        elif config.attention_bias:
             w.qkv_bias = (get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias"))
             w.o_bias = get(f"{a}.o_proj.bias") if f"{a}.o_proj.bias" in reader else None
+        moe = f"{p}.{config.weight_names.moe}"
         if config.is_moe_layer(i):
-            w.router_t = get_t(f"{p}.mlp.gate.weight").contiguous().to(device)
+            w.router_t = get_t(f"{moe}.gate.weight").contiguous().to(device)
+            if f"{moe}.gate.e_score_correction_bias" in reader:
+                w.router_bias = get(f"{moe}.gate.e_score_correction_bias")
+            names = config.weight_names
+            if config.shared_expert_intermediate_size:
+                w.shared_gate_up, w.shared_down = get_swiglu(f"{moe}.{names.shared}")
+            if config.shared_expert_intermediate_size and names.shared_gate:
+                w.shared_gate_t = get_t(f"{moe}.{names.shared_gate}.weight").contiguous().to(device)
         else:
-            w.mlp_gate_up = torch.stack(
-                [get_t(f"{p}.mlp.gate_proj.weight"), get_t(f"{p}.mlp.up_proj.weight")]
-            ).contiguous().to(device)
-            w.mlp_down = get_split(f"{p}.mlp.down_proj.weight")
+            w.mlp_gate_up, w.mlp_down = get_swiglu(f"{p}.mlp")
         layers.append(w)
     embed = get("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in reader:

@@ -40,6 +40,8 @@ def draft_model_bytes(
         params += attn + 2 * c.hidden_size + 2 * c.head_dim
         if c.is_moe_layer(layer):
             params += c.hidden_size * c.num_experts * (1 + 3 * c.moe_intermediate_size)
+            if c.shared_expert_intermediate_size:  # qwen2_moe: shared expert and its gate
+                params += c.hidden_size * (1 + 3 * c.shared_expert_intermediate_size)
         else:
             params += 3 * c.hidden_size * c.intermediate_size
     element = torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,128 @@
+"""Families beyond qwen3_moe (mixtral, olmoe, qwen2_moe) against transformers' own classes, in
+fp32: tiny random checkpoints written with save_pretrained, loaded by Strata's ModelRunner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.core import Engine
+from services.engine.model.demo import write_byte_tokenizer
+from services.engine.runner import ModelRunner
+from tests.engine.test_batching import request, run_all
+from tests.engine.test_model_reference import assert_matches_reference
+
+BASE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=32,  # mixtral/olmoe: the expert FFN; qwen2_moe: dense layers
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+# family -> (transformers config/model class names, config overrides)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, eos_token_id=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=48)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=3,
+        routed_scaling_factor=1.5, topk_method="group_limited_greedy")),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        eos_token_id=None, bos_token_id=None)),
+}
+
+
+def make_family_checkpoint(
+    path: Path, family: str, seed: int = 0, **overrides
+) -> tuple[Path, torch.nn.Module]:
+    """save_pretrained() a seeded random model of `family` plus the byte tokenizer."""
+    import transformers
+
+    config_cls, model_cls, family_overrides = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**BASE, **family_overrides, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    for name, buffer in model.named_buffers():  # deepseek_v3 initializes it to zeros
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    write_byte_tokenizer(path, context_window=config.max_position_embeddings)
+    return path, model
+
+
+CASES = [
+    ("mixtral", {}),  # softmax -> top-2 -> renormalized, no q/k norm
+    ("olmoe", {}),  # q/k norm over the whole projection, no renormalization
+    ("olmoe", dict(clip_qkv=0.5, norm_topk_prob=True, num_experts_per_tok=3)),
+    ("qwen2_moe", {}),  # q/k/v bias, shared expert with its sigmoid gate
+    ("qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[1], qkv_bias=False)),
+    ("qwen2_moe", dict(decoder_sparse_step=2, num_experts_per_tok=1, tie_word_embeddings=True)),
+    # MLA with complex (interleaved) RoPE, softmax routing: top-3 within the 1 of 2 groups with
+    # the best expert, scaled; then greedy routing over all experts with a low-rank q
+    ("deepseek_v2", {}),
+    ("deepseek_v2", dict(topk_method="greedy", q_lora_rank=24, num_experts_per_tok=2)),
+    # MLA (V head 12 padded to 24), interleaved RoPE, sigmoid routing in 2 of 4 groups + bias
+    ("deepseek_v3", {}),
+    ("deepseek_v3", dict(q_lora_rank=24, rope_interleave=False, norm_topk_prob=False,
+                         num_experts_per_tok=3, n_group=2, topk_group=1)),
+]
+
+
+@pytest.mark.parametrize(("family", "overrides"), CASES,
+                         ids=[f"{f}-{'-'.join(o) or 'default'}" for f, o in CASES])
+def test_family_matches_transformers(tmp_path, family, overrides):
+    model_dir, ref = make_family_checkpoint(tmp_path / family, family, **overrides)
+    assert_matches_reference(model_dir, ref, steps=8)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_engine_at_partial_coverage_matches_full(tmp_path, family):
+    model_dir, _ = make_family_checkpoint(tmp_path / family, family, seed=1)
+    probe = ModelRunner(model_dir, device_memory_bytes=10**9, reserved_bytes=0)
+    assert probe.slots == probe.total_pairs
+    tokens = []
+    for slots in (probe.total_pairs, probe.total_pairs // 3):
+        runner = ModelRunner(model_dir, device_memory_bytes=slots * probe.slot_bytes,
+                             reserved_bytes=0)
+        assert runner.slots == slots
+        engine = Engine(runner, max_running=4, max_step_tokens=16)
+        engine.start()
+        try:
+            clients = run_all(engine, [request(p, max_tokens=12) for p in
+                                       ("The expert cache holds", "def f(x):\n    return")])
+        finally:
+            engine.stop()
+        tokens.append([c.tokens for c in clients])
+        if slots < probe.total_pairs:
+            assert any(c.finished.stats.spilled for c in clients) or any(
+                c.finished.stats.hits < c.finished.stats.lookups for c in clients)
+    assert tokens[0] == tokens[1]
+
+
+def test_family_flags_leave_qwen3_fingerprints_alone():
+    from services.engine.model.config import ModelConfig
+    from tests.engine.conftest import TINY
+
+    config = ModelConfig.from_hf({**TINY, "model_type": "qwen3_moe"})
+    assert config.qk_norm == "head" and config.shared_expert_intermediate_size == 0
+    assert "qk_norm" not in config.canonical_json()  # fields at their defaults are left out
+
+
+def test_mixtral_sliding_window_is_refused():
+    from services.engine.model.config import CheckpointError, ModelConfig
+
+    raw = {**BASE, "model_type": "mixtral", "num_local_experts": 4, "sliding_window": 128}
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        ModelConfig.from_hf(raw)
+    assert ModelConfig.from_hf({**raw, "sliding_window": None}).norm_topk_prob

@@ -40,7 +40,7 @@ from services.engine.cache.policy import DEFAULT_PREFETCH, PolicySpec, Residency
 from services.engine.cache.slot_pool import FillReport, SlotPool
 from services.engine.cache.stats import CacheCounters
 from services.engine.cache.trace import TraceWriter
-from services.engine.model.checkpoint import CheckpointReader
+from services.engine.model.checkpoint import open_checkpoint
 from services.engine.model.config import ModelConfig, load_model_config
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.quant import QuantExpertLayout, expert_layout
@@ -158,7 +158,7 @@ class ModelRunner:
         # MTP draft head (services/engine/spec/mtp.py) sees the main model's hidden states.
         self.hidden_sink: abc.Callable[[abc.Sequence[ChunkWork], torch.Tensor], None] | None = None
         self.tokenizer = Tokenizer(model_dir)
-        reader = CheckpointReader(model_dir, self.config.weight_names)
+        reader = open_checkpoint(model_dir, self.config.weight_names)
         self.fingerprint = reader.fingerprint(self.config)
         c = self.config
         log.info(

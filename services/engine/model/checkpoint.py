@@ -18,9 +18,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.model.config import CheckpointError, ModelConfig, WeightNames
+from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, find_gguf
 
 EXPERTS = "model.layers.{layer}.{moe}.experts"
+
+
+def open_checkpoint(model_dir: Path, names: WeightNames | None = None) -> CheckpointReader:
+    """A safetensors checkpoint directory, or a GGUF file (or a directory holding one) read
+    under the same Hugging Face names (model/gguf_reader.py)."""
+    if (gguf_path := find_gguf(model_dir)) is not None:
+        from services.engine.model.gguf_reader import GGUFCheckpoint
+
+        return GGUFCheckpoint(gguf_path, names)  # type: ignore[return-value]  # same interface
+    return CheckpointReader(model_dir, names)
 
 
 class CheckpointReader:

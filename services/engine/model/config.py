@@ -217,7 +217,26 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: itself (a *.gguf file) or the only *.gguf of a directory
+    without config.json; None for anything else (a Hugging Face checkpoint directory)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise CheckpointError(f"{path} holds {len(files)} .gguf files; name one of them")
+    return files[0] if files else None
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
+    """config.json of a checkpoint directory, or a GGUF file's metadata (model/gguf_reader.py)."""
+    if (gguf_path := find_gguf(model_dir)) is not None:
+        from services.engine.model.gguf_reader import load_gguf_config
+
+        return load_gguf_config(gguf_path)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir} has no config.json")

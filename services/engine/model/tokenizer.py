@@ -16,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.engine.model.config import CheckpointError
+from services.engine.model.config import CheckpointError, find_gguf
 
 
 class ChatTemplateError(ValueError):
@@ -26,6 +26,10 @@ class ChatTemplateError(ValueError):
 class Tokenizer:
     def __init__(self, model_dir: Path):
         model_dir = Path(model_dir)
+        self._template: jinja2.Template | None = None
+        if (gguf_path := find_gguf(model_dir)) is not None:
+            self._init_gguf(gguf_path)
+            return
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir} has no tokenizer.json")
@@ -35,8 +39,17 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.chat_template = _chat_template(model_dir, cfg)
         self.eos_token_ids = self._eos_ids(model_dir)
-        self._template: jinja2.Template | None = None
         self._byte_level = "ByteLevel" in json.dumps(json.loads(path.read_text()).get("decoder"))
+
+    def _init_gguf(self, path: Path) -> None:
+        from services.engine.model.gguf_reader import gguf_tokenizer
+
+        parts = gguf_tokenizer(path)  # byte-level BPE only (CheckpointError otherwise)
+        self._tok = parts["tokenizer"]
+        self.bos_token, self.eos_token = parts["bos_token"], parts["eos_token"]
+        self.chat_template = parts["chat_template"]
+        self.eos_token_ids = parts["eos_token_ids"]
+        self._byte_level = True
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,302 @@
+"""GGUF import: a tiny qwen3_moe checkpoint written to GGUF by gguf-py's own writer (llama.cpp's
+names and metadata) loads through model/gguf_reader.py and matches the source checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+
+from services.engine.model.checkpoint import CheckpointReader  # noqa: E402
+from services.engine.model.config import CheckpointError, load_model_config  # noqa: E402
+from services.engine.model.tokenizer import Tokenizer  # noqa: E402
+from services.engine.runner import ModelRunner  # noqa: E402
+from tests.engine.conftest import TOKENIZER_VOCAB, make_hf_checkpoint  # noqa: E402
+
+PROMPT = "<|im_start|>user\nWhich experts are hot today?<|im_end|>\n<|im_start|>assistant\n"
+# llama.cpp's tensor names (convert_hf_to_gguf), written here by hand so the test does not
+# reuse the reader's own table
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+         "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+         "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute of q/k rows (for ggml's interleaved RoPE)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def source_tensors(ckpt: Path) -> dict[str, np.ndarray]:
+    """GGUF name -> fp32 array (torch order) of an HF checkpoint, experts stacked [E, ...]."""
+    config = load_model_config(ckpt)
+    reader = CheckpointReader(ckpt, config.weight_names)
+    out = {}
+    for name in reader.names:
+        if ".experts." in name or name.endswith(("gate_up_proj", "experts.down_proj")):
+            continue
+        base, kind = name.rsplit(".", 1)
+        a = reader.get(name).numpy()
+        if base in TOP:
+            out[f"{TOP[base]}.{kind}"] = a
+            continue
+        layer, rest = base.removeprefix("model.layers.").split(".", 1)
+        if config.model_type == "mixtral" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = permute(a, config.num_heads if "q_proj" in rest else config.num_kv_heads)
+        if rest == "mlp.shared_expert_gate":
+            a = a.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is {n_embd}
+        out[f"blk.{layer}.{LAYER[rest]}.{kind}"] = a
+    D, F = config.hidden_size, config.moe_intermediate_size
+    for layer in config.moe_layers:
+        pairs = [reader.expert_weights(layer, e, D, F) for e in range(config.num_experts)]
+        for i, proj in enumerate(("gate", "up", "down")):
+            out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack(
+                [p[i] for p in pairs]).numpy()
+    return out
+
+
+def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
+    """tensors: GGUF name -> (array, its type); quantized arrays are raw uint8 blocks."""
+    c = load_model_config(ckpt)
+    w = gguf.GGUFWriter(str(out), ARCH[c.model_type])
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.context_window)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.experts_per_token)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_weights_norm(c.norm_topk_prob)
+    if c.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if c.clip_qkv is not None:
+        w.add_clamp_kqv(c.clip_qkv)
+    tok = HFTokenizer.from_file(str(ckpt / "tokenizer.json"))
+    tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<|") else gguf.TokenType.NORMAL
+                       for t in tokens])
+    w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    w.add_chat_template(json.loads((ckpt / "tokenizer_config.json").read_text())["chat_template"])
+    for name, (array, qtype) in tensors.items():
+        w.add_tensor(name, array, raw_dtype=None if qtype == Q.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def quantized(tensors: dict[str, np.ndarray], qtype: Q, pack=None) -> dict:
+    """llama.cpp's choice: 1-D tensors and the router stay F32, the other weights take qtype
+    (`pack` given: only the expert stacks, packed by it)."""
+    out = {}
+    for name, a in tensors.items():
+        if pack is not None and "_exps" in name:
+            out[name] = (pack(a), qtype)
+        elif pack is None and a.ndim > 1 and "ffn_gate_inp" not in name:
+            out[name] = (quantize(a, qtype), qtype)
+        else:
+            out[name] = (a, Q.F32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("gguf") / "tiny-moe", seed=3,
+                              norm_topk_prob=True)
+
+
+def greedy_logits(model_dir: Path, ids: list[int], steps: int, **kwargs) -> torch.Tensor:
+    """Teacher-forced logits [steps+1, V] along `ids`' continuation (ids grows greedily from
+    the reference when it is a list to extend)."""
+    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0, **kwargs)
+    seq = runner.start(list(ids[:-steps]) if steps else list(ids))
+    rows = [runner.prefill(seq)]
+    for token in ids[len(ids) - steps:]:
+        rows.append(runner.decode(seq, token))
+    return torch.stack(rows)[:, :TOKENIZER_VOCAB]
+
+
+def reference_path(ref, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of ids and its logits at each step."""
+    ids, rows = list(ids), []
+    for _ in range(steps + 1):
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0, -1, :TOKENIZER_VOCAB]
+        rows.append(logits)
+        ids.append(int(logits.argmax()))
+    return ids[:-1], torch.stack(rows)
+
+
+def test_f32_gguf_matches_source(source, tmp_path):
+    ckpt, ref = source
+    path = write_gguf(ckpt, tmp_path / "tiny.gguf",
+                      {n: (a, Q.F32) for n, a in source_tensors(ckpt).items()})
+    assert load_model_config(path) == load_model_config(ckpt)
+    tok, want_tok = Tokenizer(path), Tokenizer(ckpt)
+    assert tok.encode(PROMPT) == want_tok.encode(PROMPT)
+    assert tok.eos_token_ids == {want_tok.token_to_id("<|im_end|>")}
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        want_tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids, want = reference_path(ref, want_tok.encode(PROMPT), steps=12)
+    got = greedy_logits(tmp_path, ids, steps=12)  # the directory holding one .gguf
+    assert (got - want).abs().max().item() <= 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))  # greedy tokens equal
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+
+
+def test_q8_0_gguf_within_quant_tolerance(source, tmp_path):
+    """Q8_0 rounds each weight to a step of its 32-block's absmax / 127 (~2.1 sigma / 127 for
+    Gaussian weights): rms weight error step / sqrt(12) ~ 0.5% of the weights' rms. About 7
+    quantized matmuls lie on the path to a logit (embedding, q/k/v/o, experts, lm_head), so
+    independent errors give ~ sqrt(7) * 0.5% ~ 1.3% of the logits' rms (measured 1.1-1.7% on
+    three seeds); the bound is 4%, and top-1 must agree at >= 90% of 13 teacher-forced steps
+    (measured: all)."""
+    ckpt, ref = source
+    tensors = source_tensors(ckpt)
+    path = write_gguf(ckpt, tmp_path / "tiny-q8_0.gguf", quantized(tensors, Q.Q8_0))
+    ids, want = reference_path(ref, Tokenizer(ckpt).encode(PROMPT), steps=12)
+    got = greedy_logits(path, ids, steps=12)
+    assert rel_rms(got, want) <= 0.04
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+    # --expert-dtype int8 requantizes the dequantized Q8_0 experts by the existing path
+    got8 = greedy_logits(path, ids, steps=12, expert_dtype="int8")
+    assert rel_rms(got8, want) <= 0.05
+    assert (got8.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+def pack_q4_k(x: np.ndarray) -> np.ndarray:
+    """A plain reference Q4_K packer (ggml's block_q4_K: d, dmin, 12 bytes of 6-bit sub-block
+    scales/mins, 128 bytes of nibbles) for rows of 256: per 32-value sub-block min/max."""
+    shape = x.shape
+    b = x.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub-blocks, 32]
+    mins = np.minimum(b.min(-1), 0)  # [n, 8]
+    scales = (b.max(-1) - mins) / 15
+    d = np.maximum(scales.max(-1), 1e-12) / 63  # [n]
+    dmin = np.maximum((-mins).max(-1), 1e-12) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.rint(scales / d16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-mins / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = np.maximum(d16.astype(np.float32)[:, None] * sc, 1e-12)[..., None]
+    offset = (dmin16.astype(np.float32)[:, None] * m)[..., None]
+    q = np.clip(np.rint((b + offset) / step), 0, 15).astype(np.uint8)  # [n, 8, 32]
+    packed_scales = np.zeros((len(b), 12), np.uint8)
+    packed_scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed_scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed_scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(b), 128)  # sub-blocks 2c, 2c+1 share bytes
+    blocks = np.concatenate([d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8),
+                             packed_scales, qs], axis=1)  # [n, 144]
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
+def pack_q2_k(x: np.ndarray) -> np.ndarray:
+    """A plain reference Q2_K packer (ggml's block_q2_K: 16 bytes of 4-bit scale|min per
+    16-value sub-block, 64 bytes of 2-bit values, d, dmin) for rows of 256."""
+    shape = x.shape
+    b = x.reshape(-1, 16, 16).astype(np.float32)
+    mins = np.minimum(b.min(-1), 0)
+    scales = (b.max(-1) - mins) / 3
+    d16 = (np.maximum(scales.max(-1), 1e-12) / 15).astype(np.float16)
+    dmin16 = (np.maximum((-mins).max(-1), 1e-12) / 15).astype(np.float16)
+    sc = np.clip(np.rint(scales / d16.astype(np.float32)[:, None]), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(-mins / dmin16.astype(np.float32)[:, None]), 0, 15).astype(np.uint8)
+    step = np.maximum(d16.astype(np.float32)[:, None] * sc, 1e-12)[..., None]
+    offset = (dmin16.astype(np.float32)[:, None] * m)[..., None]
+    q = np.clip(np.rint((b + offset) / step), 0, 3).astype(np.uint8).reshape(-1, 2, 4, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6))  # [n, 2, 32]
+    blocks = np.concatenate([sc | (m << 4), qs.reshape(-1, 64), d16[:, None].view(np.uint8),
+                             dmin16[:, None].view(np.uint8)], axis=1)  # [n, 84]
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 84)
+
+
+# rel_err: the packers' rms weight error, (range / levels) / sqrt(12) for Gaussian sub-blocks
+# (Q4_K: 4.1 sigma / 15 -> 7.9%, Q2_K: 3.5 sigma / 3 -> 34%) plus 15%; with only the experts
+# quantized the logits move less than that (measured 4.3% and 12%)
+@pytest.mark.parametrize(("qtype", "pack", "rel_err"), [(Q.Q4_K, pack_q4_k, 0.09),
+                                                         (Q.Q2_K, pack_q2_k, 0.38)])
+def test_k_quant_experts(qtype, pack, rel_err, tmp_path):
+    """gguf-py cannot quantize K-quants, so the expert stacks are packed by the plain reference
+    packers above (checked against gguf's own dequantize). The imported model must equal an F32
+    GGUF of the same dequantized experts (the mapping is exact) and stay near the source."""
+    ckpt, ref = make_hf_checkpoint(tmp_path / "k-moe", seed=5, hidden_size=256,
+                                   moe_intermediate_size=256, intermediate_size=256,
+                                   num_hidden_layers=2, num_experts=4, head_dim=64)
+    tensors = source_tensors(ckpt)
+    stack = tensors["blk.0.ffn_down_exps.weight"]
+    back = dequantize(pack(stack), qtype)
+    assert back.shape == stack.shape
+    err = np.sqrt(((back - stack) ** 2).mean() / (stack**2).mean())
+    assert err <= rel_err, f"{qtype.name} packer round trip: relative rms error {err:.3f}"
+    (tmp_path / "k").mkdir()
+    (tmp_path / "f").mkdir()
+    kq = write_gguf(ckpt, tmp_path / "k" / "kq.gguf", quantized(tensors, qtype, pack))
+    deq = {n: (dequantize(pack(a), qtype) if "_exps" in n else a, Q.F32)
+           for n, a in tensors.items()}
+    f32 = write_gguf(ckpt, tmp_path / "f" / "deq.gguf", deq)
+    ids, want = reference_path(ref, Tokenizer(ckpt).encode(PROMPT), steps=4)
+    got = greedy_logits(kq, ids, steps=4)
+    assert (got - greedy_logits(f32, ids, steps=4)).abs().max().item() <= 1e-5
+    assert rel_rms(got, want) <= rel_err
+
+
+def write_stub(path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_architecture_and_tokenizer_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gemma3'"):
+        load_model_config(write_stub(tmp_path / "gemma.gguf", "gemma3"))
+    with pytest.raises(CheckpointError, match="tokenizer model 'llama' is not supported"):
+        Tokenizer(write_stub(tmp_path / "spm.gguf", "qwen3moe", tokenizer_model="llama"))
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("mixtral", {}),  # llama arch: q/k rows permuted by the converter, undone by the reader
+    ("olmoe", dict(clip_qkv=0.5)),  # q/k norm over the whole projection, clamp_kqv
+    ("qwen2_moe", {}),  # q/k/v bias, shared expert, its gate stored as [D]
+])
+def test_family_gguf_matches_transformers(family, overrides, tmp_path):
+    from tests.engine.test_model_families import make_family_checkpoint
+    from tests.engine.test_model_reference import assert_matches_reference
+
+    ckpt, ref = make_family_checkpoint(tmp_path / family, family, seed=2, **overrides)
+    path = write_gguf(ckpt, tmp_path / f"{family}.gguf",
+                      {n: (a, Q.F32) for n, a in source_tensors(ckpt).items()})
+    assert load_model_config(path) == load_model_config(ckpt)
+    assert_matches_reference(path, ref, steps=6)

@@ -24,7 +24,7 @@ from services.engine.sampling import Sampler, SamplingConfig
 from services.engine.server import StatusSource, set_serving, start_server
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.ngram import NgramDraft
-from tests.engine.test_batching import Client
+from tests.engine.test_batching import run_all
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
@@ -57,13 +57,6 @@ def request(
         ),
         prompt=prompt,
     )
-
-
-def run_all(engine: Engine, requests: Sequence[EngineRequest]) -> list[Client]:
-    clients = [Client() for _ in requests]
-    for req, client in zip(requests, clients, strict=True):
-        engine.submit(req, client)
-    return [c.wait() for c in clients]
 
 
 @pytest.fixture

@@ -147,7 +147,7 @@ def run_config(
 
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     runner.hidden_sink = None  # an MTP source of an earlier run stops listening
-    source = make_draft_source(method, runner.config, runner=runner) if k else None
+    source = make_draft_source(method, runner=runner) if k else None
     engine = Engine(
         runner, max_running=batch, max_step_tokens=4096, draft_source=source, spec_tokens=k
     )

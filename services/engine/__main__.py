@@ -125,12 +125,11 @@ def _draft_bytes(config: EngineConfig) -> int:
     """Device memory of the draft source, estimated before the expert cache is sized."""
     if not config.spec_tokens:
         return 0
-    from services.engine.model.config import load_model_config
     from services.engine.spec import draft_memory_bytes
 
     try:
         return draft_memory_bytes(config.spec_method, config.spec_draft_model,
-                                  load_model_config(config.model_dir), config.model_dir)
+                                  config.model_dir)
     except (OSError, ValueError) as exc:
         model = (f", --spec-draft-model={config.spec_draft_model}"
                  if config.spec_method == "draft" else "")
@@ -147,8 +146,7 @@ def _draft_source(config: EngineConfig, runner: object, device: str) -> DraftSou
 
     try:
         source = make_draft_source(
-            config.spec_method, runner.config,  # type: ignore[attr-defined]
-            draft_model=config.spec_draft_model, device=device,
+            config.spec_method, draft_model=config.spec_draft_model, device=device,
             tokenizer=runner.tokenizer, runner=runner)  # type: ignore[attr-defined]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--spec-method={config.spec_method} (STRATA_SPEC_METHOD): "

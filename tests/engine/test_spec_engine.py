@@ -396,7 +396,7 @@ def test_draft_model_memory_is_reserved_before_the_cache_is_sized(
     with pytest.raises(ValueError, match="--spec-draft-model"):
         draft_memory_bytes("draft", None)
     with pytest.raises(ValueError, match="multi-token-prediction"):
-        draft_memory_bytes("mtp", None, probe.config)
+        draft_memory_bytes("mtp", None)
     source = make_draft_source("draft", draft_model=small_draft_dir, tokenizer=probe.tokenizer)
     assert source.memory_bytes == draft_bytes and "tiny-draft" in source.describe()
 

@@ -75,16 +75,16 @@ def test_the_head_file_round_trips_beside_unchanged_main_weights(tiny_dir, tmp_p
     before, after = CheckpointReader(tiny_dir), CheckpointReader(path)
     assert not any(n.startswith("mtp.") for n in after.names)
     assert after.fingerprint(config) == before.fingerprint(config)
-    assert draft_memory_bytes("mtp", None, config, path) == head.config.num_params() * 4
+    assert draft_memory_bytes("mtp", None, path) == head.config.num_params() * 4
     assert head.config.num_params() == sum(p.numel() for p in head.parameters())
 
 
 def test_mtp_refuses_clearly_without_a_head(tiny_dir):
     runner = make_runner(tiny_dir, 8)
     with pytest.raises(ValueError, match="no multi-token-prediction head.*train-mtp"):
-        make_draft_source("mtp", runner.config, runner=runner)
+        make_draft_source("mtp", runner=runner)
     with pytest.raises(ValueError, match="no multi-token-prediction head"):
-        draft_memory_bytes("mtp", None, runner.config, tiny_dir)
+        draft_memory_bytes("mtp", None, tiny_dir)
     assert runner.hidden_sink is None
 
 
@@ -92,7 +92,7 @@ def test_the_first_draft_is_the_head_on_the_main_models_last_hidden_state(mtp_di
     """d1 = lm_head(norm(head(h_{<n}, emb(x_{1..n}))[-1])) with h the main model's pre-norm
     hidden states of the prompt; rows of rejected drafts are never read."""
     runner = make_runner(mtp_dir, 8)
-    source = make_draft_source("mtp", runner.config, runner=runner)
+    source = make_draft_source("mtp", runner=runner)
     assert isinstance(source, MtpDraft) and source.draft_lookups == 0
     prompt = runner.tokenizer.encode("def add(a, b):\n    return")[:6]
     table = BlockTable()
@@ -127,7 +127,7 @@ def test_mtp_greedy_is_identical_alone_and_batched(
 ):
     for max_running in (1, 8):
         runner = make_runner(mtp_dir, 8)
-        source = make_draft_source("mtp", runner.config, runner=runner)
+        source = make_draft_source("mtp", runner=runner)
         engine = engine_factory(spec_tokens, draft_source=source, runner=runner,
                                 max_running=max_running)
         clients = run_all(engine, [request(p) for p in PROMPTS])
@@ -146,7 +146,7 @@ def test_the_shipped_models_head_keeps_greedy_output_and_gets_drafts_accepted(en
     outputs = {}
     for k in (0, 2):
         runner = make_runner(model)
-        source = make_draft_source("mtp", runner.config, runner=runner) if k else None
+        source = make_draft_source("mtp", runner=runner) if k else None
         engine = engine_factory(k, draft_source=source, runner=runner, max_running=2)
         clients = run_all(engine, [request(p, max_tokens=24) for p in prompts])
         outputs[k] = [c.tokens for c in clients]

@@ -22,7 +22,6 @@ __all__ = [
 def draft_memory_bytes(
     method: str,
     draft_model: str | Path | None = None,
-    model_config: Any = None,
     model_dir: str | Path | None = None,
 ) -> int:
     """Device memory the method's source will take, known before anything is loaded (the
@@ -46,7 +45,6 @@ def draft_memory_bytes(
 
 def make_draft_source(
     method: str,
-    model_config: Any = None,
     *,
     draft_model: str | Path | None = None,
     device: str = "cpu",

@@ -214,21 +214,26 @@ async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(
             return engine_pb2_grpc.EngineStub(channel).GetStatus(engine_pb2.GetStatusRequest(),
                                                                  timeout=5)
 
-    before = await asyncio.to_thread(engine_status)
+    async def idle_status(timeout_s: float = 15.0):
+        """The engine's status once nothing runs or waits (earlier tests' cancelled requests
+        may still be finishing on a loaded machine) and every KV block is free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = await asyncio.to_thread(engine_status)
+            if (status.running, status.waiting) == (0, 0) and \
+                    status.kv_blocks_free == status.kv_blocks_total:
+                return status
+            assert time.monotonic() < deadline, status
+            await asyncio.sleep(0.1)
+
+    before = await idle_status()
     async with aiohttp.ClientSession() as session:
         statuses = await asyncio.gather(*(leave_mid_stream(session) for _ in range(12)))
     served = statuses.count(200)
     # In-flight 1 + queue 2 at once; a slow machine may admit more as the first ones leave.
     assert served >= 3 and served + statuses.count(429) == 12, statuses
 
-    deadline = time.monotonic() + 15
-    while True:
-        status = await asyncio.to_thread(engine_status)
-        if (status.running, status.waiting) == (0, 0) and \
-                status.kv_blocks_free == status.kv_blocks_total:
-            break
-        assert time.monotonic() < deadline, status
-        await asyncio.sleep(0.1)
+    status = await idle_status()
     assert status.requests_finished - before.requests_finished == served
     assert status.tokens_generated - before.tokens_generated < served * 2000 // 10, \
         "the engine kept generating for clients that had left"

@@ -36,10 +36,9 @@ def draft_memory_bytes(
     if method == "draft":
         if not draft_model:
             raise ValueError("a draft model checkpoint is needed (--spec-draft-model)")
-        from services.engine.model.config import load_model_config
         from services.engine.spec.draft_model import draft_model_bytes
 
-        return draft_model_bytes(load_model_config(Path(draft_model)))
+        return draft_model_bytes(Path(draft_model))
     return 0
 
 

@@ -7,14 +7,16 @@
 
 The draft runs in its own ModelRunner: its own paged KV pool and its own expert cache with every
 (layer, expert) pair resident, so its lookups never touch the target's cache or figures; they
-are reported as `draft_lookups`. Its device memory is estimated from its config before the
-target sizes its cache (`memory_bytes`, the "+N MiB for the draft head" of the start-up line).
+are reported as `draft_lookups`. Its device memory (its tensors' shapes plus its KV pool) is
+known before the target sizes its cache (`memory_bytes`, the "+N MiB for the draft head" of the
+start-up line).
 Proposals are greedy, so a proposal is a deterministic function of the tokens, as the acceptance
 rule for point-mass drafts needs (services/engine/spec/verify.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,8 @@ from typing import Any
 import torch
 
 from services.engine.block_manager import BlockTable, NoFreeBlocks
-from services.engine.model.config import ModelConfig, load_model_config
+from services.engine.model.checkpoint import open_checkpoint
+from services.engine.model.config import load_model_config
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.spec.base import DraftRequest, DraftSource
 
@@ -31,19 +34,13 @@ DRAFT_KV_WINDOWS = 4  # the draft's KV pool: this many of its context windows
 
 
 def draft_model_bytes(
-    c: ModelConfig, dtype: torch.dtype = torch.float32, kv_windows: int = DRAFT_KV_WINDOWS
+    model_dir: Path, dtype: torch.dtype = torch.float32, kv_windows: int = DRAFT_KV_WINDOWS
 ) -> int:
-    """Device bytes of a draft model: every weight (all experts resident) plus its KV pool."""
-    attn = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    params = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size
-    for layer in range(c.num_layers):
-        params += attn + 2 * c.hidden_size + 2 * c.head_dim
-        if c.is_moe_layer(layer):
-            params += c.hidden_size * c.num_experts * (1 + 3 * c.moe_intermediate_size)
-            if c.shared_expert_intermediate_size:  # qwen2_moe: shared expert and its gate
-                params += c.hidden_size * (1 + 3 * c.shared_expert_intermediate_size)
-        else:
-            params += 3 * c.hidden_size * c.intermediate_size
+    """Device bytes of a draft model: every weight (all experts resident; counted from the
+    checkpoint's tensor shapes, whatever the family) plus its KV pool."""
+    c = load_model_config(model_dir)
+    reader = open_checkpoint(model_dir, c.weight_names)
+    params = sum(math.prod(reader.shape(name)) for name in reader.names)
     element = torch.empty((), dtype=dtype).element_size()
     block_size = 16
     kv_blocks = kv_windows * -(-c.context_window // block_size)
@@ -77,8 +74,7 @@ class DraftModel(DraftSource):
     ) -> DraftModel:
         from services.engine.runner import ModelRunner
 
-        config = load_model_config(model_dir)
-        probe_bytes = draft_model_bytes(config, dtype)
+        probe_bytes = draft_model_bytes(model_dir, dtype)
         runner = ModelRunner(
             model_dir,
             device=device,

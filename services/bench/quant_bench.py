@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,20 +63,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
-
-
-def heldout_ids(tokenizer: Any, num_tokens: int) -> np.ndarray:
-    """The first num_tokens ids of the held-out split (or all of it), files joined by
-    <|endoftext|>: the stream services.training.bpe.encode_corpus builds for training."""
-    from services.training.corpus import iter_texts
-
-    eot = tokenizer.encode("<|endoftext|>")
-    ids: list[int] = []
-    for text in iter_texts("heldout"):
-        ids += tokenizer.encode(text) + eot
-        if len(ids) >= num_tokens:
-            break
-    return np.asarray(ids[:num_tokens], dtype=np.int64)
 
 
 @torch.no_grad()
@@ -161,13 +146,14 @@ def score(
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from services.engine.model.config import load_model_config
-    from services.engine.model.tokenizer import Tokenizer
     from services.models import default_model_dir
+    from services.training.bpe import split_ids
     from services.training.evaluate import eval_windows
 
     model_dir = args.model or default_model_dir()
     context = args.context or min(load_model_config(model_dir).context_window, MAX_CONTEXT)
-    ids = heldout_ids(Tokenizer(model_dir), args.max_tokens + args.max_tokens // context + 1)
+    ids = split_ids("heldout", model_dir / "tokenizer.json")
+    ids = ids[: args.max_tokens + args.max_tokens // context + 1]
     windows = eval_windows(ids, context, args.max_tokens)  # [W, T+1]
     print(
         f"[bench quant] {model_dir.name}: {windows.shape[0]} held-out windows of "

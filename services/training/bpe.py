@@ -49,6 +49,17 @@ def encode_corpus(tok: Tokenizer, texts: Iterable[str]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
 
+
+def split_ids(
+    split: str, tokenizer_json: Path, root: Path | None = None, max_bytes: int | None = None
+) -> np.ndarray:
+    """One corpus split's id stream [N] (int64) exactly as training builds it: its files in
+    corpus order, encoded by a checkpoint's tokenizer.json, each followed by <|endoftext|>."""
+    from services.training.corpus import iter_texts
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    return encode_corpus(tok, iter_texts(split, root, max_bytes)).astype(np.int64)
+
 def _batched(it: Iterator[str], n: int) -> Iterator[list[str]]:
     while batch := list(islice(it, n)):
         yield batch

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.spec.mtp_head import DEFAULT_WINDOW, MtpConfig, MtpHead, save_mtp_head
+from services.training.bpe import split_ids
 from services.training.config import TrainConfig
 from services.training.moe import MoETransformer
 
@@ -108,23 +109,13 @@ def mtp_loss(model: MoETransformer, head: MtpHead, window: torch.Tensor
     return F.cross_entropy(flat, targets), flat.argmax(-1) == targets
 
 
-def corpus_ids(model_dir: Path, split: str, max_bytes: int) -> np.ndarray:
-    from tokenizers import Tokenizer
-
-    from services.training.bpe import encode_corpus
-    from services.training.corpus import iter_texts
-
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return encode_corpus(tok, iter_texts(split, None, max_bytes))
-
-
 def train_mtp(model_dir: Path, args: argparse.Namespace, log: Any = print,
               command: str = "") -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
     model = load_frozen(model_dir)
-    train_ids = corpus_ids(model_dir, "train", args.corpus_max_bytes)
-    heldout_ids = corpus_ids(model_dir, "heldout", args.corpus_max_bytes)
+    train_ids = split_ids("train", model_dir / "tokenizer.json", None, args.corpus_max_bytes)
+    heldout_ids = split_ids("heldout", model_dir / "tokenizer.json", None, args.corpus_max_bytes)
     c = json.loads((model_dir / "config.json").read_text())
     config = MtpConfig(c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
                        c["head_dim"], args.mlp, args.window, c["rms_norm_eps"],

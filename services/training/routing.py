@@ -46,8 +46,7 @@ import numpy as np
 import torch
 
 from services.engine.model.qwen3_moe import ExpertSource, Span
-from services.training.bpe import encode_corpus
-from services.training.corpus import iter_texts
+from services.training.bpe import split_ids
 from services.training.evaluate import routing_stats
 from services.training.loop import Log, stderr_log
 
@@ -192,15 +191,6 @@ def compare(train_counts: np.ndarray, heldout_counts: np.ndarray) -> dict[str, A
 
 
 # -- text and routing collection ------------------------------------------------------------------
-def split_stream(
-    split: str, tokenizer_json: Path, root: Path | None = None, max_bytes: int | None = None
-) -> np.ndarray:
-    """One split's id stream exactly as training builds it: its files in corpus order, encoded
-    by the checkpoint's tokenizer, each followed by <|endoftext|>."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
-    return encode_corpus(tok, iter_texts(split, root, max_bytes)).astype(np.int64)
 
 
 def spread_windows(stream: np.ndarray, num_tokens: int, window: int) -> list[np.ndarray]:
@@ -301,7 +291,7 @@ def _report(
     splits, counts, halves = {}, {}, None
     for split in ("train", "heldout"):
         t0 = time.perf_counter()
-        stream = split_stream(split, model_dir / "tokenizer.json", root, max_bytes)
+        stream = split_ids(split, model_dir / "tokenizer.json", root, max_bytes)
         windows = spread_windows(stream, num_tokens, c.context_window)
         log(
             f"routing: {split}: {len(windows)} windows of {len(windows[0])} over "

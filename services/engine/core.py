@@ -71,8 +71,20 @@ class EngineRequest:
     prompt: str | None = None  # raw completion prompt
 
 
+class _DraftFigures:
+    """The acceptance rate of the speculation counters a stats class declares."""
+
+    drafts_proposed: int
+    drafts_accepted: int
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        p = self.drafts_proposed
+        return self.drafts_accepted / p if p else 0.0
+
+
 @dataclass(frozen=True)
-class RequestStats:
+class RequestStats(_DraftFigures):
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -103,11 +115,6 @@ class RequestStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        p = self.drafts_proposed
-        return self.drafts_accepted / p if p else 0.0
 
     @property
     def spill_ratio(self) -> float:
@@ -189,7 +196,7 @@ class RequestHandle:
 
 
 @dataclass
-class EngineTotals:
+class EngineTotals(_DraftFigures):
     """Lifetime figures, written by the loop thread only."""
 
     requests_finished: int = 0
@@ -202,11 +209,6 @@ class EngineTotals:
     verify_steps: int = 0
     rejected_lookups: int = 0
     draft_lookups: int = 0
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        p = self.drafts_proposed
-        return self.drafts_accepted / p if p else 0.0
 
 
 class _Live:

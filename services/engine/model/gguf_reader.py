@@ -15,6 +15,7 @@ attention tensors (split kv_b) are not mapped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,13 @@ PRE_TOKENIZER_REGEX = {
 }
 
 
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, mtime_ns: int) -> Any:
+    """One parse of a file's header and tensor table for the config, the tokenizer and the
+    weights of one load (keyed by modification time: a rewritten file is read again)."""
+    return gguf.GGUFReader(path)
+
+
 class GGUFCheckpoint:
     """CheckpointReader's interface (names, get, shape, expert_weights, fingerprint) over one
     GGUF file, under the Hugging Face names the loader asks for."""
@@ -77,7 +85,7 @@ class GGUFCheckpoint:
     def __init__(self, path: Path, names: WeightNames | None = None):
         self.path = Path(path)
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
+            self._reader = _open_gguf(str(self.path), self.path.stat().st_mtime_ns)
         except (ValueError, OSError) as e:
             raise CheckpointError(f"{self.path} is not a readable GGUF file: {e}") from e
         self.arch = str(self.field("general.architecture", ""))

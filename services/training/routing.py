@@ -222,11 +222,9 @@ class RoutingTap:
     def predict(self, layer: int, predicted: torch.Tensor) -> None:
         self.inner.predict(layer, predicted)
 
-    def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.expert_forward(layer, expert, x)
-
-    def layer_done(self, layer: int) -> None:
-        self.inner.layer_done(layer)
+    def apply(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+              top_w: torch.Tensor) -> torch.Tensor:
+        return self.inner.apply(layer, x, top_idx, top_w)
 
     def take(self) -> np.ndarray:
         """The last step's routing [T, L, K]."""

@@ -90,7 +90,6 @@ def test_lookups_counted_per_routed_token(host):
     cache.route(0, top_idx, [4, 3, 1, 0, 0, 0, 0, 0])
     hit = cache.expert_forward(0, 0, x)
     miss = cache.expert_forward(0, 1, x[:3])
-    cache.layer_done(0)
     assert cache.step_token_hits.tolist() == [1, 1, 1, 1]
     assert (cache.lookups, cache.hits, cache.spilled) == (8, 4, 4)
     assert cache.decode.misses_host == 4 and cache.prefill.lookups == 0

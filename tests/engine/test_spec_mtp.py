@@ -106,7 +106,8 @@ def test_the_first_draft_is_the_head_on_the_main_models_last_hidden_state(mtp_di
     ids = torch.tensor([*prompt[1:], x_n])[-W:]
     g = source.head(hidden[None, -W:], model.embed[ids][None],
                     torch.arange(len(prompt) - W, len(prompt))[None])[0, -1]
-    want = matmul_split(rms_norm(g, model.final_norm, runner.config.rms_norm_eps), model.lm_head)
+    want = matmul_split(rms_norm(g[None], model.final_norm, runner.config.rms_norm_eps),
+                        model.lm_head)[0]
     assert d1 == int(torch.argmax(want[: runner.num_usable_tokens]))
 
     # Verify [x_n, d1, d2], then pretend d1 was rejected: the d1/d2 rows must be dropped.

@@ -10,9 +10,8 @@ Per step and MoE layer the model calls, in this order:
                                               starts; every miss gets a placement (host / copy)
     predict(layer + 1, predicted [T, K])      (decode steps, when wanted) next layer's router on
                                               this layer's hidden state: prefetch fills start
-    expert_forward(layer, e, x [n, D])        per routed expert, ascending e: runs it where
-                                              route() placed it
-    layer_done(layer)                         CUDA: marks this layer's slot reads as enqueued
+    apply(layer, x [T, D], top_idx, top_w)    the routed experts where route() placed them,
+                                              weighted sum per token -> [T, D]
 
 Residency decisions live in `Residency` (pure, shared with replay); this class moves bytes.
 A step may hold tokens of many sequences (continuous batching): call `begin_step(T, prefill)`
@@ -26,6 +25,12 @@ waits for copies it does not need. On CPU every copy is a synchronous memcpy.
 Outputs never depend on residency or placement: a slot, the staging buffer and the host store
 hold the same bytes, and on CPU the same math runs on them (bit-identical). On CUDA only the
 "host" placement computes elsewhere (see placement.py: the `exact` mode never uses it there).
+
+How apply() computes: with the CPU kernels (services.engine.kernels; fp32 experts on the CPU)
+one call runs the whole layer, reading each routed expert's blob where it lies by address —
+no gather, no per-expert dispatch. Otherwise (CUDA, quantized experts, no C compiler) the
+tokens are grouped by expert with one gather, each expert runs on its rows as torch ops
+(`expert_forward`), and one scatter-add sums them.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from services.engine import kernels
 from services.engine.cache.host_store import HostStore
+from services.engine.cache.layout import ExpertLayout, num_splits
 from services.engine.cache.link_meter import LinkMeter
 from services.engine.cache.placement import Placer
 from services.engine.cache.policy import Residency
@@ -77,15 +84,30 @@ class ExpertCache:
         self.layer_steps = 0
         self.begin_step(0, False)
         self._plan: dict[int, tuple[int, int | None]] = {}  # expert -> (where, slot)
+        self._counts: list[int] = []  # [E] rows routed to each expert, of the last route()
         num_staging = NUM_STAGING if self.on_cuda else 1
         self._staging = [torch.empty(self.layout.numel, dtype=host.dtype, device=pool.device)
                          for _ in range(num_staging)]
         self._staging_next = 0
+        self._cpu = kernels.active() if self._kernel_layout() else None
+        if self._cpu is not None:  # blob addresses: slot i at slots_base + i * blob_bytes
+            self._blob_addr = np.zeros(num_experts, dtype=np.int64)  # [E] this layer's
+            self._blob_bytes = self.layout.numel * host.dtype.itemsize
         if self.on_cuda:
             self._copy_stream = torch.cuda.Stream(pool.device)
             self._slot_ready: dict[int, torch.cuda.Event] = {}
             self._staging_free: list[torch.cuda.Event | None] = [None] * num_staging
             self._reads_done: torch.cuda.Event | None = None
+
+    def _kernel_layout(self) -> bool:
+        """Whether the CPU kernels can run these experts: fp32 blobs on the CPU."""
+        return (not self.on_cuda and type(self.layout) is ExpertLayout
+                and self.host.dtype == torch.float32)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether apply() runs the CPU kernels."""
+        return self._cpu is not None
 
     @property
     def residency(self) -> Residency:
@@ -140,6 +162,7 @@ class ExpertCache:
         if self.recorder is not None:
             self._record(layer, phases)
         self._plan = {}
+        self._counts = counts
         hit, host, copied = (np.zeros(self.num_experts, dtype=np.int64) for _ in range(3))  # [E]
         for (expert, d, p), out in zip(phases, outcomes, strict=True):
             if out.fill:
@@ -190,6 +213,57 @@ class ExpertCache:
                 self._fill(slot, pair)
             self.decode.prefetch_fills += len(fills)
 
+    def apply(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+              top_w: torch.Tensor) -> torch.Tensor:
+        """This step's routed experts of `layer` on x [T, D] (top_idx [T, K] on the host,
+        top_w [T, K]) where route() placed them -> [T, D]: per token the sum of its experts'
+        outputs times their weights, in ascending expert id."""
+        if self._cpu is not None:
+            return self._apply_kernel(layer, x, top_idx, top_w)
+        K = top_idx.shape[1]
+        order = torch.argsort(top_idx.flatten(), stable=True).to(x.device)  # [T*K], grouped by expert
+        token_of = order // K  # [T*K]
+        weight_of = top_w.flatten()[order]  # [T*K]
+        xs = x[token_of]  # [T*K, D], rows grouped by expert: one gather in
+        ys = torch.empty_like(xs)  # [T*K, D]
+        start = 0
+        for expert, n in enumerate(self._counts):
+            if n:
+                ys[start : start + n] = self.expert_forward(layer, expert, xs[start : start + n])
+                start += n
+        self._layer_done()
+        # One scatter-add out: index_add_ walks the rows in order, so each token still sums
+        # its experts by ascending id.
+        return torch.zeros_like(x).index_add_(0, token_of, ys * weight_of[:, None])  # [T, D]
+
+    def _apply_kernel(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+                      top_w: torch.Tensor) -> torch.Tensor:
+        assert self._cpu is not None
+        addr = self._blob_addr
+        slots_base = self.pool.slots.data_ptr()
+        staged = 0
+        for expert, (where, slot) in self._plan.items():
+            if where == _SLOT:
+                addr[expert] = slots_base + slot * self._blob_bytes
+                continue
+            blob = self.host.blob((layer, expert))
+            if where == _STAGING:  # a copied miss without a slot: through a staging buffer
+                blob = self._stage_cpu(staged, blob)
+                staged += 1
+            addr[expert] = blob.data_ptr()
+        return self._cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), addr,
+                             self.layout.ffn_size, num_splits(self.layout.hidden_size))
+
+    def _stage_cpu(self, i: int, blob: torch.Tensor) -> torch.Tensor:
+        """Copy a blob into CPU staging buffer i (the kernel reads a layer's experts at once,
+        so each staged one of the layer needs its own)."""
+        while len(self._staging) <= i:
+            self._staging.append(torch.empty_like(self._staging[0]))
+        t0 = time.perf_counter()
+        self._staging[i].copy_(blob)
+        self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
+        return self._staging[i]
+
     def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` of `layer` on x [n, D] -> [n, D] on x's device, where route() put it."""
         where, slot = self._plan[expert]
@@ -202,7 +276,8 @@ class ExpertCache:
             return self.layout.forward(x, host_blob)
         return self.layout.forward(x.cpu(), host_blob).to(x.device, non_blocking=True)
 
-    def layer_done(self, layer: int) -> None:
+    def _layer_done(self) -> None:
+        """CUDA: mark this layer's slot reads as enqueued (fills of their slots wait on it)."""
         if self.on_cuda:
             self._reads_done = torch.cuda.Event()
             self._reads_done.record(torch.cuda.current_stream(self.pool.device))

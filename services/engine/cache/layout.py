@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine import kernels
+
 NUM_SPLITS = 2  # S: one column block per core of the dev CPU
 
 
@@ -41,8 +43,19 @@ def join_columns(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(0, 1).reshape(K, S * n)
 
 
+def cpu_kernels_for(x: torch.Tensor, w: torch.Tensor) -> kernels.CpuKernels | None:
+    """The CPU kernels when they apply to x @ w (fp32 on the CPU, x's rows unit-strided)."""
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return kernels.active() if x.stride(-1) == 1 else None
+
+
 def matmul_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ the split weight w [S, K, N/S] -> [T, N]."""
+    """x [T, K] @ the split weight w [S, K, N/S] -> [T, N]: the CPU kernel where it applies
+    (one pass over the weights on every core, any T), else one torch.bmm."""
+    cpu = cpu_kernels_for(x, w)
+    if cpu is not None:
+        return cpu.linear(x, w)
     S, K, n = w.shape
     T = x.shape[0]
     y = torch.bmm(x.expand(S, T, K), w)  # [S, T, N/S]
@@ -98,6 +111,10 @@ def split_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> 
     """down(silu(gate(x)) * up(x)): x [T, D], gate_up [2, D, F] (gate, up), down [S, F, D/S]
     -> [T, D]."""
     T, D = x.shape
+    if cpu_kernels_for(x, gate_up) is not None:
+        gu = matmul_split(x, gate_up)  # [T, 2F]: gate | up
+        Fs = gate_up.shape[2]
+        return matmul_split(F.silu(gu[:, :Fs]) * gu[:, Fs:], down)  # [T, D]
     gu = torch.bmm(x.expand(2, T, D), gate_up)  # [2, T, F]: gate and up on one core each
     return matmul_split(F.silu(gu[0]) * gu[1], down)  # [T, D]
 

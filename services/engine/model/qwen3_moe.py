@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.engine.cache.layout import matmul_split, split_columns, split_swiglu
+from services.engine.cache.layout import (
+    cpu_kernels_for,
+    matmul_split,
+    split_columns,
+    split_swiglu,
+)
 from services.engine.model import deepseek
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig
@@ -45,7 +50,7 @@ log = logging.getLogger("strata.engine")
 
 class ExpertSource(Protocol):
     """Where routed experts run (services.engine.cache.expert_cache.ExpertCache); per MoE layer
-    and step: route() once, predict() when wanted, expert_forward() per expert, layer_done()."""
+    and step: route() once, predict() when wanted, then apply()."""
 
     @property
     def wants_predictions(self) -> bool:
@@ -60,11 +65,12 @@ class ExpertSource(Protocol):
         """Experts [T, K] predicted for `layer` before it runs."""
         ...
 
-    def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert` of `layer` applied to x [T, D] -> [T, D] (unweighted)."""
+    def apply(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+              top_w: torch.Tensor) -> torch.Tensor:
+        """The routed experts of `layer` on x [T, D] (top_idx [T, K] on the host, top_w [T, K]):
+        [T, D], each row the sum of its K experts' outputs times their weights, added in
+        ascending expert id whatever the residency (results never depend on the cache)."""
         ...
-
-    def layer_done(self, layer: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,10 @@ class Span:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 2:
+        cpu = cpu_kernels_for(x, weight)
+        if cpu is not None:
+            return cpu.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -113,6 +123,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     G = k.shape[0]
     scores = torch.bmm(q.view(G, H // G, Hd), k.transpose(1, 2)) * Hd**-0.5  # [G, H/G, N]
     return torch.bmm(torch.softmax(scores, dim=-1), v).view(1, H, Hd)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step's single-token (decode) rows, whose attention runs as one call per layer: the
+    CPU kernel (`lengths` set) or one batched SDPA over gathered blocks (`mask` set)."""
+
+    rows: torch.Tensor  # [B] their rows in the step
+    all_rows: bool  # rows == 0..T-1: every row of the step is a decode row
+    ids: torch.Tensor  # [B, nb] block ids, padded with block 0
+    mask: torch.Tensor | None = None  # [B, 1, 1, nb * P] positions each row has (SDPA)
+    lengths: torch.Tensor | None = None  # [B] positions each row has (CPU kernel)
+    max_length: int = 0
 
 
 @dataclass
@@ -174,22 +197,14 @@ class Qwen3MoeModel:
         all T rows; attention runs per sequence over its paged K/V."""
         slots = torch.cat([
             kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
-        # Single-token (decode) spans share one batched attention call per layer; a lone one
-        # takes the per-span path, which reads consecutive KV blocks as views (no gather copy).
-        decode = [s for s in spans if s.row_end - s.row_start == 1]
-        decode = decode if len(decode) > 1 else []
-        decode_batch = None
-        if decode:
-            ids, mask = kv.gather_index([s.block_table for s in decode],
-                                        [s.pos_end for s in decode])
-            rows = torch.tensor([s.row_start for s in decode], device=self.device)
-            decode_batch = (rows, ids, mask[:, None, None, :])  # mask [B, 1, 1, N]
-        others = [s for s in spans if s.row_end - s.row_start > 1 or not decode]
+        decode = self.decode_rows(spans, kv, len(token_ids))
+        others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
+        rope = (positions, self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         x = self.embed[token_ids]  # [T, D]
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            x = x + self.attention(i, layer, h, positions, others, decode_batch, kv, slots)
+            x = x + self.attention(i, layer, h, rope, others, decode, kv, slots)
             h = rms_norm(x, layer.post_attn_norm, eps)
             if layer.router_t is not None:
                 x = x + self.moe(i, layer, h, experts)
@@ -204,16 +219,43 @@ class Qwen3MoeModel:
         x = x[logit_rows]  # [S, D]
         return matmul_split(rms_norm(x, self.final_norm, eps), self.lm_head).float()  # [S, V]
 
+    def decode_rows(self, spans: Sequence[Span], kv: PagedKVCache, T: int) -> DecodeRows | None:
+        """The single-token spans of a step, for one attention call per layer: any number of
+        them with the CPU kernel; two or more with SDPA (a lone one takes the per-span path,
+        which reads consecutive KV blocks as views)."""
+        decode = [s for s in spans if s.row_end - s.row_start == 1]
+        kernel = not kv.quantized and cpu_kernels_for(self.embed, self.embed) is not None
+        if not decode or (len(decode) == 1 and not kernel):
+            return None
+        tables = [s.block_table for s in decode]
+        lengths = [s.pos_end for s in decode]
+        ids, mask = kv.gather_index(tables, lengths)
+        rows = torch.tensor([s.row_start for s in decode], device=self.device)
+        all_rows = len(decode) == T and all(s.row_start == i for i, s in enumerate(decode))
+        if kernel:
+            return DecodeRows(rows, all_rows, ids, lengths=torch.tensor(lengths),
+                              max_length=max(lengths))
+        return DecodeRows(rows, all_rows, ids, mask=mask[:, None, None, :])
+
     def qkv(
-        self, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, w: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [T, H, Hd], k, v [T, G, Hd]: fused projection, (bias), q/k norm,
-        (clip), RoPE."""
+        (clip), RoPE. rope: positions [T], cos, sin [T, 1, Hd]."""
         c = self.config
         T = x.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = matmul_split(x, w.qkv).split([q_size, kv_size, kv_size], dim=1)  # [T, H*Hd],
-        # [T, G*Hd], [T, G*Hd]
+        qkv = matmul_split(x, w.qkv)  # [T, (H+2G)*Hd]
+        cpu = cpu_kernels_for(qkv, qkv)
+        if (cpu is not None and w.qkv_bias is None and c.clip_qkv is None
+                and c.qk_norm in ("head", "none")):  # per head norm and RoPE in one call
+            cpu.qk_norm_rope(qkv, c.num_heads, c.num_kv_heads, c.head_dim, w.q_norm, w.k_norm,
+                             c.rms_norm_eps, self.rope_cos, self.rope_sin, rope[0])
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
+            return (q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
+                    v.view(T, c.num_kv_heads, c.head_dim))
+        _, cos, sin = rope
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)  # [T, H*Hd], [T, G*Hd] x 2
         if w.qkv_bias is not None:
             q, k, v = q + w.qkv_bias[0], k + w.qkv_bias[1], v + w.qkv_bias[2]
         if c.qk_norm == "proj":  # olmoe: one norm over all heads
@@ -232,24 +274,22 @@ class Qwen3MoeModel:
         layer_idx: int,
         w: LayerWeights,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         spans: Sequence[Span],
-        decode_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        decode: DecodeRows | None,
         kv: PagedKVCache,
         slots: torch.Tensor,
     ) -> torch.Tensor:
         """Causal GQA: multi-token spans (prefill chunks) one by one; the single-token rows of
-        decode_batch = (rows [B], block ids [B, nb], mask [B, 1, 1, N]) in one call."""
+        `decode` in one call. rope: positions [T], cos, sin [T, 1, Hd]."""
         c = self.config
         T = x.shape[0]
-        cos = self.rope_cos[positions][:, None]  # [T, 1, Hd]
-        sin = self.rope_sin[positions][:, None]
         if w.mla is None:
-            q, k, v = self.qkv(w, x, cos, sin)
+            q, k, v = self.qkv(w, x, rope)
         else:
-            q, k, v = deepseek.mla_qkv(c, w.mla, x, cos, sin)
+            q, k, v = deepseek.mla_qkv(c, w.mla, x, rope[1], rope[2])
         kv.write(layer_idx, slots, k, v)
-        out = torch.empty_like(q)  # [T, H, Hd]
+        out = q.new_empty(q.shape) if decode is None or not decode.all_rows else None
         for s in spans:
             rows = slice(s.row_start, s.row_end)
             n, t = s.pos_end, s.row_end - s.row_start
@@ -265,13 +305,24 @@ class Qwen3MoeModel:
                 q[rows].transpose(0, 1), k_all, v_all, attn_mask=mask,
                 enable_gqa=c.num_heads != c.num_kv_heads,
             ).transpose(0, 1)  # [t, H, Hd]
-        if decode_batch is not None:
-            rows, ids, mask = decode_batch
-            k_all, v_all = kv.read_batch(layer_idx, ids)  # [B, G, N, Hd]
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows][:, :, None], k_all, v_all, attn_mask=mask,
-                enable_gqa=c.num_heads != c.num_kv_heads,
-            )[:, :, 0]  # [B, H, Hd]
+        if decode is not None:
+            q_rows = q if decode.all_rows else q[decode.rows]  # [B, H, Hd]
+            if decode.lengths is not None:
+                cpu = cpu_kernels_for(q_rows, q_rows)
+                assert cpu is not None
+                res = cpu.decode_attention(q_rows, kv.k[layer_idx], kv.v[layer_idx], decode.ids,
+                                           decode.lengths, decode.max_length)
+            else:
+                k_all, v_all = kv.read_batch(layer_idx, decode.ids)  # [B, G, N, Hd]
+                res = F.scaled_dot_product_attention(
+                    q_rows[:, :, None], k_all, v_all, attn_mask=decode.mask,
+                    enable_gqa=c.num_heads != c.num_kv_heads,
+                )[:, :, 0]  # [B, H, Hd]
+            if out is None:
+                out = res
+            else:
+                out[decode.rows] = res
+        assert out is not None
         out = out[..., : c.v_head_dim or c.head_dim]  # MLA: V was zero-padded to Hd
         out = matmul_split(out.reshape(T, -1), w.o)  # [T, D]
         return out if w.o_bias is None else out + w.o_bias
@@ -289,11 +340,8 @@ class Qwen3MoeModel:
             if c.norm_topk_prob:
                 top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
-        # Group routed (token, k) entries by expert; experts accumulate in ascending id order
-        # whatever their residency, so results never depend on the cache.
         top_idx_host = top_idx.cpu()  # [T, K]
-        flat_idx = top_idx_host.flatten()  # [T*K]
-        counts = torch.bincount(flat_idx, minlength=c.num_experts).tolist()  # [E]
+        counts = torch.bincount(top_idx_host.flatten(), minlength=c.num_experts).tolist()  # [E]
         experts.route(layer_idx, top_idx_host, counts)  # one lookup per distinct expert
         nxt = self.next_moe_layer.get(layer_idx)
         if nxt is not None and experts.wants_predictions:
@@ -301,22 +349,7 @@ class Qwen3MoeModel:
             # (softmax is monotonic, so top-K of the logits is top-K of the probabilities).
             next_logits = x @ self.layers[nxt].router_t  # [T, E]
             experts.predict(nxt, torch.topk(next_logits, K, dim=-1).indices)  # [T, K]
-        order = torch.argsort(flat_idx, stable=True).to(x.device)  # [T*K], grouped by expert
-        token_of = order // K  # [T*K]
-        weight_of = top_w.flatten()[order]  # [T*K]
-        # One gather in, one scatter-add out per layer; per expert only views and its own math
-        # (Python dispatches per expert are what decode pays beyond the weight bytes).
-        xs = x[token_of]  # [T*K, D], rows grouped by expert
-        ys = torch.empty_like(xs)  # [T*K, D]
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                ys[start : start + n] = experts.expert_forward(
-                    layer_idx, expert, xs[start : start + n])  # [n, D]
-                start += n
-        experts.layer_done(layer_idx)
-        # index_add_ walks the rows in order: each token still sums its experts by ascending id.
-        return torch.zeros_like(x).index_add_(0, token_of, ys * weight_of[:, None])  # [T, D]
+        return experts.apply(layer_idx, x, top_idx_host, top_w)  # [T, D]
 
 
 def load_qwen3_moe(

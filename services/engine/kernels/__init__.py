@@ -1,0 +1,277 @@
+"""Strata's CPU kernels: `cpu_kernels.c`, built with the machine's C compiler at first use and
+called through ctypes.
+
+    kernels.active()   the process's CpuKernels, or None (torch ops run instead)
+    kernels.configure(mode)   auto (build if a compiler is there) | on (must build) | off
+
+The library is compiled for this CPU (-march=native) into a cache directory
+(STRATA_KERNEL_CACHE, else $XDG_CACHE_HOME/strata/kernels, else ~/.cache/strata/kernels), keyed by
+the source, the flags, the compiler and the CPU's feature flags, so a rebuild happens only when
+one of them changes; a build takes about a second. It runs on torch's OpenMP thread pool (it
+is loaded after torch, whose libgomp it then links to), so `--threads` applies to both.
+
+What runs here (decode is bound by the weight bytes it reads; see docs/benchmarks.md):
+  linear(x, w)        x [T, K] @ a split weight [S, K, N/S] -> [T, N]     (matmul_split)
+  moe(x, top_idx, top_w, blob_addr)   one MoE layer's routed experts, read by address from
+                                      the slots or the host store, weighted sum per row
+Both are fp32 only, and every output row is computed the same way whatever the other rows of
+the call are (see the numerics note in cpu_kernels.c).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("strata.engine")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ABI_VERSION = 1  # cpu_kernels.c's ABI_VERSION
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
+         "-std=gnu11")
+MODES = ("auto", "on", "off")
+
+_c_ptr = ctypes.c_void_p
+_c_i64 = ctypes.c_int64
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be built or loaded (no compiler, a compile error, ...)."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("STRATA_KERNEL_CACHE"):
+        return Path(os.environ["STRATA_KERNEL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "strata" / "kernels"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else the machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def build(directory: Path | None = None) -> Path:
+    """The compiled library for this source, compiler and CPU: from the cache, else built."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        raise KernelBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_fingerprint().encode()])).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)  # then an atomic rename: builds
+    os.close(fd)  # racing in several processes never load a half-written file
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelBuildError(f"{cc} failed (exit {done.returncode}): "
+                                   f"{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    log.info("built the CPU kernels in %.1f s with %s (%s) -> %s",
+             time.perf_counter() - t0, cc, version, target)
+    return target
+
+
+class _Workspace(threading.local):
+    floats: torch.Tensor | None = None
+    ints: torch.Tensor | None = None
+    attention: torch.Tensor | None = None
+
+
+class CpuKernels:
+    """ctypes bindings of cpu_kernels.c. Inputs are fp32 CPU tensors; outputs are new tensors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        if lib.strata_abi_version() != ABI_VERSION:
+            raise KernelBuildError(f"{path} has ABI {lib.strata_abi_version()}, "
+                                   f"expected {ABI_VERSION}")
+        lib.strata_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
+                                      _c_ptr]
+        lib.strata_linear.restype = None
+        lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
+                                   _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
+        lib.strata_moe.restype = None
+        lib.strata_moe_work_floats.argtypes = [_c_i64, _c_i64, _c_i64, _c_i64]
+        lib.strata_moe_work_floats.restype = _c_i64
+        lib.strata_moe_work_ints.argtypes = [_c_i64, _c_i64, _c_i64]
+        lib.strata_moe_work_ints.restype = _c_i64
+        lib.strata_rms_norm.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_float,
+                                        _c_ptr, _c_i64]
+        lib.strata_rms_norm.restype = None
+        lib.strata_qk_norm_rope.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
+                                            _c_ptr, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr,
+                                            _c_ptr]
+        lib.strata_qk_norm_rope.restype = None
+        lib.strata_decode_attention.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
+                                                _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr,
+                                                ctypes.c_float, _c_ptr, _c_ptr]
+        lib.strata_decode_attention.restype = None
+        self._lib = lib
+        self._work = _Workspace()
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (rows may be strided) @ w [S, K, n] (contiguous) -> [T, S*n]."""
+        S, K, n = w.shape
+        T = x.shape[0]
+        assert x.dtype == w.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
+        y = torch.empty(T, S * n)
+        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), S, n,
+                                y.data_ptr())
+        return y
+
+    def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+            blob_addr: np.ndarray, ffn_size: int, splits: int) -> torch.Tensor:
+        """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
+        blob_addr [E] (int64 address of each routed expert's blob) -> [T, D] weighted sums."""
+        T, D = x.shape
+        K = top_idx.shape[1]
+        E = blob_addr.shape[0]
+        assert x.dtype == top_w.dtype == torch.float32 and top_idx.dtype == torch.int64
+        assert x.is_contiguous() and top_idx.is_contiguous() and top_w.is_contiguous()
+        floats = self._workspace("floats", torch.float32,
+                                 self._lib.strata_moe_work_floats(T, K, D, ffn_size))
+        ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
+        y = torch.empty(T, D)
+        self._lib.strata_moe(x.data_ptr(), T, D, ffn_size, splits, K, top_idx.data_ptr(),
+                             top_w.data_ptr(), E, blob_addr.ctypes.data, y.data_ptr(),
+                             floats.data_ptr(), ints.data_ptr())
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x [R, D] (rows may be strided) times weight [D] -> [R, D]."""
+        R, D = x.shape
+        assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1
+        out = torch.empty(R, D)
+        self._lib.strata_rms_norm(x.data_ptr(), R, D, x.stride(0), weight.data_ptr(), eps,
+                                  out.data_ptr(), D)
+        return out
+
+    def qk_norm_rope(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+        """In place on qkv [T, (H + 2G) * Hd] (q | k | v): per q and k head RMSNorm (weights
+        [Hd], or none) then RoPE with the rows `positions` [T] of cos/sin [N, Hd]."""
+        T = qkv.shape[0]
+        assert qkv.dtype == torch.float32 and qkv.stride(1) == 1 and positions.dtype == torch.int64
+        assert cos.is_contiguous() and sin.is_contiguous() and positions.is_contiguous()
+        self._lib.strata_qk_norm_rope(
+            qkv.data_ptr(), T, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr())
+
+    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         tables: torch.Tensor, lengths: torch.Tensor,
+                         max_length: int) -> torch.Tensor:
+        """One query token per row over its paged K/V: q [R, H, Hd] (rows may be strided),
+        pools [blocks, P, G, Hd], tables [R, nb] block ids, lengths [R] (at most max_length)
+        -> [R, H, Hd]."""
+        R, H, Hd = q.shape
+        _, P, G, _ = k_pool.shape
+        assert q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+        assert q.stride(2) == 1 and q.stride(1) == Hd
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and tables.is_contiguous()
+        assert tables.dtype == lengths.dtype == torch.int64 and lengths.is_contiguous()
+        work = self._workspace("attention", torch.float32, R * H * max_length)
+        out = torch.empty(R, H, Hd)
+        self._lib.strata_decode_attention(
+            q.data_ptr(), R, q.stride(0), H, G, Hd, k_pool.data_ptr(), v_pool.data_ptr(), P,
+            tables.data_ptr(), tables.stride(0), lengths.data_ptr(), Hd**-0.5, out.data_ptr(),
+            work.data_ptr())
+        return out
+
+    def _workspace(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A per-thread scratch buffer of at least numel elements, grown (never shrunk)."""
+        buf = getattr(self._work, name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=dtype)
+            setattr(self._work, name, buf)
+        return buf
+
+
+_state: dict[str, object] = {"mode": "auto"}
+
+
+def configure(mode: str) -> CpuKernels | None:
+    """Choose the process's kernels: auto (use them if they build), on (raise if they do not),
+    off. Returns what active() will return."""
+    if mode not in MODES:
+        raise ValueError(f"cpu kernels mode must be one of {', '.join(MODES)}, not {mode!r}")
+    _state.clear()
+    _state["mode"] = mode
+    return active()
+
+
+def active() -> CpuKernels | None:
+    """The process's kernels (built and loaded at the first call), or None when off or
+    unavailable in auto mode."""
+    if "kernels" in _state:
+        return _state["kernels"]  # type: ignore[return-value]
+    mode = _state["mode"]
+    kernels = None
+    if mode != "off":
+        try:
+            kernels = CpuKernels(build())
+        except (KernelBuildError, OSError) as exc:
+            if mode == "on":
+                raise KernelBuildError(f"--cpu-kernels on, but the CPU kernels are not "
+                                       f"available: {exc}") from exc
+            log.warning("CPU kernels unavailable (%s): decode runs on torch ops instead, "
+                        "about 1.5x slower at batch 1. Install a C compiler with OpenMP "
+                        "(gcc) to get them, or set --cpu-kernels off to silence this.", exc)
+    _state["kernels"] = kernels
+    return kernels
+
+
+@contextlib.contextmanager
+def using(mode: str) -> Iterator[CpuKernels | None]:
+    """Run a block with the kernels on or off (tests and benches comparing the two paths)."""
+    saved = dict(_state)
+    try:
+        yield configure(mode)
+    finally:
+        _state.clear()
+        _state.update(saved)

@@ -2,22 +2,23 @@
 
     strata bench engine [--model DIR] [--prompt-tokens P] [--gen-tokens G] [--batch B]
                         [--repeat R] [--coverage C] [--threads N] [--expert-dtype auto|int8|int4]
-                        [--compare-hf] [--json]
+                        [--cpu-kernels auto|on|off] [--compare-hf] [--json]
 
-1. Measure the machine's memory read bandwidth (sum of a 256 MiB fp32 tensor, best of N) and its
-   copy bandwidth in the same process, before the model is loaded.
-2. Load the model with services.engine.runner.ModelRunner (expert cache at `--coverage`, all of
-   it by default, filled in layer order) and drive `runner.step` directly: one batched prefill
+1. Load the model with services.engine.runner.ModelRunner (expert cache at `--coverage`, all of
+   it by default, filled in layer order) and, with `--compare-hf`, the same checkpoint in
+   transformers; warm both up.
+2. R timed rounds, each: the machine's memory read bandwidth (sum of a 256 MiB fp32 tensor, best
+   of 3; copy bandwidth too), then Strata — `runner.step` driven directly: one batched prefill
    step of B prompts of P tokens, then G - 1 batched greedy decode steps (G tokens in all, like
-   `generate(max_new_tokens=G)`). Repeat R times on fresh sequences after a warm-up; report
-   medians.
+   `generate(max_new_tokens=G)`) on fresh sequences — then transformers `generate()` (greedy,
+   same prompts, same G, EOS off; decode tok/s = B * (G - 1) / (t(G) - t(1))). A shared VM's
+   bandwidth drifts by 2x within minutes, so each round's decode is set against the bandwidth
+   and the HF speed of the same round, and the medians of those per-round ratios are reported.
 3. Active weight bytes per decode token: the non-expert weights the step reads (attention,
    norms, routers, dense MLPs, lm_head; the embedding row only) once per step, plus the distinct
    routed experts of every MoE layer (K per token at batch 1; at batch B the B*K routed pairs of a
    layer share experts, measured from the run), divided by the B tokens of the step. The bound is
    bandwidth / active bytes; decode's share of it is the headline figure.
-4. `--compare-hf` loads the same checkpoint in transformers and times `generate()` (greedy, same
-   prompts, same G, EOS off): decode tok/s = B * (G - 1) / (t(G) - t(1)).
 
 Entry point: `main(argv) -> int`. With `--json` exactly one JSON object goes to stdout; progress
 goes to stderr.
@@ -35,10 +36,11 @@ from typing import Any
 
 import torch
 
+from services.engine import kernels
 from services.engine.model.quant import EXPERT_DTYPES
 
 BANDWIDTH_BYTES = 256 * 2**20
-BANDWIDTH_REPEATS = 7
+BANDWIDTH_REPEATS = 3  # per round
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the old river keeps running to the sea. "
     "Memory bandwidth, not arithmetic, bounds the decode of a sparse mixture of experts. "
@@ -61,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto", help="expert "
                    "weights in the host store and slots (int8/int4: quantized, as the engine's "
                    "--expert-dtype)")
+    p.add_argument("--cpu-kernels", choices=kernels.MODES, default="auto", help="the engine's "
+                   "C kernels for CPU decode (off: torch ops only, for comparison)")
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate()")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -70,10 +74,11 @@ def progress(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
 
 
-def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = BANDWIDTH_REPEATS
+def measure_bandwidth(num_bytes: int | None = None, repeats: int = BANDWIDTH_REPEATS
                       ) -> tuple[float, float]:
-    """(read, copy) bandwidth in bytes/s, best of `repeats`: `x.sum()` reads num_bytes;
-    `y.copy_(x)` reads and writes them (2 * num_bytes moved)."""
+    """(read, copy) bandwidth in bytes/s, best of `repeats`: `x.sum()` reads num_bytes
+    (BANDWIDTH_BYTES by default); `y.copy_(x)` reads and writes them (2 * num_bytes moved)."""
+    num_bytes = num_bytes or BANDWIDTH_BYTES
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
     y = torch.empty_like(x)
     read_s, copy_s = [], []
@@ -137,30 +142,31 @@ def run_strata(runner: Any, batch_prompts: list[list[int]], gen_tokens: int
     return prefill_s, decode_s, out, distinct
 
 
-def run_hf(model_dir: Path, batch_prompts: list[list[int]], gen_tokens: int, repeat: int
-           ) -> tuple[list[float], list[float], list[list[int]]]:
-    """transformers generate() timings: (prefill_s per run, decode_s per run, generated ids)."""
-    from transformers import AutoModelForCausalLM
+class HfGenerate:
+    """transformers generate() on the same checkpoint and prompts, loaded once."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # exactly G tokens, like the Strata loop
-    ids = torch.tensor(batch_prompts)  # [B, P]
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    def __init__(self, model_dir: Path, batch_prompts: list[list[int]], gen_tokens: int):
+        from transformers import AutoModelForCausalLM
 
-    def generate(n: int) -> tuple[float, torch.Tensor]:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None  # exactly G tokens, like Strata's loop
+        self.ids = torch.tensor(batch_prompts)  # [B, P]
+        self.gen_tokens = gen_tokens
+        self._generate(min(gen_tokens, 4))  # warm-up
+
+    def _generate(self, n: int) -> tuple[float, torch.Tensor]:
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            out = self.model.generate(self.ids, max_new_tokens=n, min_new_tokens=n,
+                                      attention_mask=torch.ones_like(self.ids), do_sample=False,
+                                      pad_token_id=0)
         return time.perf_counter() - t0, out
 
-    generate(min(gen_tokens, 4))  # warm-up
-    prefill, decode = [], []
-    for _ in range(repeat):
-        t1, _ = generate(1)
-        tg, out = generate(gen_tokens)
-        prefill.append(t1)
-        decode.append(max(tg - t1, 1e-9))
-    return prefill, decode, out[:, ids.shape[1]:].tolist()
+    def run(self) -> tuple[float, float, list[list[int]]]:
+        """(prefill_s, decode_s, generated ids per sequence) of one timed round."""
+        t1, _ = self._generate(1)
+        tg, out = self._generate(self.gen_tokens)
+        return t1, max(tg - t1, 1e-9), out[:, self.ids.shape[1]:].tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.engine.runner import ModelRunner
     from services.models import default_model_dir
 
+    kernels.configure(args.cpu_kernels)
     model_dir = args.model or default_model_dir()
-    read_bps, copy_bps = measure_bandwidth()
-    progress(f"memory bandwidth: read {read_bps / 1e9:.1f} GB/s (sum of 256 MiB, best of "
-             f"{BANDWIDTH_REPEATS}), copy {copy_bps / 1e9:.1f} GB/s")
     probe = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0,
                         expert_dtype=args.expert_dtype)
     slots = round(args.coverage * probe.total_pairs)
@@ -188,49 +192,69 @@ def main(argv: list[str] | None = None) -> int:
     batch_prompts = prompts(args.batch, args.prompt_tokens)
     progress(f"{model_dir.name}: batch {args.batch}, {args.prompt_tokens} prompt + "
              f"{args.gen_tokens} generated tokens, {slots}/{total_pairs} pairs cached, "
-             f"{torch.get_num_threads()} threads; warm-up")
+             f"{torch.get_num_threads()} threads, CPU kernels "
+             f"{'on' if kernels.active() else 'off'}; warm-up")
     run_strata(runner, batch_prompts, min(args.gen_tokens, 4))
-    prefill_s, decode_s, distincts = [], [], []
-    for i in range(args.repeat):
-        p_s, d_s, tokens, distinct = run_strata(runner, batch_prompts, args.gen_tokens)
-        distincts.append(distinct)
-        prefill_s.append(p_s)
-        decode_s.append(d_s)
-        progress(f"run {i + 1}/{args.repeat}: prefill {p_s * 1e3:.0f} ms, decode "
-                 f"{args.batch * (args.gen_tokens - 1) / d_s:.1f} tok/s")
-    distinct = statistics.mean(distincts)
+    hf = None
+    if args.compare_hf:
+        progress("loading the checkpoint in transformers for generate()")
+        hf = HfGenerate(model_dir, batch_prompts, args.gen_tokens)
     fixed = non_expert_bytes(runner)
-    step_bytes = fixed + distinct * len(c.moe_layers) * slot_bytes
-    active = step_bytes / args.batch
-    decode_tok_s = args.batch * (args.gen_tokens - 1) / statistics.median(decode_s)
-    bound = read_bps / active
+    rounds: list[dict[str, Any]] = []
+    for i in range(args.repeat):
+        read_bps, copy_bps = measure_bandwidth()
+        p_s, d_s, tokens, distinct = run_strata(runner, batch_prompts, args.gen_tokens)
+        active = (fixed + distinct * len(c.moe_layers) * slot_bytes) / args.batch
+        r = {"read_bps": read_bps, "copy_bps": copy_bps, "prefill_s": p_s, "distinct": distinct,
+             "decode_tok_s": args.batch * (args.gen_tokens - 1) / d_s}
+        r["bound_fraction"] = r["decode_tok_s"] / (read_bps / active)
+        line = (f"round {i + 1}/{args.repeat}: bandwidth {read_bps / 1e9:.1f} GB/s, prefill "
+                f"{p_s * 1e3:.0f} ms, decode {r['decode_tok_s']:.1f} tok/s "
+                f"({r['bound_fraction']:.0%} of the bound)")
+        if hf is not None:
+            hp, hd, hf_tokens = hf.run()
+            r.update(hf_prefill_s=hp, hf_decode_tok_s=args.batch * (args.gen_tokens - 1) / hd,
+                     hf_tokens_match=hf_tokens == tokens)
+            r["hf_ratio"] = r["decode_tok_s"] / r["hf_decode_tok_s"]
+            line += f"; HF decode {r['hf_decode_tok_s']:.1f} tok/s -> {r['hf_ratio']:.2f}x"
+        rounds.append(r)
+        progress(line)
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    distinct = statistics.mean(r["distinct"] for r in rounds)
+    active = (fixed + distinct * len(c.moe_layers) * slot_bytes) / args.batch
+    read_bps = median("read_bps")
     result: dict[str, Any] = {
         "model": model_dir.name,
         "batch": args.batch,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "threads": torch.get_num_threads(),
+        "cpu_kernels": kernels.active() is not None,
         "coverage": slots / total_pairs if total_pairs else 1.0,
         "expert_dtype": args.expert_dtype,
-        "prefill_tok_s": args.batch * args.prompt_tokens / statistics.median(prefill_s),
-        "decode_tok_s": decode_tok_s,
-        "decode_runs_tok_s": [args.batch * (args.gen_tokens - 1) / s for s in decode_s],
+        "prefill_tok_s": args.batch * args.prompt_tokens / median("prefill_s"),
+        "decode_tok_s": median("decode_tok_s"),
+        "decode_runs_tok_s": [r["decode_tok_s"] for r in rounds],
         "bandwidth_gb_s": read_bps / 1e9,
-        "copy_bandwidth_gb_s": copy_bps / 1e9,
+        "bandwidth_runs_gb_s": [r["read_bps"] / 1e9 for r in rounds],
+        "copy_bandwidth_gb_s": median("copy_bps") / 1e9,
         "non_expert_bytes_per_step": fixed,
         "expert_bytes": slot_bytes,
         "distinct_experts_per_layer_step": distinct,
         "active_bytes_per_token": active,
-        "bandwidth_bound_tok_s": bound,
-        "bound_fraction": decode_tok_s / bound,
+        "bandwidth_bound_tok_s": read_bps / active,
+        "bound_fraction": median("bound_fraction"),
+        "bound_fraction_runs": [r["bound_fraction"] for r in rounds],
     }
-    if args.compare_hf:
-        progress("transformers generate()")
-        hp, hd, hf_tokens = run_hf(model_dir, batch_prompts, args.gen_tokens, args.repeat)
-        result["hf_prefill_tok_s"] = args.batch * args.prompt_tokens / statistics.median(hp)
-        result["hf_decode_tok_s"] = args.batch * (args.gen_tokens - 1) / statistics.median(hd)
-        result["hf_ratio"] = decode_tok_s / result["hf_decode_tok_s"]
-        result["hf_tokens_match"] = hf_tokens == tokens
+    if hf is not None:
+        result["hf_prefill_tok_s"] = args.batch * args.prompt_tokens / median("hf_prefill_s")
+        result["hf_decode_tok_s"] = median("hf_decode_tok_s")
+        result["hf_ratio"] = median("hf_ratio")
+        result["hf_ratio_runs"] = [r["hf_ratio"] for r in rounds]
+        result["hf_tokens_match"] = all(r["hf_tokens_match"] for r in rounds)
     if args.json:
         print(json.dumps(result))
     else:
@@ -252,11 +276,12 @@ def render(r: dict[str, Any]) -> str:
         f"bandwidth   {r['bandwidth_gb_s']:10.1f} GB/s read (copy "
         f"{r['copy_bandwidth_gb_s']:.1f} GB/s)",
         f"bound       {r['bandwidth_bound_tok_s']:10.1f} tok/s -> decode at "
-        f"{r['bound_fraction']:.0%} of the bandwidth bound",
+        f"{r['bound_fraction']:.0%} of the bandwidth bound (median of the rounds' ratios)",
     ]
     if "hf_decode_tok_s" in r:
         lines.append(f"HF generate {r['hf_decode_tok_s']:10.1f} tok/s decode, "
                      f"{r['hf_prefill_tok_s']:.1f} tok/s prefill -> Strata {r['hf_ratio']:.2f}x"
+                     f" (median of the rounds' ratios)"
                      f" (greedy tokens {'match' if r['hf_tokens_match'] else 'DIFFER'})")
     return "\n".join(lines)
 

@@ -12,8 +12,11 @@ is loaded after torch, whose libgomp it then links to), so `--threads` applies t
 
 What runs here (decode is bound by the weight bytes it reads; see docs/benchmarks.md):
   linear(x, w)        x [T, K] @ a split weight [S, K, N/S] -> [T, N]     (matmul_split)
+  router(x, router_t, k, renormalize)  softmax top-k routing and the rows per expert
   moe(x, top_idx, top_w, blob_addr)   one MoE layer's routed experts, read by address from
                                       the slots or the host store, weighted sum per row
+  rms_norm, qk_norm_rope, decode_attention   the rest of a decode layer (paged K/V read by
+                                      block table, no gather)
 Both are fp32 only, and every output row is computed the same way whatever the other rows of
 the call are (see the numerics note in cpu_kernels.c).
 """
@@ -40,7 +43,7 @@ import torch
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 1  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 2  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -113,10 +116,32 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
+class DecodeLayer(ctypes.Structure):
+    """cpu_kernels.c's struct strata_layer: one decoder layer's weight pointers."""
+
+    _fields_ = [("in_norm", _c_ptr), ("post_norm", _c_ptr), ("wqkv", _c_ptr),
+                ("qkv_splits", _c_i64), ("q_norm", _c_ptr), ("k_norm", _c_ptr), ("wo", _c_ptr),
+                ("o_splits", _c_i64), ("k_pool", _c_ptr), ("v_pool", _c_ptr),
+                ("router", _c_ptr)]
+
+
+class DecodeStep(ctypes.Structure):
+    """cpu_kernels.c's struct strata_step: one decode step's shapes, indices and buffers."""
+
+    _fields_ = [*((name, _c_i64) for name in ("T", "D", "H", "G", "Hd", "P", "E", "K",
+                                               "renormalize", "table_stride", "max_length")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *((name, _c_ptr) for name in ("cos_table", "sin_table", "positions", "slots",
+                                              "tables", "lengths", "x", "add", "h", "qkv",
+                                              "attn", "o", "scores", "top_idx", "top_w",
+                                              "counts"))]
+
+
 class _Workspace(threading.local):
     floats: torch.Tensor | None = None
     ints: torch.Tensor | None = None
     attention: torch.Tensor | None = None
+    router: torch.Tensor | None = None
 
 
 class CpuKernels:
@@ -147,8 +172,14 @@ class CpuKernels:
         lib.strata_qk_norm_rope.restype = None
         lib.strata_decode_attention.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
                                                 _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr,
-                                                ctypes.c_float, _c_ptr, _c_ptr]
+                                                _c_i64, ctypes.c_float, _c_ptr, _c_ptr]
         lib.strata_decode_attention.restype = None
+        lib.strata_router.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
+                                      ctypes.c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
+        lib.strata_router.restype = None
+        lib.strata_decode_layer.argtypes = [ctypes.POINTER(DecodeLayer),
+                                            ctypes.POINTER(DecodeStep)]
+        lib.strata_decode_layer.restype = None
         self._lib = lib
         self._work = _Workspace()
 
@@ -179,6 +210,23 @@ class CpuKernels:
                              top_w.data_ptr(), E, blob_addr.ctypes.data, y.data_ptr(),
                              floats.data_ptr(), ints.data_ptr())
         return y
+
+    def router(self, x: torch.Tensor, router_t: torch.Tensor, k: int, renormalize: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """Softmax top-k routing of x [T, D] by router_t [D, E] -> (experts [T, k] int64,
+        weights [T, k] fp32, rows per expert [E] int64)."""
+        T, D = x.shape
+        E = router_t.shape[1]
+        assert x.dtype == router_t.dtype == torch.float32 and x.is_contiguous()
+        assert router_t.is_contiguous() and router_t.shape[0] == D
+        top_idx = torch.empty(T, k, dtype=torch.int64)
+        top_w = torch.empty(T, k)
+        counts = np.empty(E, dtype=np.int64)
+        work = self._workspace("router", torch.float32, T * E)
+        self._lib.strata_router(x.data_ptr(), T, D, router_t.data_ptr(), E, k, renormalize,
+                                top_idx.data_ptr(), top_w.data_ptr(), counts.ctypes.data,
+                                work.data_ptr())
+        return top_idx, top_w, counts
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each row of x [R, D] (rows may be strided) times weight [D] -> [R, D]."""
@@ -219,9 +267,14 @@ class CpuKernels:
         out = torch.empty(R, H, Hd)
         self._lib.strata_decode_attention(
             q.data_ptr(), R, q.stride(0), H, G, Hd, k_pool.data_ptr(), v_pool.data_ptr(), P,
-            tables.data_ptr(), tables.stride(0), lengths.data_ptr(), Hd**-0.5, out.data_ptr(),
-            work.data_ptr())
+            tables.data_ptr(), tables.stride(0), lengths.data_ptr(), max_length, Hd**-0.5,
+            out.data_ptr(), work.data_ptr())
         return out
+
+    def decode_layer(self, layer: DecodeLayer, step: DecodeStep) -> None:
+        """The attention half of a decoder layer and its router on a decode step's rows, in
+        place on the step's buffers (see strata_decode_layer)."""
+        self._lib.strata_decode_layer(ctypes.byref(layer), ctypes.byref(step))
 
     def _workspace(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A per-thread scratch buffer of at least numel elements, grown (never shrunk)."""

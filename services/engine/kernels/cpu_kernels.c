@@ -6,6 +6,12 @@
  * weight block a step needs inside one OpenMP parallel region per call (torch's own OpenMP
  * runtime: the library is loaded after torch, so its libgomp is the one in use).
  *
+ * Structure: the static *_rows / *_units functions hold orphaned `omp for` loops — inside a
+ * parallel region they share the work among its threads, outside one they run on the caller's
+ * thread. The exported strata_* functions open one region around one of them;
+ * strata_decode_layer runs a whole decoder layer's attention half and its router in one region
+ * (a barrier between stages instead of a Python dispatch and a fork/join per op).
+ *
  * Shape legend: T rows (tokens), D hidden, F expert FFN, S column splits, K routed per token,
  * E experts of the layer, A = T*K routed (token, expert) assignments.
  *
@@ -19,68 +25,103 @@
 #include <stdint.h>
 #include <string.h>
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 #define TOK_TILE 4     /* rows sharing one pass over a weight block */
 #define COL_BLOCK 256  /* output columns per parallel work unit of strata_linear */
+#if TOK_TILE != 4
+#error "tile_product's register budget assumes TOK_TILE == 4"
+#endif
 
 int strata_abi_version(void) { return ABI_VERSION; }
 
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats, unaligned ok */
-#define REG_COLS 64 /* columns whose TOK_TILE x REG_COLS accumulators stay in registers */
 
-/* ys[t][0:n] = xs[t][0:K] @ W[0:K][0:n] (W row stride ld) for nt <= TOK_TILE rows.
- * Columns in chunks of REG_COLS, accumulated in registers; a tail of n % REG_COLS columns in
- * memory. Both compute acc = fma(x[i], W[i][j], acc) for i = 0, 1, ... from acc = 0. */
-static void tile_product(const float *const *xs, int nt, const float *W, int64_t K, int64_t ld,
-                         int64_t n, float *const *ys)
+/* One pass over columns [c, c + 16 NV) of W for NT rows, the NT x NV accumulators in registers
+ * (NT and NV are constants at every call site, so the loops unroll). */
+static inline __attribute__((always_inline)) void reg_pass(const float *const *xs, const int NT,
+                                                           const int NV, const float *W,
+                                                           int64_t K, int64_t ld, int64_t c,
+                                                           float *const *ys)
 {
-    const int64_t n_reg = n - n % REG_COLS;
-    for (int64_t c = 0; c < n_reg; c += REG_COLS) {
-        v16 acc[TOK_TILE][4];
-        for (int t = 0; t < TOK_TILE; t++)
-            for (int q = 0; q < 4; q++)
-                acc[t][q] = (v16){0};
-        for (int64_t i = 0; i < K; i++) {
-            const v16 *r = (const v16 *)(W + i * ld + c);
-            const v16 r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
-#pragma GCC unroll 4
-            for (int t = 0; t < TOK_TILE; t++) {
-                if (t < nt) {
-                    const v16 xv = (v16){0} + xs[t][i];
-                    acc[t][0] += xv * r0;
-                    acc[t][1] += xv * r1;
-                    acc[t][2] += xv * r2;
-                    acc[t][3] += xv * r3;
-                }
-            }
+    v16 acc[TOK_TILE][16];
+    for (int t = 0; t < NT; t++)
+        for (int q = 0; q < NV; q++)
+            acc[t][q] = (v16){0};
+    for (int64_t i = 0; i < K; i++) {
+        const v16 *r = (const v16 *)(W + i * ld + c);
+        v16 row[16];
+        for (int q = 0; q < NV; q++)
+            row[q] = r[q];
+        for (int t = 0; t < NT; t++) {
+            const v16 xv = (v16){0} + xs[t][i];
+            for (int q = 0; q < NV; q++)
+                acc[t][q] += xv * row[q];
         }
-        for (int t = 0; t < nt; t++)
-            memcpy(ys[t] + c, acc[t], sizeof acc[t]);
     }
-    if (n_reg == n)
+    for (int t = 0; t < NT; t++)
+        memcpy(ys[t] + c, acc[t], (size_t)NV * sizeof(v16));
+}
+
+/* Columns [0, n) in passes of 16 NV; the rest in passes of 64 columns, then one by one. */
+static inline __attribute__((always_inline)) void reg_passes(const float *const *xs,
+                                                             const int NT, const int NV,
+                                                             const float *W, int64_t K,
+                                                             int64_t ld, int64_t n,
+                                                             float *const *ys)
+{
+    int64_t c = 0;
+    for (; c + 16 * NV <= n; c += 16 * NV)
+        reg_pass(xs, NT, NV, W, K, ld, c, ys);
+    for (; c + 64 <= n; c += 64)
+        reg_pass(xs, NT, NV < 4 ? NV : 4, W, K, ld, c, ys);
+    if (c == n)
         return;
-    const int64_t w = n - n_reg;
-    float acc[TOK_TILE][REG_COLS];
-    for (int t = 0; t < nt; t++)
+    float acc[TOK_TILE][64];
+    for (int t = 0; t < NT; t++)
         memset(acc[t], 0, sizeof acc[t]);
     for (int64_t i = 0; i < K; i++) {
-        const float *restrict row = W + i * ld + n_reg;
-        for (int t = 0; t < nt; t++) {
+        const float *restrict row = W + i * ld + c;
+        for (int t = 0; t < NT; t++) {
             const float xi = xs[t][i];
-            for (int64_t j = 0; j < w; j++)
+            for (int64_t j = 0; j < n - c; j++)
                 acc[t][j] += xi * row[j];
         }
     }
-    for (int t = 0; t < nt; t++)
-        memcpy(ys[t] + n_reg, acc[t], (size_t)w * sizeof(float));
+    for (int t = 0; t < NT; t++)
+        memcpy(ys[t] + c, acc[t], (size_t)(n - c) * sizeof(float));
 }
 
-/* y[T][S*n] = x[T][K] (row stride ldx) @ W, W stored as S column blocks [S][K][n]. */
-void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const float *W, int64_t S,
-                   int64_t n, float *y)
+/* ys[t][0:n] = xs[t][0:K] @ W[0:K][0:n] (W row stride ld) for nt <= TOK_TILE rows, with 16
+ * accumulator registers: one row reads up to 256 columns per pass (a W of up to 256 columns
+ * streams in one sequential pass), four rows 64. Every variant computes
+ * acc = fma(x[i], W[i][j], acc) for i = 0, 1, ... from acc = 0, so the result of a row does not
+ * depend on how many rows share the pass. */
+static void tile_product(const float *const *xs, int nt, const float *W, int64_t K, int64_t ld,
+                         int64_t n, float *const *ys)
+{
+    switch (nt) {
+    case 1:
+        reg_passes(xs, 1, 16, W, K, ld, n, ys);
+        break;
+    case 2:
+        reg_passes(xs, 2, 8, W, K, ld, n, ys);
+        break;
+    case 3:
+        reg_passes(xs, 3, 4, W, K, ld, n, ys);
+        break;
+    default:
+        reg_passes(xs, 4, 4, W, K, ld, n, ys);
+        break;
+    }
+}
+
+/* y[t][s*n + j] (row stride ldy) = x[T][K] (row stride ldx) @ W, W stored as S column blocks
+ * [S][K][n]; units of COL_BLOCK columns shared among the threads. */
+static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, const float *W,
+                         int64_t S, int64_t n, float *y, int64_t ldy)
 {
     const int64_t chunks = (n + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t u = 0; u < S * chunks; u++) {
         const int64_t s = u / chunks, c = (u % chunks) * COL_BLOCK;
         const int64_t w = n - c < COL_BLOCK ? n - c : COL_BLOCK;
@@ -91,11 +132,274 @@ void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const floa
             float *ys[TOK_TILE];
             for (int t = 0; t < nt; t++) {
                 xs[t] = x + (t0 + t) * ldx;
-                ys[t] = y + (t0 + t) * S * n + s * n + c;
+                ys[t] = y + (t0 + t) * ldy + s * n + c;
             }
             tile_product(xs, nt, block, K, n, w, ys);
         }
     }
+}
+
+void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const float *W, int64_t S,
+                   int64_t n, float *y)
+{
+#pragma omp parallel
+    linear_units(x, T, K, ldx, W, S, n, y, S * n);
+}
+
+/* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
+ * pairwise, then the tail in order. */
+static float dot(const float *a, const float *b, int64_t n)
+{
+    const int64_t n16 = n - n % 16;
+    v16 acc = {0};
+    for (int64_t j = 0; j < n16; j += 16)
+        acc += *(const v16 *)(a + j) * *(const v16 *)(b + j);
+    float lanes[16];
+    memcpy(lanes, &acc, sizeof lanes);
+    for (int width = 8; width > 0; width /= 2)
+        for (int i = 0; i < width; i++)
+            lanes[i] += lanes[i + width];
+    float sum = lanes[0];
+    for (int64_t j = n16; j < n; j++)
+        sum += a[j] * b[j];
+    return sum;
+}
+
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for R rows of D (row strides ldx, ldo); with
+ * `add` (row stride ldx), first x[r] += add[r] in place: the residual stream's update. */
+static void rms_rows(float *x, int64_t R, int64_t D, int64_t ldx, const float *add,
+                     const float *w, float eps, float *out, int64_t ldo)
+{
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        float *restrict xr = x + r * ldx;
+        if (add)
+            for (int64_t j = 0; j < D; j++)
+                xr[j] += add[r * ldx + j];
+        float *restrict o = out + r * ldo;
+        const float inv = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);
+        for (int64_t j = 0; j < D; j++)
+            o[j] = w[j] * (xr[j] * inv);
+    }
+}
+
+void strata_rms_norm(const float *x, int64_t R, int64_t D, int64_t ldx, const float *w,
+                     float eps, float *out, int64_t ldo)
+{
+#pragma omp parallel if (R * D >= 65536)
+    rms_rows((float *)x, R, D, ldx, NULL, w, eps, out, ldo);
+}
+
+/* In place on the q and k heads of a fused projection qkv [T][ldx] = [q: H x Hd | k: G x Hd |
+ * v]: per head an RMSNorm over Hd (weights q_norm / k_norm; none when NULL), then RoPE in
+ * rotate-half form with the rows cos_table/sin_table [.][Hd] of each token's position. */
+static void qk_heads(float *qkv, int64_t T, int64_t ldx, int64_t H, int64_t G, int64_t Hd,
+                     const float *q_norm, const float *k_norm, float eps,
+                     const float *cos_table, const float *sin_table, const int64_t *positions)
+{
+    const int64_t half = Hd / 2;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < T * (H + G); u++) {
+        const int64_t t = u / (H + G), head = u % (H + G);
+        float *restrict x = qkv + t * ldx + head * Hd;
+        const float *norm = head < H ? q_norm : k_norm;
+        if (norm) {
+            const float inv = 1.0f / sqrtf(dot(x, x, Hd) / (float)Hd + eps);
+            for (int64_t j = 0; j < Hd; j++)
+                x[j] = norm[j] * (x[j] * inv);
+        }
+        const float *c = cos_table + positions[t] * Hd, *s = sin_table + positions[t] * Hd;
+        for (int64_t j = 0; j < half; j++) {
+            const float a = x[j], b = x[j + half];
+            x[j] = a * c[j] - b * s[j];
+            x[j + half] = b * c[j + half] + a * s[j + half];
+        }
+    }
+}
+
+void strata_qk_norm_rope(float *qkv, int64_t T, int64_t ldx, int64_t H, int64_t G, int64_t Hd,
+                         const float *q_norm, const float *k_norm, float eps,
+                         const float *cos_table, const float *sin_table, const int64_t *positions)
+{
+#pragma omp parallel if (T * (H + G) * Hd >= 65536)
+    qk_heads(qkv, T, ldx, H, G, Hd, q_norm, k_norm, eps, cos_table, sin_table, positions);
+}
+
+/* Decode attention over the paged KV cache: R rows, one query token each, causal over the
+ * n[r] positions its sequence has (its own included). q [R][ldq] holds H heads of Hd; query
+ * head h reads KV head h / (H/G). Position p of row r is at block tables[r][p / P], offset
+ * p % P of the pools k, v [blocks][P][G][Hd]. out [R][H][Hd]. work: R * H * n_max floats. */
+static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, int64_t G,
+                           int64_t Hd, const float *k, const float *v, int64_t P,
+                           const int64_t *tables, int64_t table_stride, const int64_t *n,
+                           int64_t n_max, float scale, float *out, float *work)
+{
+    const int64_t per_block = P * G * Hd, group = H / G;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < R * H; u++) {
+        const int64_t r = u / H, h = u % H, g = h / group, len = n[r];
+        const int64_t *table = tables + r * table_stride;
+        const float *restrict qh = q + r * ldq + h * Hd;
+        float *restrict s = work + u * n_max;
+        float m = -INFINITY;
+        for (int64_t p = 0; p < len; p++) {
+            const float *kp = k + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
+            s[p] = dot(qh, kp, Hd) * scale;
+            m = s[p] > m ? s[p] : m;
+        }
+        float sum = 0.0f;
+        for (int64_t p = 0; p < len; p++) {
+            s[p] = expf(s[p] - m);
+            sum += s[p];
+        }
+        float *restrict o = out + u * Hd;
+        memset(o, 0, (size_t)Hd * sizeof(float));
+        for (int64_t p = 0; p < len; p++) {
+            const float *restrict vp = v + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
+            const float pw = s[p] / sum;
+            for (int64_t j = 0; j < Hd; j++)
+                o[j] += pw * vp[j];
+        }
+    }
+}
+
+void strata_decode_attention(const float *q, int64_t R, int64_t ldq, int64_t H, int64_t G,
+                             int64_t Hd, const float *k, const float *v, int64_t P,
+                             const int64_t *tables, int64_t table_stride, const int64_t *n,
+                             int64_t n_max, float scale, float *out, float *work)
+{
+#pragma omp parallel if (R * H * n_max * Hd >= 32768)
+    attention_rows(q, R, ldq, H, G, Hd, k, v, P, tables, table_stride, n, n_max, scale, out,
+                   work);
+}
+
+/* A softmax top-K router on T rows: logits = x[t] @ Wr (Wr [D][E], pre-transposed; the same
+ * products as strata_linear), probabilities = softmax(logits) in fp32, the K most probable
+ * experts in descending order (the lower id first on a tie), their probabilities renormalized
+ * to sum to 1 when `renormalize`. work: T * E floats. */
+static void router_rows(const float *x, int64_t T, int64_t D, const float *Wr, int64_t E,
+                        int64_t K, int renormalize, int64_t *top_idx, float *top_w, float *work)
+{
+#pragma omp for schedule(static)
+    for (int64_t t0 = 0; t0 < T; t0 += TOK_TILE) {
+        const int nt = T - t0 < TOK_TILE ? (int)(T - t0) : TOK_TILE;
+        const float *xs[TOK_TILE];
+        float *ys[TOK_TILE];
+        for (int t = 0; t < nt; t++) {
+            xs[t] = x + (t0 + t) * D;
+            ys[t] = work + (t0 + t) * E;
+        }
+        tile_product(xs, nt, Wr, D, E, E, ys);
+        for (int t = 0; t < nt; t++) {
+            float *p = ys[t];
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t e = 0; e < E; e++)
+                m = p[e] > m ? p[e] : m;
+            for (int64_t e = 0; e < E; e++) {
+                p[e] = expf(p[e] - m);
+                sum += p[e];
+            }
+            for (int64_t e = 0; e < E; e++)
+                p[e] /= sum;
+            int64_t *idx = top_idx + (t0 + t) * K;
+            float *w = top_w + (t0 + t) * K;
+            float picked = 0.0f;
+            unsigned char taken[E];
+            memset(taken, 0, sizeof taken);
+            for (int64_t k = 0; k < K; k++) { /* selection: the best not yet taken */
+                int64_t best = 0;
+                while (taken[best])
+                    best++;
+                for (int64_t e = best + 1; e < E; e++)
+                    if (!taken[e] && p[e] > p[best])
+                        best = e;
+                taken[best] = 1;
+                idx[k] = best;
+                w[k] = p[best];
+                picked += p[best];
+            }
+            if (renormalize)
+                for (int64_t k = 0; k < K; k++)
+                    w[k] /= picked;
+        }
+    }
+}
+
+static void count_experts(const int64_t *top_idx, int64_t A, int64_t E, int64_t *counts)
+{
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t a = 0; a < A; a++)
+        counts[top_idx[a]]++;
+}
+
+/* strata_router: router_rows, then counts[e] = rows routed to expert e. */
+void strata_router(const float *x, int64_t T, int64_t D, const float *Wr, int64_t E, int64_t K,
+                   int renormalize, int64_t *top_idx, float *top_w, int64_t *counts, float *work)
+{
+#pragma omp parallel if (T * D * E >= (1 << 20))
+    router_rows(x, T, D, Wr, E, K, renormalize, top_idx, top_w, work);
+    count_experts(top_idx, T * K, E, counts);
+}
+
+/* One decoder layer's weights (fp32; split layouts as in services/engine/cache/layout.py). */
+struct strata_layer {
+    const float *in_norm, *post_norm; /* [D] */
+    const float *wqkv;                /* [S][D][(H + 2G) Hd / S]: q | k | v */
+    int64_t qkv_splits;
+    const float *q_norm, *k_norm;     /* [Hd] per head, or NULL */
+    const float *wo;                  /* [S][H Hd][D / S] */
+    int64_t o_splits;
+    float *k_pool, *v_pool;           /* this layer's [blocks][P][G][Hd] */
+    const float *router;              /* [D][E] */
+};
+
+/* One decode step: T rows, one token each (row t: position positions[t], written at flat KV
+ * slot slots[t], reading tables[t][.] for lengths[t] positions), and its buffers. */
+struct strata_step {
+    int64_t T, D, H, G, Hd, P, E, K, renormalize, table_stride, max_length;
+    float eps, scale;
+    const float *cos_table, *sin_table; /* [positions][Hd] */
+    const int64_t *positions, *slots, *tables, *lengths;
+    float *x;                           /* [T][D] the residual stream, updated in place */
+    const float *add;                   /* [T][D] added to x first (the last MoE's output), or NULL */
+    float *h;                           /* [T][D] out: the MoE's normalized input */
+    float *qkv, *attn, *o, *scores;     /* work: [T][(H+2G)Hd], [T][H Hd], [T][D], [T][H][max_length] */
+    int64_t *top_idx;                   /* [T][K] out */
+    float *top_w;                       /* [T][K] out */
+    int64_t *counts;                    /* [E] out */
+};
+
+/* The attention half of a decoder layer and its router, for decode rows, in one region:
+ *   x += add; h = norm(x); qkv = h @ wqkv; q, k: head norm + RoPE; K/V written to the pool;
+ *   attention over the pool; x += attn @ wo; h = post_norm(x); router(h).
+ * Each stage computes what strata_rms_norm, strata_linear, strata_qk_norm_rope,
+ * strata_decode_attention and strata_router compute (the same functions). */
+void strata_decode_layer(const struct strata_layer *L, const struct strata_step *s)
+{
+    const int64_t T = s->T, D = s->D, Hd = s->Hd, G = s->G;
+    const int64_t nqkv = (s->H + 2 * G) * Hd, q_size = s->H * Hd, kv_size = G * Hd;
+#pragma omp parallel
+    {
+        rms_rows(s->x, T, D, D, s->add, L->in_norm, s->eps, s->h, D);
+        linear_units(s->h, T, D, D, L->wqkv, L->qkv_splits, nqkv / L->qkv_splits, s->qkv, nqkv);
+        qk_heads(s->qkv, T, nqkv, s->H, G, Hd, L->q_norm, L->k_norm, s->eps, s->cos_table,
+                 s->sin_table, s->positions);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(L->k_pool + s->slots[t] * kv_size, s->qkv + t * nqkv + q_size,
+                   (size_t)kv_size * sizeof(float));
+            memcpy(L->v_pool + s->slots[t] * kv_size, s->qkv + t * nqkv + q_size + kv_size,
+                   (size_t)kv_size * sizeof(float));
+        }
+        attention_rows(s->qkv, T, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P, s->tables,
+                       s->table_stride, s->lengths, s->max_length, s->scale, s->attn,
+                       s->scores);
+        linear_units(s->attn, T, q_size, q_size, L->wo, L->o_splits, D / L->o_splits, s->o, D);
+        rms_rows(s->x, T, D, D, s->o, L->post_norm, s->eps, s->h, D);
+        router_rows(s->h, T, D, L->router, s->E, s->K, (int)s->renormalize, s->top_idx,
+                    s->top_w, s->scores);
+    }
+    count_experts(s->top_idx, T * s->K, s->E, s->counts);
 }
 
 /* Workspace sizes (elements) strata_moe needs for T rows. */
@@ -211,103 +515,3 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
     }
 }
 
-/* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
- * pairwise, then the tail in order. */
-static float dot(const float *a, const float *b, int64_t n)
-{
-    const int64_t n16 = n - n % 16;
-    v16 acc = {0};
-    for (int64_t j = 0; j < n16; j += 16)
-        acc += *(const v16 *)(a + j) * *(const v16 *)(b + j);
-    float lanes[16];
-    memcpy(lanes, &acc, sizeof lanes);
-    for (int width = 8; width > 0; width /= 2)
-        for (int i = 0; i < width; i++)
-            lanes[i] += lanes[i + width];
-    float sum = lanes[0];
-    for (int64_t j = n16; j < n; j++)
-        sum += a[j] * b[j];
-    return sum;
-}
-
-/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for R rows of D (row strides ldx, ldo). */
-void strata_rms_norm(const float *x, int64_t R, int64_t D, int64_t ldx, const float *w,
-                     float eps, float *out, int64_t ldo)
-{
-#pragma omp parallel for schedule(static) if (R * D >= 65536)
-    for (int64_t r = 0; r < R; r++) {
-        const float *restrict xr = x + r * ldx;
-        float *restrict o = out + r * ldo;
-        const float inv = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);
-        for (int64_t j = 0; j < D; j++)
-            o[j] = w[j] * (xr[j] * inv);
-    }
-}
-
-/* In place on the q and k heads of a fused projection qkv [T][ldx] = [q: H x Hd | k: G x Hd |
- * v]: per head an RMSNorm over Hd (weights q_norm / k_norm; none when NULL), then RoPE in
- * rotate-half form with the rows cos_table/sin_table [.][Hd] of each token's position. */
-void strata_qk_norm_rope(float *qkv, int64_t T, int64_t ldx, int64_t H, int64_t G, int64_t Hd,
-                         const float *q_norm, const float *k_norm, float eps,
-                         const float *cos_table, const float *sin_table, const int64_t *positions)
-{
-    const int64_t half = Hd / 2;
-#pragma omp parallel for schedule(static) if (T * (H + G) * Hd >= 65536)
-    for (int64_t u = 0; u < T * (H + G); u++) {
-        const int64_t t = u / (H + G), head = u % (H + G);
-        float *restrict x = qkv + t * ldx + head * Hd;
-        const float *norm = head < H ? q_norm : k_norm;
-        if (norm) {
-            const float inv = 1.0f / sqrtf(dot(x, x, Hd) / (float)Hd + eps);
-            for (int64_t j = 0; j < Hd; j++)
-                x[j] = norm[j] * (x[j] * inv);
-        }
-        const float *c = cos_table + positions[t] * Hd, *s = sin_table + positions[t] * Hd;
-        for (int64_t j = 0; j < half; j++) {
-            const float a = x[j], b = x[j + half];
-            x[j] = a * c[j] - b * s[j];
-            x[j + half] = b * c[j + half] + a * s[j + half];
-        }
-    }
-}
-
-/* Decode attention over the paged KV cache: R rows, one query token each, causal over the
- * n[r] positions its sequence has (its own included). q [R][ldq] holds H heads of Hd; query
- * head h reads KV head h / (H/G). Position p of row r is at block tables[r][p / P], offset
- * p % P of the pools k, v [blocks][P][G][Hd]. out [R][H][Hd]. work: R * H * max(n) floats. */
-void strata_decode_attention(const float *q, int64_t R, int64_t ldq, int64_t H, int64_t G,
-                             int64_t Hd, const float *k, const float *v, int64_t P,
-                             const int64_t *tables, int64_t table_stride, const int64_t *n,
-                             float scale, float *out, float *work)
-{
-    int64_t n_max = 0;
-    for (int64_t r = 0; r < R; r++)
-        n_max = n[r] > n_max ? n[r] : n_max;
-    const int64_t per_block = P * G * Hd, group = H / G;
-#pragma omp parallel for schedule(dynamic, 1) if (R * H * n_max * Hd >= 32768)
-    for (int64_t u = 0; u < R * H; u++) {
-        const int64_t r = u / H, h = u % H, g = h / group, len = n[r];
-        const int64_t *table = tables + r * table_stride;
-        const float *restrict qh = q + r * ldq + h * Hd;
-        float *restrict s = work + u * n_max;
-        float m = -INFINITY;
-        for (int64_t p = 0; p < len; p++) {
-            const float *restrict kp = k + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
-            s[p] = dot(qh, kp, Hd) * scale;
-            m = s[p] > m ? s[p] : m;
-        }
-        float sum = 0.0f;
-        for (int64_t p = 0; p < len; p++) {
-            s[p] = expf(s[p] - m);
-            sum += s[p];
-        }
-        float *restrict o = out + u * Hd;
-        memset(o, 0, (size_t)Hd * sizeof(float));
-        for (int64_t p = 0; p < len; p++) {
-            const float *restrict vp = v + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
-            const float pw = s[p] / sum;
-            for (int64_t j = 0; j < Hd; j++)
-                o[j] += pw * vp[j];
-        }
-    }
-}

@@ -28,9 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services.engine import kernels
 from services.engine.cache.layout import (
     cpu_kernels_for,
     matmul_split,
@@ -178,6 +180,8 @@ class Qwen3MoeModel:
         self.rope_cos, self.rope_sin = rope_tables(  # MLA rotates only Dr dims of a head
             config.qk_rope_head_dim or config.head_dim, config.rope_theta, config.context_window,
             device)
+        self._fused: bool | None = None  # see _fused_decode
+        self._decode_layers: tuple[PagedKVCache, list[kernels.DecodeLayer]] | None = None
         moe = [i for i, w in enumerate(layers) if w.router_t is not None]
         self.next_moe_layer = {i: j for i, j in zip(moe, moe[1:], strict=False)}
         self.last_hidden: torch.Tensor | None = None  # of the last forward
@@ -198,6 +202,10 @@ class Qwen3MoeModel:
         slots = torch.cat([
             kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
+        if decode is not None and decode.all_rows and decode.lengths is not None and (
+                self._fused_decode):
+            return self._forward_fused(token_ids, positions, slots, decode, kv, experts,
+                                       logit_rows)
         others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
         rope = (positions, self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         x = self.embed[token_ids]  # [T, D]
@@ -218,6 +226,78 @@ class Qwen3MoeModel:
         self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
         x = x[logit_rows]  # [S, D]
         return matmul_split(rms_norm(x, self.final_norm, eps), self.lm_head).float()  # [S, V]
+
+    @property
+    def _fused_decode(self) -> bool:
+        """Whether a decode step can run a layer's attention half and router as one CPU
+        kernel call (strata_decode_layer): fp32 on the CPU with the kernels, every layer a
+        softmax-routed MoE without a shared expert, GQA with per-head or no q/k norm."""
+        if self._fused is None:
+            c = self.config
+            self._fused = (
+                cpu_kernels_for(self.embed, self.embed) is not None
+                and not c.grouped_routing and c.clip_qkv is None
+                and c.qk_norm in ("head", "none")
+                and all(w.router_t is not None and w.shared_gate_up is None and w.mla is None
+                        and w.qkv_bias is None and w.o_bias is None for w in self.layers))
+        return self._fused
+
+    def _layer_structs(self, kv: PagedKVCache) -> list[kernels.DecodeLayer]:
+        """Each layer's weight pointers for strata_decode_layer (built once per KV cache)."""
+        if self._decode_layers is None or self._decode_layers[0] is not kv:
+            structs = []
+            for i, w in enumerate(self.layers):
+                assert w.qkv is not None and w.router_t is not None
+                structs.append(kernels.DecodeLayer(
+                    w.input_norm.data_ptr(), w.post_attn_norm.data_ptr(), w.qkv.data_ptr(),
+                    w.qkv.shape[0], None if w.q_norm is None else w.q_norm.data_ptr(),
+                    None if w.k_norm is None else w.k_norm.data_ptr(), w.o.data_ptr(),
+                    w.o.shape[0], kv.k[i].data_ptr(), kv.v[i].data_ptr(),
+                    w.router_t.data_ptr()))
+            self._decode_layers = (kv, structs)
+        return self._decode_layers[1]
+
+    def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, decode: DecodeRows, kv: PagedKVCache,
+                       experts: ExpertSource, logit_rows: torch.Tensor) -> torch.Tensor:
+        """forward() for a step of decode rows only: per layer one kernel call (attention half
+        and router), the expert cache's route(), and its apply() (one kernel call). Computes
+        exactly what the per-op kernel path computes, with the same functions."""
+        cpu = kernels.active()
+        assert cpu is not None
+        c = self.config
+        T, D, K, E = len(token_ids), c.hidden_size, c.experts_per_token, c.num_experts
+        H, G, Hd = c.num_heads, c.num_kv_heads, c.head_dim
+        x = self.embed[token_ids]  # [T, D], updated in place layer by layer
+        h = torch.empty(T, D)  # each layer's MoE input
+        qkv = torch.empty(T, (H + 2 * G) * Hd)
+        attn, o = torch.empty(T, H * Hd), torch.empty(T, D)
+        scores = torch.empty(max(T * H * decode.max_length, T * E))
+        top_idx, top_w = torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
+        counts = np.empty(E, dtype=np.int64)
+        slots = slots.contiguous()
+        step = kernels.DecodeStep(
+            T, D, H, G, Hd, kv.block_size, E, K, c.norm_topk_prob, decode.ids.stride(0),
+            decode.max_length, c.rms_norm_eps, Hd**-0.5, self.rope_cos.data_ptr(),
+            self.rope_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            decode.ids.data_ptr(), decode.lengths.data_ptr(), x.data_ptr(), None, h.data_ptr(),
+            qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), scores.data_ptr(),
+            top_idx.data_ptr(), top_w.data_ptr(), counts.ctypes.data)
+        y = None
+        for i, layer in enumerate(self._layer_structs(kv)):
+            step.add = None if y is None else y.data_ptr()
+            cpu.decode_layer(layer, step)  # x += y; attention; h = norm(x); router(h)
+            experts.route(i, top_idx, counts.tolist())
+            nxt = self.next_moe_layer.get(i)
+            if nxt is not None and experts.wants_predictions:
+                next_logits = h @ self.layers[nxt].router_t  # [T, E]
+                experts.predict(nxt, torch.topk(next_logits, K, dim=-1).indices)
+            y = experts.apply(i, h, top_idx, top_w)  # [T, D]
+        assert y is not None
+        x = x + y
+        self.last_hidden = x
+        return matmul_split(rms_norm(x[logit_rows], self.final_norm, c.rms_norm_eps),
+                            self.lm_head).float()  # [S, V]
 
     def decode_rows(self, spans: Sequence[Span], kv: PagedKVCache, T: int) -> DecodeRows | None:
         """The single-token spans of a step, for one attention call per layer: any number of
@@ -332,24 +412,31 @@ class Qwen3MoeModel:
     ) -> torch.Tensor:
         c = self.config
         K = c.experts_per_token
-        if c.grouped_routing:
-            top_w, top_idx = deepseek.grouped_topk(c, (x @ w.router_t).float(), w.router_bias)
+        cpu = None if c.grouped_routing else cpu_kernels_for(x, w.router_t)
+        if cpu is not None:  # one call: logits, softmax, top-K, renormalization, counts
+            top_idx, top_w, per_expert = cpu.router(x.contiguous(), w.router_t, K,
+                                                    c.norm_topk_prob)
+            counts = per_expert.tolist()
         else:
-            probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
-            top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K]
-            if c.norm_topk_prob:
-                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        top_w = top_w.to(x.dtype)
-        top_idx_host = top_idx.cpu()  # [T, K]
-        counts = torch.bincount(top_idx_host.flatten(), minlength=c.num_experts).tolist()  # [E]
-        experts.route(layer_idx, top_idx_host, counts)  # one lookup per distinct expert
+            if c.grouped_routing:
+                top_w, top_idx = deepseek.grouped_topk(c, (x @ w.router_t).float(),
+                                                       w.router_bias)
+            else:
+                probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
+                top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K]
+                if c.norm_topk_prob:
+                    top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+            top_w = top_w.to(x.dtype)
+            top_idx = top_idx.cpu()  # [T, K]
+            counts = torch.bincount(top_idx.flatten(), minlength=c.num_experts).tolist()  # [E]
+        experts.route(layer_idx, top_idx, counts)  # one lookup per distinct expert
         nxt = self.next_moe_layer.get(layer_idx)
         if nxt is not None and experts.wants_predictions:
             # Prefetch: the next MoE layer's router on this layer's input predicts its experts
             # (softmax is monotonic, so top-K of the logits is top-K of the probabilities).
             next_logits = x @ self.layers[nxt].router_t  # [T, E]
             experts.predict(nxt, torch.topk(next_logits, K, dim=-1).indices)  # [T, K]
-        return experts.apply(layer_idx, x, top_idx_host, top_w)  # [T, D]
+        return experts.apply(layer_idx, x, top_idx, top_w)  # [T, D]
 
 
 def load_qwen3_moe(

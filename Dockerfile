@@ -40,6 +40,14 @@ RUN pip install . && pip check
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG STRATA_UID=10001
+# gcc: the engine builds its CPU decode kernels (services/engine/kernels/cpu_kernels.c) at first
+# start for the CPU it runs on (-march=native) and caches them under $HOME/.cache (/data);
+# without a compiler it serves on torch ops, slower. Unpinned: Debian's security updates replace
+# these versions, and a pin would break rebuilds.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # /data is STRATA_HOME. Its subdirectories exist (owned by strata) in the image so that a fresh
 # named volume mounted on them starts with that ownership and the non-root services can write.
 RUN groupadd --system --gid "${STRATA_UID}" strata \

@@ -48,6 +48,11 @@ async def serve(config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(config.threads)
+    if device == "cpu":
+        from services.engine import kernels
+
+        cpu = kernels.configure(config.cpu_kernels)
+        log.info("CPU kernels: %s", f"on ({cpu.path.name})" if cpu else "off (torch ops)")
     draft_bytes = config.draft_reserve or _draft_bytes(config)
     runner = ModelRunner(config.model_dir, device=device,
                          device_memory_bytes=device_budget(config, device),

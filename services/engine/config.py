@@ -105,6 +105,10 @@ SETTINGS = (
             "reuse KV blocks of an equal prompt prefix already in the cache"),
     Setting("threads", "STRATA_ENGINE_THREADS", non_negative_int, 0,
             "CPU threads for the engine's tensor work (0: torch's default, one per core)"),
+    Setting("cpu_kernels", "STRATA_CPU_KERNELS", choice(("auto", "on", "off")), "auto",
+            "C kernels for the CPU decode step, built with the machine's compiler at first "
+            "use and cached: auto (use them when they build), on (refuse to start without "
+            "them), off (torch ops only)"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
             "device memory kept for a draft head, besides --reserve (0: what the "
             "--spec-method source reports, none for ngram)"),
@@ -161,6 +165,7 @@ class EngineConfig:
     expert_dtype: str = "auto"
     prefix_reuse: bool = True
     threads: int = 0
+    cpu_kernels: str = "auto"
     draft_reserve: int = 0
     spec_tokens: int = 0
     spec_method: str = "ngram"

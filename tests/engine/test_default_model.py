@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.bench.prompts import QualitySet, agreement, quality_path
+from services.engine import kernels
 from services.engine.cache.policy import PolicySpec
 from services.engine.core import Engine
 from services.engine.runner import ModelRunner
@@ -31,10 +32,12 @@ def test_the_default_model_ships_small_with_its_card_and_tokenizer():
     assert "perplexity" in (MODEL / "README.md").read_text()
 
 
-def test_the_default_model_matches_transformers():
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_the_default_model_matches_transformers(cpu_kernels):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    assert_matches_reference(MODEL, ref, steps=8)
+    with kernels.using(cpu_kernels):
+        assert_matches_reference(MODEL, ref, steps=8)
 
 
 def test_quality_set_is_held_out_code_with_token_ids():

@@ -133,6 +133,8 @@ class ExpertCache:
         assert rows.shape == (num_tokens,)
         self._prefill_rows = rows
         self._decode_rows = np.flatnonzero(~rows)
+        self._any_prefill = bool(rows.any())
+        self._any_decode = len(self._decode_rows) > 0
         self.step_token_hits = np.zeros(num_tokens, dtype=np.int64)
         self.step_token_host = np.zeros(num_tokens, dtype=np.int64)  # [T] misses on the host
         self.step_token_copied = np.zeros(num_tokens, dtype=np.int64)  # [T] misses copied
@@ -142,33 +144,39 @@ class ExpertCache:
     def wants_predictions(self) -> bool:
         return len(self._decode_rows) > 0 and (self.prefetch or self.recorder is not None)
 
-    def route(self, layer: int, top_idx: torch.Tensor, counts: list[int]) -> None:
+    def route(self, layer: int, top_idx: torch.Tensor, counts: Sequence[int]) -> None:
         """Look up this step's distinct experts of `layer` once each; place the misses."""
         top = top_idx.cpu().numpy()  # [T, K]
-        decode_counts = np.bincount(top[~self._prefill_rows].ravel(), minlength=self.num_experts)
-        phases = [(e, int(decode_counts[e]), n - int(decode_counts[e]))
-                  for e, n in enumerate(counts) if n]  # distinct (expert, decode n, prefill n)
-        entries = [(e, d + p) for e, d, p in phases]
-        experts = [e for e, _ in entries]
-        self.distinct_pairs_routed += len(entries)
+        counts = np.asarray(counts)  # [E]
+        experts_arr = np.flatnonzero(counts)  # distinct experts, ascending
+        if self._any_prefill:
+            decode_arr = np.bincount(top[~self._prefill_rows].ravel(),
+                                     minlength=self.num_experts)[experts_arr]
+        else:
+            decode_arr = counts[experts_arr]
+        experts, ns = experts_arr.tolist(), counts[experts_arr].tolist()
+        ds = decode_arr.tolist()
+        phases = [(e, d, n - d) for e, d, n in zip(experts, ds, ns, strict=True)]
+        self.distinct_pairs_routed += len(experts)
         self.layer_steps += 1
-        outcomes = self.residency.access(layer, entries, prefill=[d == 0 for _, d, _ in phases])
+        outcomes = self.residency.access(
+            layer, list(zip(experts, ns, strict=True)),
+            prefill=[d == 0 for d in ds] if self._any_prefill else False)
         count_phases(self.decode, self.prefill, phases, outcomes)
-        decoded = [e for e, d, _ in phases if d]
-        if decoded:
-            self._predictions.routed(self.decode, layer, decoded)
-        self.routing_counts[layer, experts] += [n for _, n in entries]
-        self.decode_routing_counts[layer, experts] += [d for _, d, _ in phases]
+        if self._any_decode:
+            self._predictions.routed(self.decode, layer,
+                                     [e for e, d in zip(experts, ds, strict=True) if d])
+        self.routing_counts[layer, experts_arr] += counts[experts_arr]
+        self.decode_routing_counts[layer, experts_arr] += decode_arr
         if self.recorder is not None:
             self._record(layer, phases)
         self._plan = {}
         self._counts = counts
-        hit, host, copied = (np.zeros(self.num_experts, dtype=np.int64) for _ in range(3))  # [E]
+        missed: set[int] = set()
         for (expert, d, p), out in zip(phases, outcomes, strict=True):
             if out.fill:
                 self._fill(out.slot, (layer, expert))
             if out.hit:
-                hit[expert] = 1
                 self._plan[expert] = (_SLOT, out.slot)
                 continue
             where, reason = self.placer.choose(d + p)
@@ -177,13 +185,18 @@ class ExpertCache:
             if where == "host":
                 self.decode.misses_host += d
                 self.prefill.misses_host += p
-                host[expert] = 1
                 self._plan[expert] = (_HOST, None)
             else:
                 self.decode.misses_copied += d
                 self.prefill.misses_copied += p
-                copied[expert] = 1
                 self._plan[expert] = (_SLOT, out.slot) if out.fill else (_STAGING, None)
+            missed.add(expert)
+        if not missed:  # every routed expert a hit: each token's K lookups too
+            self.step_token_hits += top.shape[1]
+            return
+        hit, host, copied = (np.zeros(self.num_experts, dtype=np.int64) for _ in range(3))  # [E]
+        for expert, (where, _) in self._plan.items():
+            (hit if expert not in missed else host if where == _HOST else copied)[expert] = 1
         self.step_token_hits += hit[top].sum(axis=1)  # [T]
         self.step_token_host += host[top].sum(axis=1)
         self.step_token_copied += copied[top].sum(axis=1)

@@ -1,0 +1,205 @@
+"""The CPU kernels (services/engine/kernels): each matches torch, a row's result never depends on
+the other rows of the call (bit-identical), the fused decode layer equals the per-op kernels,
+and the engine falls back to torch ops when they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import kernels
+from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
+from services.engine.model.qwen3_moe import apply_rope, rms_norm
+from services.engine.runner import ChunkWork, ModelRunner
+
+pytestmark = pytest.mark.skipif(kernels.active() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def cpu() -> kernels.CpuKernels:
+    k = kernels.active()
+    assert k is not None
+    return k
+
+
+def rows_alone(fn, *row_args):
+    """fn applied to each row on its own (a call with one row), stacked."""
+    T = row_args[0].shape[0]
+    return torch.cat([fn(*(a[t:t + 1].clone() for a in row_args)) for t in range(T)])
+
+
+@pytest.mark.parametrize("n", [64, 100, 256, 600, 1000])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 9])
+def test_linear_matches_torch_and_rows_are_independent(cpu, T, n):
+    g = torch.Generator().manual_seed(T * 1000 + n)
+    K = 96
+    w = split_columns(torch.randn(K, n, generator=g))  # [S, K, n/S]
+    x = torch.randn(T, K, generator=g)
+    y = cpu.linear(x, w)
+    torch.testing.assert_close(y, x @ join_columns(w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, rows_alone(lambda r: cpu.linear(r, w), x))
+    strided = torch.randn(T, 2 * K, generator=g)[:, :K]  # rows with a stride
+    assert torch.equal(cpu.linear(strided, w), cpu.linear(strided.contiguous(), w))
+
+
+def expert_reference(x, top_idx, top_w, blobs, layout):
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in sorted(range(top_idx.shape[1]), key=lambda k: int(top_idx[t, k])):
+            y[t] += top_w[t, k] * layout.forward(x[t:t + 1], blobs[int(top_idx[t, k])])[0]
+    return y
+
+
+@pytest.mark.parametrize("T", [1, 4, 7])
+def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T):
+    g = torch.Generator().manual_seed(T)
+    D, Fs, E, K = 128, 64, 16, 4
+    layout = ExpertLayout(D, Fs)
+    blobs = torch.randn(E, layout.numel, generator=g) * 0.1
+    addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
+    x = torch.randn(T, D, generator=g)
+    top_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    top_w = torch.rand(T, K, generator=g)
+    y = cpu.moe(x, top_idx, top_w, addr, Fs, 2)
+    torch.testing.assert_close(y, expert_reference(x, top_idx, top_w, blobs, layout),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, rows_alone(lambda *a: cpu.moe(*a, addr, Fs, 2), x, top_idx, top_w))
+    # The same bytes at another address (a slot instead of the host store): the same result.
+    copies = blobs.clone()
+    moved = np.array([b.data_ptr() for b in copies], dtype=np.int64)
+    assert torch.equal(cpu.moe(x, top_idx, top_w, moved, Fs, 2), y)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_matches_torch_topk(cpu, renormalize):
+    g = torch.Generator().manual_seed(3)
+    x, router_t = torch.randn(11, 64, generator=g), torch.randn(64, 32, generator=g)
+    top_idx, top_w, counts = cpu.router(x, router_t, 6, renormalize)
+    probs = torch.softmax(x @ router_t, dim=-1)
+    want_w, want_idx = torch.topk(probs, 6, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    assert torch.equal(top_idx, want_idx)
+    torch.testing.assert_close(top_w, want_w, rtol=1e-5, atol=1e-6)
+    assert counts.tolist() == torch.bincount(want_idx.flatten(), minlength=32).tolist()
+
+
+def test_rms_norm_and_qk_norm_rope_match_torch(cpu):
+    g = torch.Generator().manual_seed(4)
+    T, H, G, Hd = 5, 4, 2, 16
+    x, w = torch.randn(T, 48, generator=g), torch.rand(48, generator=g)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6),
+                               (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * w)
+    qkv = torch.randn(T, (H + 2 * G) * Hd, generator=g)
+    q_norm, k_norm = torch.rand(Hd, generator=g), torch.rand(Hd, generator=g)
+    pos = torch.tensor([0, 3, 7, 8, 20])
+    inv = 1.0 / 10000 ** (torch.arange(0, Hd, 2).float() / Hd)
+    freqs = torch.outer(torch.arange(32).float(), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    q, k, v = qkv.split([H * Hd, G * Hd, G * Hd], dim=1)
+    want_q = apply_rope(rms_norm(q.reshape(T, H, Hd), q_norm, 1e-6), cos[pos][:, None],
+                        sin[pos][:, None])
+    want_k = apply_rope(rms_norm(k.reshape(T, G, Hd), k_norm, 1e-6), cos[pos][:, None],
+                        sin[pos][:, None])
+    want_v = v.clone()
+    cpu.qk_norm_rope(qkv, H, G, Hd, q_norm, k_norm, 1e-6, cos, sin, pos)
+    got_q, got_k, got_v = qkv.split([H * Hd, G * Hd, G * Hd], dim=1)
+    torch.testing.assert_close(got_q.reshape(T, H, Hd), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k.reshape(T, G, Hd), want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_v, want_v)
+
+
+def test_decode_attention_reads_scattered_blocks_like_sdpa(cpu):
+    g = torch.Generator().manual_seed(5)
+    blocks, P, H, G, Hd = 12, 4, 4, 2, 16
+    k_pool, v_pool = (torch.randn(blocks, P, G, Hd, generator=g) for _ in range(2))
+    tables = torch.tensor([[7, 2, 9, 0], [3, 0, 0, 0], [11, 5, 1, 4]])
+    lengths = torch.tensor([10, 3, 16])
+    q = torch.randn(3, H, Hd, generator=g)
+    out = cpu.decode_attention(q, k_pool, v_pool, tables, lengths, 16)
+    for r in range(3):
+        n = int(lengths[r])
+        k = k_pool[tables[r]].reshape(-1, G, Hd)[:n].transpose(0, 1)  # [G, n, Hd]
+        v = v_pool[tables[r]].reshape(-1, G, Hd)[:n].transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[r][:, None], k, v, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+    alone = cpu.decode_attention(q[1:2].clone(), k_pool, v_pool, tables[1:2].clone(),
+                                 lengths[1:2].clone(), 3)
+    assert torch.equal(alone[0], out[1])
+
+
+def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Logits of `steps` batched greedy decode steps after one prefill step."""
+    seqs = [runner.start(p, max_num_tokens=len(p) + steps + 1) for p in prompts]
+    for s in seqs:
+        runner.blocks.append(s.table, s.num_tokens)
+    out = [lg for lg, _ in runner.step([ChunkWork(s.token_ids, 0, s.table.block_ids, True, True)
+                                        for s in seqs])]
+    history = []
+    for _ in range(steps):
+        chunks = []
+        for s, lg in zip(seqs, out, strict=True):
+            s.token_ids.append(int(lg.argmax()))
+            runner.blocks.append(s.table, s.num_tokens)
+            chunks.append(ChunkWork([s.token_ids[-1]], s.num_tokens - 1, s.table.block_ids,
+                                    False, True))
+        out = [lg for lg, _ in runner.step(chunks)]
+        history.append(torch.stack(out))
+    for s in seqs:
+        runner.release(s)
+    return history
+
+
+def test_fused_decode_layer_equals_the_per_op_kernels(demo_dir):
+    runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 17, 18, 19, 20, 21]]
+    assert runner.model._fused_decode
+    fused = decode_logits(runner, prompts, 6)
+    runner.model._fused = False  # the per-op path: strata_linear, strata_router, ...
+    per_op = decode_logits(runner, prompts, 6)
+    assert all(torch.equal(a, b) for a, b in zip(fused, per_op, strict=True))
+
+
+def test_kernels_off_gives_the_same_greedy_tokens(demo_dir):
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    on = decode_logits(ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0),
+                       prompts, 8)
+    with kernels.using("off") as off_kernels:
+        assert off_kernels is None
+        runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
+        assert not runner.cache.cpu_kernels and not runner.model._fused_decode
+        off = decode_logits(runner, prompts, 8)
+    assert kernels.active() is not None  # restored
+    for a, b in zip(on, off, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_build_falls_back_to_torch_in_auto_and_fails_loudly_when_on(
+        monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="strata.engine"), kernels.using("auto") as k:
+        assert k is None
+    assert "CPU kernels unavailable (no C compiler found" in caplog.text
+    assert "--cpu-kernels off" in caplog.text
+    with pytest.raises(kernels.KernelBuildError, match="--cpu-kernels on"), kernels.using("on"):
+        pass
+    with pytest.raises(ValueError, match="auto, on, off"):
+        kernels.configure("fast")
+
+
+def test_build_is_cached_by_source_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path))
+    first = kernels.build()
+    assert first.parent == tmp_path and first.name.startswith("cpu_kernels-")
+    mtime = first.stat().st_mtime_ns
+    assert kernels.build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    assert kernels.CpuKernels(first).linear(torch.ones(1, 4), torch.ones(2, 4, 2)).tolist() == [
+        [4.0] * 4]

@@ -12,6 +12,10 @@ the weights near the bandwidth limit. Every output element is still one dot prod
 full input, so the results equal the plain `x @ W_t` (bit-identical on the dev CPU but for some
 small-T MKL kernel choices). Hit and miss paths both run `split_swiglu` on views of a blob in
 this layout, so their results are bit-identical on the same device.
+
+On the CPU with fp32 weights the products run in the C kernels instead (services.engine.kernels:
+`matmul_split` -> strata_linear, and a whole MoE layer in strata_moe), which read this same
+layout: each column block is a contiguous [in, out/S] matrix streamed row by row.
 """
 
 from __future__ import annotations

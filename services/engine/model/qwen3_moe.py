@@ -232,15 +232,13 @@ class Qwen3MoeModel:
         """Whether a decode step can run a layer's attention half and router as one CPU
         kernel call (strata_decode_layer): fp32 on the CPU with the kernels, every layer a
         softmax-routed MoE without a shared expert, GQA with per-head or no q/k norm."""
-        if self._fused is None:
+        if self._fused is None:  # what the weights allow; the kernels may be switched later
             c = self.config
             self._fused = (
-                cpu_kernels_for(self.embed, self.embed) is not None
-                and not c.grouped_routing and c.clip_qkv is None
-                and c.qk_norm in ("head", "none")
+                not c.grouped_routing and c.clip_qkv is None and c.qk_norm in ("head", "none")
                 and all(w.router_t is not None and w.shared_gate_up is None and w.mla is None
                         and w.qkv_bias is None and w.o_bias is None for w in self.layers))
-        return self._fused
+        return self._fused and cpu_kernels_for(self.embed, self.embed) is not None
 
     def _layer_structs(self, kv: PagedKVCache) -> list[kernels.DecodeLayer]:
         """Each layer's weight pointers for strata_decode_layer (built once per KV cache)."""

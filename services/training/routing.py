@@ -215,7 +215,7 @@ class RoutingTap:
     def wants_predictions(self) -> bool:
         return False  # next-layer predictions are not routing
 
-    def route(self, layer: int, top_idx: torch.Tensor, counts: list[int]) -> None:
+    def route(self, layer: int, top_idx: torch.Tensor, counts: np.ndarray) -> None:
         self.step[self.row[layer]] = top_idx.numpy().copy()  # [T, K]
         self.inner.route(layer, top_idx, counts)
 

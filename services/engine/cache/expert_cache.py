@@ -84,7 +84,7 @@ class ExpertCache:
         self.layer_steps = 0
         self.begin_step(0, False)
         self._plan: dict[int, tuple[int, int | None]] = {}  # expert -> (where, slot)
-        self._counts: list[int] = []  # [E] rows routed to each expert, of the last route()
+        self._counts = np.zeros(0, dtype=np.int64)  # [E] rows per expert, of the last route()
         num_staging = NUM_STAGING if self.on_cuda else 1
         self._staging = [torch.empty(self.layout.numel, dtype=host.dtype, device=pool.device)
                          for _ in range(num_staging)]
@@ -144,8 +144,10 @@ class ExpertCache:
     def wants_predictions(self) -> bool:
         return len(self._decode_rows) > 0 and (self.prefetch or self.recorder is not None)
 
-    def route(self, layer: int, top_idx: torch.Tensor, counts: Sequence[int]) -> None:
-        """Look up this step's distinct experts of `layer` once each; place the misses."""
+    def route(self, layer: int, top_idx: torch.Tensor, counts: Sequence[int] | np.ndarray
+              ) -> None:
+        """Look up this step's distinct experts of `layer` once each (counts [E]: rows routed
+        to each); place the misses."""
         top = top_idx.cpu().numpy()  # [T, K]
         counts = np.asarray(counts)  # [E]
         experts_arr = np.flatnonzero(counts)  # distinct experts, ascending

@@ -280,48 +280,39 @@ void strata_decode_attention(const float *q, int64_t R, int64_t ldq, int64_t H, 
 static void router_rows(const float *x, int64_t T, int64_t D, const float *Wr, int64_t E,
                         int64_t K, int renormalize, int64_t *top_idx, float *top_w, float *work)
 {
+    linear_units(x, T, D, D, Wr, 1, E, work, E); /* logits [T][E] */
 #pragma omp for schedule(static)
-    for (int64_t t0 = 0; t0 < T; t0 += TOK_TILE) {
-        const int nt = T - t0 < TOK_TILE ? (int)(T - t0) : TOK_TILE;
-        const float *xs[TOK_TILE];
-        float *ys[TOK_TILE];
-        for (int t = 0; t < nt; t++) {
-            xs[t] = x + (t0 + t) * D;
-            ys[t] = work + (t0 + t) * E;
+    for (int64_t t = 0; t < T; t++) {
+        float *p = work + t * E;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++)
+            m = p[e] > m ? p[e] : m;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = expf(p[e] - m);
+            sum += p[e];
         }
-        tile_product(xs, nt, Wr, D, E, E, ys);
-        for (int t = 0; t < nt; t++) {
-            float *p = ys[t];
-            float m = -INFINITY, sum = 0.0f;
-            for (int64_t e = 0; e < E; e++)
-                m = p[e] > m ? p[e] : m;
-            for (int64_t e = 0; e < E; e++) {
-                p[e] = expf(p[e] - m);
-                sum += p[e];
-            }
-            for (int64_t e = 0; e < E; e++)
-                p[e] /= sum;
-            int64_t *idx = top_idx + (t0 + t) * K;
-            float *w = top_w + (t0 + t) * K;
-            float picked = 0.0f;
-            unsigned char taken[E];
-            memset(taken, 0, sizeof taken);
-            for (int64_t k = 0; k < K; k++) { /* selection: the best not yet taken */
-                int64_t best = 0;
-                while (taken[best])
-                    best++;
-                for (int64_t e = best + 1; e < E; e++)
-                    if (!taken[e] && p[e] > p[best])
-                        best = e;
-                taken[best] = 1;
-                idx[k] = best;
-                w[k] = p[best];
-                picked += p[best];
-            }
-            if (renormalize)
-                for (int64_t k = 0; k < K; k++)
-                    w[k] /= picked;
+        for (int64_t e = 0; e < E; e++)
+            p[e] /= sum;
+        int64_t *idx = top_idx + t * K;
+        float *w = top_w + t * K;
+        float picked = 0.0f;
+        unsigned char taken[E];
+        memset(taken, 0, sizeof taken);
+        for (int64_t k = 0; k < K; k++) { /* selection: the best not yet taken */
+            int64_t best = 0;
+            while (taken[best])
+                best++;
+            for (int64_t e = best + 1; e < E; e++)
+                if (!taken[e] && p[e] > p[best])
+                    best = e;
+            taken[best] = 1;
+            idx[k] = best;
+            w[k] = p[best];
+            picked += p[best];
         }
+        if (renormalize)
+            for (int64_t k = 0; k < K; k++)
+                w[k] /= picked;
     }
 }
 

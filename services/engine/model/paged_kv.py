@@ -78,17 +78,23 @@ class PagedKVCache:
         v = v.flatten(0, 1)[:num_positions].transpose(0, 1)
         return k, v
 
-    def gather_index(self, tables: Sequence[Sequence[int]], lengths: Sequence[int]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For reading several sequences at once: block ids [B, nb] (padded with block 0) and
-        a mask [B, nb * P] of the positions each sequence really has. Same for every layer."""
+    def block_ids(self, tables: Sequence[Sequence[int]], lengths: Sequence[int]) -> torch.Tensor:
+        """Block ids [B, nb] holding the first lengths[i] positions of each sequence, padded
+        with block 0 (for reading several sequences at once; the same for every layer)."""
         nb = max(-(-n // self.block_size) for n in lengths)
         ids = torch.zeros(len(tables), nb, dtype=torch.long)
         for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
             used = -(-n // self.block_size)
             ids[i, :used] = torch.as_tensor(table[:used])
-        mask = torch.arange(nb * self.block_size)[None, :] < torch.as_tensor(lengths)[:, None]
-        return ids.to(self.k.device), mask.to(self.k.device)
+        return ids.to(self.k.device)
+
+    def gather_index(self, tables: Sequence[Sequence[int]], lengths: Sequence[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids and a mask [B, nb * P] of the positions each sequence really has."""
+        ids = self.block_ids(tables, lengths)
+        mask = (torch.arange(ids.shape[1] * self.block_size)[None, :]
+                < torch.as_tensor(lengths)[:, None])
+        return ids, mask.to(self.k.device)
 
     def read_batch(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, G, nb * P, Hd] of the blocks ids [B, nb] (see gather_index)."""

@@ -59,8 +59,9 @@ class ExpertSource(Protocol):
         """Whether predict() should be called this step (prefetch on, or routing recorded)."""
         ...
 
-    def route(self, layer: int, top_idx: torch.Tensor, counts: list[int]) -> None:
-        """This step's routing of `layer` (top_idx [T, K] on the host, counts [E] per expert)."""
+    def route(self, layer: int, top_idx: torch.Tensor, counts: np.ndarray) -> None:
+        """This step's routing of `layer` (top_idx [T, K] on the host, counts [E] int64: rows
+        routed to each expert)."""
         ...
 
     def predict(self, layer: int, predicted: torch.Tensor) -> None:
@@ -273,7 +274,6 @@ class Qwen3MoeModel:
         scores = torch.empty(max(T * H * decode.max_length, T * E))
         top_idx, top_w = torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
         counts = np.empty(E, dtype=np.int64)
-        slots = slots.contiguous()
         step = kernels.DecodeStep(
             T, D, H, G, Hd, kv.block_size, E, K, c.norm_topk_prob, decode.ids.stride(0),
             decode.max_length, c.rms_norm_eps, Hd**-0.5, self.rope_cos.data_ptr(),
@@ -285,7 +285,7 @@ class Qwen3MoeModel:
         for i, layer in enumerate(self._layer_structs(kv)):
             step.add = None if y is None else y.data_ptr()
             cpu.decode_layer(layer, step)  # x += y; attention; h = norm(x); router(h)
-            experts.route(i, top_idx, counts.tolist())
+            experts.route(i, top_idx, counts)
             nxt = self.next_moe_layer.get(i)
             if nxt is not None and experts.wants_predictions:
                 next_logits = h @ self.layers[nxt].router_t  # [T, E]
@@ -307,12 +307,12 @@ class Qwen3MoeModel:
             return None
         tables = [s.block_table for s in decode]
         lengths = [s.pos_end for s in decode]
-        ids, mask = kv.gather_index(tables, lengths)
         rows = torch.tensor([s.row_start for s in decode], device=self.device)
         all_rows = len(decode) == T and all(s.row_start == i for i, s in enumerate(decode))
         if kernel:
-            return DecodeRows(rows, all_rows, ids, lengths=torch.tensor(lengths),
-                              max_length=max(lengths))
+            return DecodeRows(rows, all_rows, kv.block_ids(tables, lengths),
+                              lengths=torch.tensor(lengths), max_length=max(lengths))
+        ids, mask = kv.gather_index(tables, lengths)
         return DecodeRows(rows, all_rows, ids, mask=mask[:, None, None, :])
 
     def qkv(
@@ -412,9 +412,8 @@ class Qwen3MoeModel:
         K = c.experts_per_token
         cpu = None if c.grouped_routing else cpu_kernels_for(x, w.router_t)
         if cpu is not None:  # one call: logits, softmax, top-K, renormalization, counts
-            top_idx, top_w, per_expert = cpu.router(x.contiguous(), w.router_t, K,
-                                                    c.norm_topk_prob)
-            counts = per_expert.tolist()
+            top_idx, top_w, counts = cpu.router(x.contiguous(), w.router_t, K,
+                                                c.norm_topk_prob)
         else:
             if c.grouped_routing:
                 top_w, top_idx = deepseek.grouped_topk(c, (x @ w.router_t).float(),
@@ -426,7 +425,7 @@ class Qwen3MoeModel:
                     top_w = top_w / top_w.sum(dim=-1, keepdim=True)
             top_w = top_w.to(x.dtype)
             top_idx = top_idx.cpu()  # [T, K]
-            counts = torch.bincount(top_idx.flatten(), minlength=c.num_experts).tolist()  # [E]
+            counts = torch.bincount(top_idx.flatten(), minlength=c.num_experts).numpy()  # [E]
         experts.route(layer_idx, top_idx, counts)  # one lookup per distinct expert
         nxt = self.next_moe_layer.get(layer_idx)
         if nxt is not None and experts.wants_predictions:

@@ -1,12 +1,14 @@
 """`strata bench engine`: in-process prefill and decode speed against the memory-bandwidth bound.
 
     strata bench engine [--model DIR] [--prompt-tokens P] [--gen-tokens G] [--batch B]
-                        [--repeat R] [--coverage C] [--threads N] [--expert-dtype auto|int8|int4]
-                        [--cpu-kernels auto|on|off] [--compare-hf] [--json]
+                        [--repeat R] [--device cpu|cuda] [--coverage C [C ...]]
+                        [--prefetch off|on [off|on]] [--policy P] [--placement M] [--threads N]
+                        [--expert-dtype auto|int8|int4] [--cpu-kernels auto|on|off]
+                        [--compare-hf] [--json]
 
-1. Load the model with services.engine.runner.ModelRunner (expert cache at `--coverage`, all of
-   it by default, filled in layer order) and, with `--compare-hf`, the same checkpoint in
-   transformers; warm both up.
+1. Load the model with services.engine.runner.ModelRunner on `--device` (expert cache at
+   `--coverage`, all of it by default, filled in layer order) and, with `--compare-hf`, the same
+   checkpoint in transformers; warm both up.
 2. R timed rounds, each: the machine's memory read bandwidth (sum of a 256 MiB fp32 tensor, best
    of 3; copy bandwidth too), then Strata — `runner.step` driven directly: one batched prefill
    step of B prompts of P tokens, then G - 1 batched greedy decode steps (G tokens in all, like
@@ -18,7 +20,12 @@
    norms, routers, dense MLPs, lm_head; the embedding row only) once per step, plus the distinct
    routed experts of every MoE layer (K per token at batch 1; at batch B the B*K routed pairs of a
    layer share experts, measured from the run), divided by the B tokens of the step. The bound is
-   bandwidth / active bytes; decode's share of it is the headline figure.
+   bandwidth / active bytes; decode's share of it is the headline figure. On CUDA the
+   bandwidth is the device's (sum of a 1 GiB tensor), the bound that of an all-hit step.
+4. Several coverages or prefetch settings: one run of steps 1-3 each (HF once, with the first),
+   and per prefetch setting the spill penalty — the least-squares slope of decode tok/s over
+   the decode spill in points (share of routed experts served from outside the cache), i.e.
+   tok/s lost per point of spill.
 
 Entry point: `main(argv) -> int`. With `--json` exactly one JSON object goes to stdout; progress
 goes to stderr.
@@ -37,9 +44,12 @@ from typing import Any
 import torch
 
 from services.engine import kernels
+from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from services.engine.cache.policy import DEFAULT_POLICY, POLICIES, PolicySpec
 from services.engine.model.quant import EXPERT_DTYPES
 
 BANDWIDTH_BYTES = 256 * 2**20
+DEVICE_BANDWIDTH_BYTES = 2**30  # several times a GPU's L2
 BANDWIDTH_REPEATS = 3  # per round
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the old river keeps running to the sea. "
@@ -57,8 +67,15 @@ def _parser() -> argparse.ArgumentParser:
                    "from prefill")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--repeat", type=int, default=3, help="timed runs (medians reported)")
-    p.add_argument("--coverage", type=float, default=1.0, help="expert-cache slots as a "
-                   "fraction of all (layer, expert) pairs")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--coverage", type=float, nargs="+", default=[1.0], help="expert-cache "
+                   "slots as a fraction of all (layer, expert) pairs; several: one run each")
+    p.add_argument("--prefetch", choices=("off", "on"), nargs="+", default=["off"],
+                   help="next-layer prefetch; both: one run each")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="cache policy (see the engine's --policy)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT,
+                   help="miss placement (see the engine's --placement)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto", help="expert "
                    "weights in the host store and slots (int8/int4: quantized, as the engine's "
@@ -74,21 +91,29 @@ def progress(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
 
 
-def measure_bandwidth(num_bytes: int | None = None, repeats: int = BANDWIDTH_REPEATS
-                      ) -> tuple[float, float]:
-    """(read, copy) bandwidth in bytes/s, best of `repeats`: `x.sum()` reads num_bytes
-    (BANDWIDTH_BYTES by default); `y.copy_(x)` reads and writes them (2 * num_bytes moved)."""
-    num_bytes = num_bytes or BANDWIDTH_BYTES
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+def measure_bandwidth(num_bytes: int | None = None, repeats: int = BANDWIDTH_REPEATS,
+                      device: torch.device | str = "cpu") -> tuple[float, float]:
+    """(read, copy) bandwidth in bytes/s of `device`'s memory, best of `repeats`: `x.sum()`
+    reads num_bytes (BANDWIDTH_BYTES by default, DEVICE_BANDWIDTH_BYTES on CUDA); `y.copy_(x)`
+    reads and writes them (2 * num_bytes moved)."""
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    num_bytes = num_bytes or (DEVICE_BANDWIDTH_BYTES if on_cuda else BANDWIDTH_BYTES)
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
-    read_s, copy_s = [], []
-    for _ in range(repeats):
+
+    def timed(fn: Any) -> float:
+        if on_cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        x.sum()
-        read_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        y.copy_(x)
-        copy_s.append(time.perf_counter() - t0)
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    timed(x.sum)  # warm-up (kernel load on CUDA)
+    read_s = [timed(x.sum) for _ in range(repeats)]
+    copy_s = [timed(lambda: y.copy_(x)) for _ in range(repeats)]
     return num_bytes / min(read_s), 2 * num_bytes / min(copy_s)
 
 
@@ -145,12 +170,14 @@ def run_strata(runner: Any, batch_prompts: list[list[int]], gen_tokens: int
 class HfGenerate:
     """transformers generate() on the same checkpoint and prompts, loaded once."""
 
-    def __init__(self, model_dir: Path, batch_prompts: list[list[int]], gen_tokens: int):
+    def __init__(self, model_dir: Path, batch_prompts: list[list[int]], gen_tokens: int,
+                 device: torch.device):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval().to(device)
         self.model.generation_config.eos_token_id = None  # exactly G tokens, like Strata's loop
-        self.ids = torch.tensor(batch_prompts)  # [B, P]
+        self.ids = torch.tensor(batch_prompts, device=device)  # [B, P]
         self.gen_tokens = gen_tokens
         self._generate(min(gen_tokens, 4))  # warm-up
 
@@ -160,6 +187,7 @@ class HfGenerate:
             out = self.model.generate(self.ids, max_new_tokens=n, min_new_tokens=n,
                                       attention_mask=torch.ones_like(self.ids), do_sample=False,
                                       pad_token_id=0)
+        out = out.cpu()  # waits for the device
         return time.perf_counter() - t0, out
 
     def run(self) -> tuple[float, float, list[list[int]]]:
@@ -173,44 +201,80 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.gen_tokens < 2 or args.prompt_tokens < 1 or args.batch < 1 or args.repeat < 1:
         raise SystemExit("--gen-tokens >= 2, --prompt-tokens, --batch, --repeat >= 1")
+    if not all(0.0 <= c <= 1.0 for c in args.coverage):
+        raise SystemExit("--coverage takes fractions in [0, 1]")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from services.engine.runner import ModelRunner
     from services.models import default_model_dir
 
     kernels.configure(args.cpu_kernels)
     model_dir = args.model or default_model_dir()
-    probe = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0,
-                        expert_dtype=args.expert_dtype)
-    slots = round(args.coverage * probe.total_pairs)
-    slot_bytes, total_pairs = probe.slot_bytes, probe.total_pairs
-    del probe
-    runner = ModelRunner(model_dir, device="cpu", device_memory_bytes=slots * slot_bytes,
-                         reserved_bytes=0, prefetch=False, expert_dtype=args.expert_dtype)
+    batch_prompts = prompts(args.batch, args.prompt_tokens)
+    runs: list[dict[str, Any]] = []
+    hf = None
+    for prefetch in dict.fromkeys(args.prefetch):
+        for coverage in dict.fromkeys(args.coverage):
+            result, hf = bench_one(args, model_dir, device, batch_prompts, coverage,
+                                   prefetch == "on", hf)
+            runs.append(result)
+    if len(runs) == 1:
+        out: dict[str, Any] = runs[0]
+    else:
+        out = {"runs": runs, "spill_penalty": spill_penalty(runs)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(render(out) if len(runs) == 1 else render_runs(out))
+    return 0
+
+
+def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,
+              batch_prompts: list[list[int]], coverage: float, prefetch: bool,
+              hf: HfGenerate | None) -> tuple[dict[str, Any], HfGenerate | None]:
+    """Steps 1-3 of the module docstring at one coverage and prefetch setting."""
+    from services.engine.model.config import load_model_config
+    from services.engine.model.quant import expert_layout
+    from services.engine.runner import ModelRunner
+
+    config = load_model_config(model_dir)
+    slot_bytes = expert_layout(config.hidden_size, config.moe_intermediate_size,
+                               args.expert_dtype).blob_bytes(torch.float32)
+    total_pairs = config.total_pairs
+    slots = round(coverage * total_pairs)
+    runner = ModelRunner(model_dir, device=str(device), device_memory_bytes=slots * slot_bytes,
+                         reserved_bytes=0, prefetch=prefetch, expert_dtype=args.expert_dtype,
+                         policy=PolicySpec(args.policy), placement=args.placement)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     c = runner.config
-    batch_prompts = prompts(args.batch, args.prompt_tokens)
-    progress(f"{model_dir.name}: batch {args.batch}, {args.prompt_tokens} prompt + "
-             f"{args.gen_tokens} generated tokens, {slots}/{total_pairs} pairs cached, "
-             f"{torch.get_num_threads()} threads, CPU kernels "
-             f"{'on' if kernels.active() else 'off'}; warm-up")
+    on_cuda = device.type == "cuda"
+    progress(f"{model_dir.name} on {device}: batch {args.batch}, {args.prompt_tokens} prompt + "
+             f"{args.gen_tokens} generated tokens, {slots}/{total_pairs} pairs cached, policy "
+             f"{args.policy}, prefetch {'on' if prefetch else 'off'}, "
+             + ("device kernel " + ("on" if runner.cache.device_kernel else "off") if on_cuda
+                else f"{torch.get_num_threads()} threads, CPU kernels "
+                     f"{'on' if kernels.active() else 'off'}") + "; warm-up")
     run_strata(runner, batch_prompts, min(args.gen_tokens, 4))
-    hf = None
-    if args.compare_hf:
+    if args.compare_hf and hf is None:
         progress("loading the checkpoint in transformers for generate()")
-        hf = HfGenerate(model_dir, batch_prompts, args.gen_tokens)
+        hf = HfGenerate(model_dir, batch_prompts, args.gen_tokens, device)
     fixed = non_expert_bytes(runner)
     rounds: list[dict[str, Any]] = []
     for i in range(args.repeat):
-        read_bps, copy_bps = measure_bandwidth()
+        read_bps, copy_bps = measure_bandwidth(device=device)
+        before = runner.cache.decode.copy()
         p_s, d_s, tokens, distinct = run_strata(runner, batch_prompts, args.gen_tokens)
+        d = runner.cache.decode.since(before)
         active = (fixed + distinct * len(c.moe_layers) * slot_bytes) / args.batch
         r = {"read_bps": read_bps, "copy_bps": copy_bps, "prefill_s": p_s, "distinct": distinct,
-             "decode_tok_s": args.batch * (args.gen_tokens - 1) / d_s}
+             "decode_tok_s": args.batch * (args.gen_tokens - 1) / d_s,
+             "spill": d.spilled / max(1, d.lookups), "hit_rate": d.hits / max(1, d.lookups)}
         r["bound_fraction"] = r["decode_tok_s"] / (read_bps / active)
         line = (f"round {i + 1}/{args.repeat}: bandwidth {read_bps / 1e9:.1f} GB/s, prefill "
                 f"{p_s * 1e3:.0f} ms, decode {r['decode_tok_s']:.1f} tok/s "
-                f"({r['bound_fraction']:.0%} of the bound)")
+                f"({r['bound_fraction']:.0%} of the bound), spill {r['spill']:.1%}")
         if hf is not None:
             hp, hd, hf_tokens = hf.run()
             r.update(hf_prefill_s=hp, hf_decode_tok_s=args.batch * (args.gen_tokens - 1) / hd,
@@ -219,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f"; HF decode {r['hf_decode_tok_s']:.1f} tok/s -> {r['hf_ratio']:.2f}x"
         rounds.append(r)
         progress(line)
+    runner.close()
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rounds)
@@ -228,16 +293,23 @@ def main(argv: list[str] | None = None) -> int:
     read_bps = median("read_bps")
     result: dict[str, Any] = {
         "model": model_dir.name,
+        "device": str(device),
         "batch": args.batch,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "threads": torch.get_num_threads(),
-        "cpu_kernels": kernels.active() is not None,
+        "cpu_kernels": kernels.active() is not None and not on_cuda,
+        "device_kernel": runner.cache.device_kernel,
         "coverage": slots / total_pairs if total_pairs else 1.0,
+        "policy": args.policy,
+        "placement": args.placement,
+        "prefetch": prefetch,
         "expert_dtype": args.expert_dtype,
         "prefill_tok_s": args.batch * args.prompt_tokens / median("prefill_s"),
         "decode_tok_s": median("decode_tok_s"),
         "decode_runs_tok_s": [r["decode_tok_s"] for r in rounds],
+        "decode_spill": statistics.mean(r["spill"] for r in rounds),
+        "decode_hit_rate": statistics.mean(r["hit_rate"] for r in rounds),
         "bandwidth_gb_s": read_bps / 1e9,
         "bandwidth_runs_gb_s": [r["read_bps"] / 1e9 for r in rounds],
         "copy_bandwidth_gb_s": median("copy_bps") / 1e9,
@@ -249,22 +321,58 @@ def main(argv: list[str] | None = None) -> int:
         "bound_fraction": median("bound_fraction"),
         "bound_fraction_runs": [r["bound_fraction"] for r in rounds],
     }
-    if hf is not None:
+    if on_cuda:
+        result["link_gb_s"] = runner.link.bytes_per_s / 1e9
+    if "hf_decode_tok_s" in rounds[0]:
         result["hf_prefill_tok_s"] = args.batch * args.prompt_tokens / median("hf_prefill_s")
         result["hf_decode_tok_s"] = median("hf_decode_tok_s")
         result["hf_ratio"] = median("hf_ratio")
         result["hf_ratio_runs"] = [r["hf_ratio"] for r in rounds]
         result["hf_tokens_match"] = all(r["hf_tokens_match"] for r in rounds)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(render(result))
-    return 0
+    return result, hf
+
+
+def spill_penalty(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per prefetch setting: tok/s lost per point of decode spill (least-squares slope over
+    its runs; None with fewer than two distinct spills)."""
+    out: dict[str, float | None] = {}
+    for prefetch in dict.fromkeys(r["prefetch"] for r in runs):
+        pts = [(100 * r["decode_spill"], r["decode_tok_s"]) for r in runs
+               if r["prefetch"] == prefetch]
+        key = f"prefetch_{'on' if prefetch else 'off'}"
+        if len({x for x, _ in pts}) < 2:
+            out[key] = None
+            continue
+        mx = statistics.mean(x for x, _ in pts)
+        my = statistics.mean(y for _, y in pts)
+        slope = (sum((x - mx) * (y - my) for x, y in pts)
+                 / sum((x - mx) ** 2 for x, _ in pts))
+        out[key] = -slope
+    return out
+
+
+def render_runs(out: dict[str, Any]) -> str:
+    runs = out["runs"]
+    r0 = runs[0]
+    lines = [f"model {r0['model']} on {r0['device']}: batch {r0['batch']}, {r0['prompt_tokens']}"
+             f" prompt + {r0['gen_tokens']} generated tokens, policy {r0['policy']}, placement "
+             f"{r0['placement']}",
+             f"{'prefetch':>8} {'coverage':>8} {'hit rate':>8} {'spill':>7} {'decode tok/s':>12}"
+             f" {'prefill tok/s':>13} {'bound':>6}"]
+    for r in runs:
+        lines.append(f"{'on' if r['prefetch'] else 'off':>8} {r['coverage']:>8.0%} "
+                     f"{r['decode_hit_rate']:>8.1%} {r['decode_spill']:>7.1%} "
+                     f"{r['decode_tok_s']:>12.1f} {r['prefill_tok_s']:>13.1f} "
+                     f"{r['bound_fraction']:>6.0%}")
+    for key, value in out["spill_penalty"].items():
+        text = "n/a (one spill level)" if value is None else f"{value:.2f} tok/s per point"
+        lines.append(f"spill penalty, {key.replace('_', ' ')}: {text}")
+    return "\n".join(lines)
 
 
 def render(r: dict[str, Any]) -> str:
     lines = [
-        f"model {r['model']}: batch {r['batch']}, {r['prompt_tokens']} prompt + "
+        f"model {r['model']} on {r.get('device', 'cpu')}: batch {r['batch']}, {r['prompt_tokens']} prompt + "
         f"{r['gen_tokens']} generated tokens, {r['threads']} threads, coverage "
         f"{r['coverage']:.0%}, experts {r.get('expert_dtype', 'auto')}",
         f"prefill     {r['prefill_tok_s']:10.1f} tok/s",
@@ -278,6 +386,9 @@ def render(r: dict[str, Any]) -> str:
         f"bound       {r['bandwidth_bound_tok_s']:10.1f} tok/s -> decode at "
         f"{r['bound_fraction']:.0%} of the bandwidth bound (median of the rounds' ratios)",
     ]
+    if "decode_spill" in r:
+        lines.append(f"cache       {r['decode_hit_rate']:10.1%} decode hit rate, spill "
+                     f"{r['decode_spill']:.1%}")
     if "hf_decode_tok_s" in r:
         lines.append(f"HF generate {r['hf_decode_tok_s']:10.1f} tok/s decode, "
                      f"{r['hf_prefill_tok_s']:.1f} tok/s prefill -> Strata {r['hf_ratio']:.2f}x"

@@ -25,9 +25,9 @@ import torch
 
 from services.common.sizing import CacheSize, size_cache
 from services.engine.block_manager import BlockManager, BlockTable
-from services.engine.cache.expert_cache import ExpertCache
+from services.engine.cache.expert_cache import ExpertCache, device_kernel
 from services.engine.cache.host_store import HostStore
-from services.engine.cache.layout import ExpertLayout
+from services.engine.cache.layout import ExpertLayout, num_splits
 from services.engine.cache.placement import (
     DEFAULT_PLACEMENT,
     CostModel,
@@ -211,7 +211,8 @@ class ModelRunner:
         self.link = probe_link(self.device)
         log.info(self.link.log_line())
         cost = self._cost_model(layout, host, self.link) if host.pairs else None
-        placer = Placer(placement if cost else "host", cost, self.device.type == "cuda")
+        host_exact = self.device.type != "cuda" or device_kernel(layout, self.device) is not None
+        placer = Placer(placement if cost else "host", cost, host_exact)
         log.info(placer.describe())
         recorder = None
         if record_routing is not None:
@@ -257,8 +258,25 @@ class ModelRunner:
 
     def _cost_model(self, layout: ExpertLayout | QuantExpertLayout, host: HostStore,
                     link: LinkProbe) -> CostModel:
-        """Measured host and device expert speeds (the same on CPU) for miss placement."""
+        """Measured host and device expert speeds (the same on CPU) for miss placement. On
+        CUDA with the device kernel, "host" is that kernel reading the pinned host blob in place
+        over the link; without it, the CPU computing (and the activations' round trip)."""
         pair = host.pairs[0]
+        gpu = device_kernel(layout, self.device)
+        if gpu is not None:
+            splits = num_splits(layout.hidden_size)
+
+            def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+                return gpu.expert_forward(x, blob, layout.ffn_size, splits)
+
+            host_timing = time_expert(layout, host.blob(pair), dtype=self.dtype,
+                                      device=self.device, forward=forward)
+            device_timing = time_expert(layout, host.blob(pair).to(self.device),
+                                        dtype=self.dtype, forward=forward)
+            log.info("device kernel on one expert: %.3f ms from a slot, %.3f ms read in place "
+                     "from the host store (1 token)", device_timing.seconds(1) * 1e3,
+                     host_timing.seconds(1) * 1e3)
+            return CostModel(self.slot_bytes, link.bytes_per_s, host_timing, device_timing)
         host_timing = time_expert(layout, host.blob(pair), dtype=self.dtype)
         device_timing, activation_s = host_timing, 0.0
         if self.device.type == "cuda":

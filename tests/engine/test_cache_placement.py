@@ -30,24 +30,24 @@ def test_cost_model_crossover():
     crossover = c.host_below_tokens  # (419.4 + 10 - 20) us / 9 us per token ~ 45.5 tokens
     assert 45 < crossover < 46
     assert c.host_s(45) < c.copy_s(45) and c.host_s(46) > c.copy_s(46)
-    placer = Placer("auto", c, on_cuda=True)
+    placer = Placer("auto", c, host_exact=False)
     assert placer.choose(1) == ("host", "host:cheaper")
     assert placer.choose(64) == ("copy", "copy:cheaper")
     # CPU: the "device" is the host, so copying first never pays
     same = CostModel(SLOT, 10e9, ExpertTiming(20e-6, 10e-6), ExpertTiming(20e-6, 10e-6))
     assert same.host_below_tokens == float("inf")
-    assert Placer("exact", same, on_cuda=False).choose(10_000) == ("host", "host:cheaper")
+    assert Placer("exact", same, host_exact=True).choose(10_000) == ("host", "host:cheaper")
 
 
 def test_modes_and_reasons():
     c = cost()
-    assert Placer("exact", c, on_cuda=True).choose(1) == ("copy", "copy:exact")
-    assert Placer("host", c, on_cuda=True).choose(500) == ("host", "host:forced")
-    assert Placer("copy", None, on_cuda=False).choose(1) == ("copy", "copy:forced")
+    assert Placer("exact", c, host_exact=False).choose(1) == ("copy", "copy:exact")
+    assert Placer("host", c, host_exact=False).choose(500) == ("host", "host:forced")
+    assert Placer("copy", None, host_exact=True).choose(1) == ("copy", "copy:forced")
     with pytest.raises(ValueError, match="placement"):
-        Placer("sometimes", c, on_cuda=False)
-    assert "host below 45.5 tokens" in Placer("auto", c, on_cuda=True).describe()
-    assert "every miss copy (copy:exact)" in Placer("exact", c, on_cuda=True).describe()
+        Placer("sometimes", c, host_exact=True)
+    assert "host below 45.5 tokens" in Placer("auto", c, host_exact=False).describe()
+    assert "every miss copy (copy:exact)" in Placer("exact", c, host_exact=False).describe()
 
 
 def test_probe_and_expert_timing_on_cpu():

@@ -207,5 +207,6 @@ def test_cuda_cache_paths(tiny_dir, placement):
         torch.testing.assert_close(logits.cpu(), want_logits, atol=1e-4, rtol=0)
         results.append((tokens, logits.cpu()))
     assert all(tokens == want for tokens, _ in results)
-    if placement != "host":  # misses run on the device too: bit-identical at any coverage
+    if placement != "host" or runner.cache.host_exact:  # the device computes every miss too
+        # (the kernel reads host-placed blobs in place): bit-identical at any coverage
         assert all(torch.equal(logits, results[0][1]) for _, logits in results)

@@ -23,20 +23,29 @@ per-slot "ready" event the compute stream waits on before the slot's first use. 
 waits for copies it does not need. On CPU every copy is a synchronous memcpy.
 
 Outputs never depend on residency or placement: a slot, the staging buffer and the host store
-hold the same bytes, and on CPU the same math runs on them (bit-identical). On CUDA only the
-"host" placement computes elsewhere (see placement.py: the `exact` mode never uses it there).
+hold the same bytes, and the same kernel reads them (bit-identical). Only where "host" means the
+CPU computing for a CUDA device (no Triton, quantized experts) can a host placement differ in
+the last bits (see placement.py: the `exact` mode never uses it there).
 
-How apply() computes: with the CPU kernels (services.engine.kernels; fp32 experts on the CPU)
-one call runs the whole layer, reading each routed expert's blob where it lies by address —
-no gather, no per-expert dispatch. Otherwise (CUDA, quantized experts, no C compiler) the
-tokens are grouped by expert with one gather, each expert runs on its rows as torch ops
-(`expert_forward`), and one scatter-add sums them.
+How apply() computes: one kernel call per layer reads each routed expert's blob where it lies,
+by address — no gather, no per-expert dispatch:
+  CPU, fp32 experts     services.engine.kernels (C): slots, staging copies, the host store
+  CUDA, plain experts   services.engine.kernels.gpu_moe (Triton): slots, staging copies, and the
+                        pinned host store read in place over the link (zero-copy); the
+                        groups of ready experts launch first, the ones whose copy is still in
+                        flight after the compute stream has waited for it
+Otherwise (quantized experts, no C compiler, no Triton) the tokens are grouped by expert with
+one gather, each expert runs on its rows as torch ops (`expert_forward`), and one scatter-add
+sums them.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,8 +60,28 @@ from services.engine.cache.slot_pool import SlotPool
 from services.engine.cache.stats import CacheCounters, PredictionTracker, count_phases
 from services.engine.cache.trace import DECODE, PREDICT, PREFILL, TraceWriter
 
+if TYPE_CHECKING:
+    from services.engine.model.quant import QuantExpertLayout
+
+log = logging.getLogger("strata.engine")
+
 _SLOT, _STAGING, _HOST = 0, 1, 2
 NUM_STAGING = 8  # CUDA ring of staging buffers for copied misses that take no slot
+
+
+def device_kernel(layout: ExpertLayout | QuantExpertLayout, device: torch.device
+                  ) -> ModuleType | None:
+    """The Triton MoE kernels when they run these experts (plain layout on a CUDA device, Triton
+    installed), else None."""
+    if device.type != "cuda" or type(layout) is not ExpertLayout:
+        return None
+    try:
+        from services.engine.kernels import gpu_moe
+    except ImportError as e:
+        log.warning("Triton is not importable (%s): routed experts run as torch ops per expert "
+                    "and host-placed misses on the CPU; install triton for the device kernel", e)
+        return None
+    return gpu_moe
 
 
 class ExpertCache:
@@ -71,7 +100,7 @@ class ExpertCache:
         self.layout = host.layout
         self.num_experts = num_experts
         self.on_cuda = pool.device.type == "cuda"
-        self.placer = placer or Placer("host", None, self.on_cuda)
+        self.placer = placer or Placer("host", None, host_exact=True)
         self.prefetch = prefetch
         self.recorder = recorder
         self.decode = CacheCounters()  # lifetime figures per phase
@@ -90,9 +119,10 @@ class ExpertCache:
                          for _ in range(num_staging)]
         self._staging_next = 0
         self._cpu = kernels.active() if self._kernel_layout() else None
-        if self._cpu is not None:  # blob addresses: slot i at slots_base + i * blob_bytes
-            self._blob_addr = np.zeros(num_experts, dtype=np.int64)  # [E] this layer's
-            self._blob_bytes = self.layout.numel * host.dtype.itemsize
+        self._gpu = device_kernel(self.layout, pool.device)
+        # blob addresses for the kernels: slot i at slots_base + i * blob_bytes
+        self._blob_addr = np.zeros(num_experts, dtype=np.int64)  # [E] this layer's
+        self._blob_bytes = self.layout.numel * host.dtype.itemsize
         if self.on_cuda:
             self._copy_stream = torch.cuda.Stream(pool.device)
             self._slot_ready: dict[int, torch.cuda.Event] = {}
@@ -108,6 +138,17 @@ class ExpertCache:
     def cpu_kernels(self) -> bool:
         """Whether apply() runs the CPU kernels."""
         return self._cpu is not None
+
+    @property
+    def device_kernel(self) -> bool:
+        """Whether apply() runs the Triton kernel (CUDA)."""
+        return self._gpu is not None
+
+    @property
+    def host_exact(self) -> bool:
+        """Whether a miss placed on the host gives the bits of a hit (the same kernel reads it
+        there: always on CPU; on CUDA with the device kernel)."""
+        return not self.on_cuda or self._gpu is not None
 
     @property
     def residency(self) -> Residency:
@@ -235,6 +276,8 @@ class ExpertCache:
         outputs times their weights, in ascending expert id."""
         if self._cpu is not None:
             return self._apply_kernel(layer, x, top_idx, top_w)
+        if self._gpu is not None:
+            return self._apply_device(layer, x, top_idx, top_w)
         K = top_idx.shape[1]
         order = torch.argsort(top_idx.flatten(), stable=True).to(x.device)  # [T*K], grouped by expert
         token_of = order // K  # [T*K]
@@ -268,6 +311,62 @@ class ExpertCache:
             addr[expert] = blob.data_ptr()
         return self._cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), addr,
                              self.layout.ffn_size, num_splits(self.layout.hidden_size))
+
+    def _apply_device(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+                      top_w: torch.Tensor) -> torch.Tensor:
+        """apply() on CUDA with the Triton kernel: hits, and misses read in place from the pinned
+        host store, launch at once; slots still being filled and staged copies after the compute
+        stream has waited for their copies."""
+        gpu = self._gpu
+        assert gpu is not None
+        addr = self._blob_addr
+        slots_base = self.pool.slots.data_ptr()
+        pending = np.zeros(self.num_experts, dtype=bool)  # [E] waits for a copy
+        waits: list[torch.cuda.Event] = []
+        staged = 0
+        for expert, (where, slot) in self._plan.items():
+            ready = None
+            if where == _SLOT:
+                addr[expert] = slots_base + slot * self._blob_bytes
+                ready = self._slot_ready.pop(slot, None)
+            elif where == _HOST:  # the device reads the pinned host blob over the link
+                addr[expert] = self.host.blob((layer, expert)).data_ptr()
+            else:
+                buf, ready = self._stage_device(staged, self.host.blob((layer, expert)))
+                addr[expert] = buf.data_ptr()
+                staged += 1
+            if ready is not None:
+                pending[expert] = True
+                waits.append(ready)
+        groups = gpu.group_rows(top_idx.numpy(), ~pending if waits else None)
+        compute = torch.cuda.current_stream(self.pool.device)
+
+        def wait_for_copies() -> None:
+            for ready in waits:
+                compute.wait_event(ready)
+
+        y = gpu.moe(x, top_w, groups, addr, self.layout.ffn_size,
+                    num_splits(self.layout.hidden_size),
+                    split=int((~pending[groups.expert]).sum()) if waits else None,
+                    between=wait_for_copies if waits else None)
+        self._layer_done()
+        return y
+
+    def _stage_device(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Copy a host blob into device staging buffer i on the copy stream (after the last
+        layer's reads of the buffer); -> (buffer, its "ready" event)."""
+        while len(self._staging) <= i:
+            self._staging.append(torch.empty_like(self._staging[0]))
+        with torch.cuda.stream(self._copy_stream):
+            if self._reads_done is not None:
+                self._copy_stream.wait_event(self._reads_done)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._copy_stream)
+            self._staging[i].copy_(blob, non_blocking=True)
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record(self._copy_stream)
+        self.link.add_timed(self.host.slot_bytes, start, ready)
+        return self._staging[i], ready
 
     def _stage_cpu(self, i: int, blob: torch.Tensor) -> torch.Tensor:
         """Copy a blob into CPU staging buffer i (the kernel reads a layer's experts at once,

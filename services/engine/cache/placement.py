@@ -9,11 +9,14 @@ memcpy on CPU, where "the device" is the host) and timed runs of one expert on 1
 Since both costs are linear in n, the choice reduces to one crossover: the host below it.
 
 Placement modes (`--placement`):
-  exact  only placements bit-identical to a hit. On CPU both are (same math on the same
-         memory), so the cost model decides; on CUDA every miss is copied (a host matmul can
-         differ from the device's in the last bits, and greedy tokens could then drift).
-         The price on CUDA: a miss that the host would have computed sooner waits for its copy.
-  auto   the cost model over both placements (fastest; on CUDA last-bit differences possible)
+  exact  only placements bit-identical to a hit. Where "host" runs the same kernel on the
+         same bytes — the CPU kernels on CPU, the device kernel reading the pinned host store
+         over the link on CUDA (services.engine.kernels.gpu_moe) — both are, so the cost model
+         decides; otherwise (CUDA without Triton, quantized experts) every miss is copied (a
+         host matmul can differ from the device's in the last bits, and greedy tokens could
+         then drift), and a miss the host would have run sooner waits for its copy.
+  auto   the cost model over both placements (fastest; last-bit differences possible where
+         "host" is the CPU computing for a CUDA device)
   host   every miss on the host;  copy: every miss copied to the device
 Reasons are counted per missed pair as "<placement>:<why>", why in cheaper | exact | forced.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,23 +91,27 @@ class ExpertTiming:
 
 
 def time_expert(layout: ExpertLayout | QuantExpertLayout, blob: torch.Tensor, tries: int = 5,
-                dtype: torch.dtype | None = None) -> ExpertTiming:
+                dtype: torch.dtype | None = None, device: torch.device | None = None,
+                forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                ) -> ExpertTiming:
     """Time one expert in `blob`'s place (host or device) on 1 and 16 tokens of `dtype`
-    (default: the blob's; a quantized blob is bytes): the best of `tries` rounds of several
-    runs each (a short run is easily disturbed)."""
-    device = blob.device
+    (default: the blob's; a quantized blob is bytes) on `device` (default: the blob's), run by
+    `forward(x, blob)` (default: layout.forward): the best of `tries` rounds of several runs
+    each (a short run is easily disturbed)."""
+    device = device or blob.device
+    forward = forward or layout.forward
     on_cuda = device.type == "cuda"
     best = {}
     for n, runs in ((1, 16), (16, 4)):
         x = torch.randn(n, layout.hidden_size, dtype=dtype or blob.dtype, device=device)
-        layout.forward(x, blob)  # warm-up
+        forward(x, blob)  # warm-up
         times = []
         for _ in range(tries):
             if on_cuda:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             for _ in range(runs):
-                layout.forward(x, blob)
+                forward(x, blob)
             if on_cuda:
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) / runs)
@@ -139,17 +147,18 @@ class CostModel:
 class Placer:
     """Chooses each miss's placement; `choose(n)` -> ("host" | "copy", reason)."""
 
-    def __init__(self, mode: str, cost: CostModel | None, on_cuda: bool):
+    def __init__(self, mode: str, cost: CostModel | None, host_exact: bool):
+        """host_exact: whether a miss placed on the host gives the bits of a hit."""
         if mode not in PLACEMENTS:
             raise ValueError(f"unknown placement {mode!r} (choose from {PLACEMENTS})")
-        assert cost is not None or mode in ("host", "copy") or (mode == "exact" and on_cuda)
+        assert cost is not None or mode in ("host", "copy") or (mode == "exact" and not host_exact)
         self.mode = mode
         self.cost = cost
-        self.on_cuda = on_cuda
+        self.host_exact = host_exact
         self._fixed: tuple[str, str] | None = None
         if mode in ("host", "copy"):
             self._fixed = (mode, f"{mode}:forced")
-        elif mode == "exact" and on_cuda:
+        elif mode == "exact" and not host_exact:
             self._fixed = ("copy", "copy:exact")
 
     def choose(self, num_tokens: int) -> tuple[str, str]:

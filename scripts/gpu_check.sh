@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call (see docs/benchmarks.md, "GPU"): the CUDA tests, the Triton kernel's tests,
+# a profile of a decode step and `strata bench engine --device cuda` at 100/50/25% coverage with
+# prefetch off and on. Writes logs and JSON under $OUT (default ./gpu-out). Wheels for packages
+# the machine lacks may sit in .whl/ (installed into /tmp/site first).
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+step() { echo; echo "=== $1 ($(date +%T))"; }
+step "tests"
+timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts= -x --timeout 120 \
+  tests/engine/test_gpu_moe.py \
+  tests/engine/test_cache_cuda.py tests/engine/test_runner.py tests/engine/test_cache_placement.py \
+  tests/engine/test_quant_experts.py tests/engine/test_plan_apply.py \
+  -k "cuda or gpu_moe or test_routed or test_groups or test_results or pinned or bf16" \
+  2>&1 | tee "$OUT/tests.log" | tail -25
+python3 -m services.cli model demo --preset bench --output /tmp/bench-moe >/dev/null 2>&1
+step "profile"
+timeout 60 python3 scripts/gpu_profile.py --model /tmp/bench-moe --steps 32 2>&1 \
+  | grep -v "^\[" | tee "$OUT/profile.txt" | head -40
+BENCH="python3 -m services.cli bench engine --model /tmp/bench-moe --device cuda --json"
+step "bench: static residency, 100/50/25% coverage"
+timeout 110 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.5 0.25 \
+  --policy static --compare-hf > "$OUT/static.json" 2> "$OUT/static.log"; tail -12 "$OUT/static.log"
+step "bench: crf, prefetch off and on"
+timeout 110 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.5 0.25 \
+  --prefetch off on > "$OUT/crf.json" 2> "$OUT/crf.log"; grep round "$OUT/crf.log" | tail -8
+step "bench: batch 8, prefill 512"
+timeout 40 $BENCH --prompt-tokens 32 --gen-tokens 64 --batch 8 > "$OUT/batch8.json" 2>"$OUT/b8.log"
+timeout 40 $BENCH --prompt-tokens 512 --gen-tokens 8 > "$OUT/prefill512.json" 2>"$OUT/p512.log"
+step "summary"
+python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for name in ("static", "crf", "batch8", "prefill512"):
+    try:
+        d = json.loads((out / f"{name}.json").read_text())
+    except Exception as e:
+        print(name, "missing:", e); continue
+    for r in d.get("runs", [d]):
+        print(f"{name:10} prefetch {'on ' if r['prefetch'] else 'off'} cov {r['coverage']:.0%} "
+              f"hit {r['decode_hit_rate']:.1%} spill {r['decode_spill']:.1%} decode "
+              f"{r['decode_tok_s']:.0f} tok/s prefill {r['prefill_tok_s']:.0f} bound "
+              f"{r['bound_fraction']:.1%} hf {r.get('hf_decode_tok_s', 0):.0f}")
+    if "spill_penalty" in d:
+        print(name, "spill penalty", d["spill_penalty"])
+PY

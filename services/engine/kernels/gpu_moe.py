@@ -1,0 +1,205 @@
+"""Routed experts on a CUDA device: three Triton launches per MoE layer, each expert's weights
+read by address where they lie — a slot of the pool, a staging buffer, or the pinned host store
+itself (over the link, zero-copy: with unified addressing a pinned host page is readable by the
+device). No gather, no per-expert dispatch, the same arithmetic wherever the blob is.
+
+Shape legend: T tokens, K routed per token, D hidden, F expert FFN, S column splits of `down`
+(see services.engine.cache.layout), M = T*K (token, expert) rows, G groups.
+
+The rows are sorted per token by ascending expert id (that is the order each token's outputs
+are summed in, as on the CPU), then grouped by expert into groups of at most BLOCK_M rows; a
+group is (its expert blob's address, its first sorted row, its row count):
+
+    gate_up  (group, F block):  act[r] = silu(x[tok[r]] @ gate) * (x[tok[r]] @ up)     [M, F]
+    down     (group, D block):  y[dst[r]] = w[r] * (act[r] @ down)                       [M, D]
+    combine  (token, D block):  out[t] = y[t*K] + y[t*K+1] + ... + y[t*K+K-1]           [T, D]
+
+`run(..., groups)` may run the groups in two launches of the first two kernels (`split`): the
+groups whose weights are ready, then — after the caller has waited for its copies — the rest,
+so hits start before the copied misses they would otherwise wait for.
+
+Numerics: every output row is a fixed-order computation over its own row alone (fp32
+accumulation; `tl.dot` in IEEE fp32 for fp32 weights), so a token's result does not depend on
+the other tokens of the step, on its group's size or on where the blob lies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows of one expert per program (tl.dot's minimum)
+BLOCK_F = 64  # expert FFN columns per gate_up program / reduction chunk of down
+BLOCK_D = 64  # hidden columns per down/combine program / reduction chunk of gate_up
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
+                    D: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    g = tl.program_id(0)
+    blob = tl.load(g_addr_ptr + g).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    start = tl.load(g_start_ptr + g)
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(g_len_ptr + g)
+    tok = tl.load(tok_ptr + start + m, mask=row_ok, other=0)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = f < F
+    gate = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        x = tl.load(x_ptr + tok[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_D]
+        w_ok = d_ok[:, None] & f_ok[None, :]
+        w_gate = tl.load(blob + d[:, None] * F + f[None, :], mask=w_ok, other=0.0)
+        w_up = tl.load(blob + D * F + d[:, None] * F + f[None, :], mask=w_ok, other=0.0)
+        if IEEE:
+            gate += tl.dot(x, w_gate, input_precision="ieee")
+            up += tl.dot(x, w_up, input_precision="ieee")
+        else:
+            gate += tl.dot(x, w_gate)
+            up += tl.dot(x, w_up)
+    act = gate * tl.sigmoid(gate) * up  # silu(gate) * up
+    tl.store(act_ptr + (start + m)[:, None] * F + f[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & f_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_ptr,
+                 D: tl.constexpr, F: tl.constexpr, D_SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    g = tl.program_id(0)
+    blob = tl.load(g_addr_ptr + g).to(tl.pointer_type(act_ptr.dtype.element_ty))
+    down = blob + 2 * D * F  # S column blocks [F, D/S], one after the other
+    start = tl.load(g_start_ptr + g)
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(g_len_ptr + g)
+    dst = tl.load(dst_ptr + start + m, mask=row_ok, other=0)
+    weight = tl.load(w_ptr + dst, mask=row_ok, other=0.0).to(tl.float32)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    col = (d // D_SPLIT) * F * D_SPLIT + d % D_SPLIT  # column d's offset in its block
+    y = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        f_ok = f < F
+        a = tl.load(act_ptr + (start + m)[:, None] * F + f[None, :],
+                    mask=row_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_F]
+        w = tl.load(down + f[:, None] * D_SPLIT + col[None, :],
+                    mask=f_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D]
+        if IEEE:
+            y += tl.dot(a, w, input_precision="ieee")
+        else:
+            y += tl.dot(a, w)
+    tl.store(y_ptr + dst[:, None] * D + d[None, :], weight[:, None] * y,
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(K):  # ascending expert id: the rows were sorted per token
+        acc += tl.load(y_ptr + (t * K + k) * D + d, mask=d_ok, other=0.0)
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@dataclass
+class Groups:
+    """One layer's rows, sorted and grouped by expert (numpy, built on the host)."""
+
+    tok: np.ndarray  # [M] token of each sorted row
+    dst: np.ndarray  # [M] row of y (t*K + rank of the expert in token t's ascending list)
+    start: np.ndarray  # [G] first sorted row of each group
+    length: np.ndarray  # [G] rows in each group (1..BLOCK_M)
+    expert: np.ndarray  # [G] expert of each group
+    w_src: np.ndarray  # [M] top_w's flat index of the weight of y's row r
+
+
+def group_rows(top_idx: np.ndarray, first: np.ndarray | None = None) -> Groups:
+    """Sort the rows of top_idx [T, K] per token by expert and group them by expert, at most
+    BLOCK_M rows a group; `first` [E] bool puts those experts' groups first (ascending expert
+    id within each part)."""
+    T, K = top_idx.shape
+    order = np.argsort(top_idx, axis=1, kind="stable")  # [T, K] per token ascending expert
+    by_token = np.take_along_axis(top_idx, order, axis=1).ravel()  # [M] expert of y's row
+    rows = np.argsort(by_token, kind="stable")  # [M] y rows grouped by expert
+    experts = by_token[rows]
+    bounds = np.flatnonzero(np.diff(experts)) + 1
+    run_start = np.concatenate(([0], bounds))  # one run per distinct expert
+    run_len = np.diff(np.concatenate((run_start, [len(rows)])))
+    chunks = -(-run_len // BLOCK_M)  # groups per run
+    run_of = np.repeat(np.arange(len(run_start)), chunks)  # [G]
+    offset = (np.arange(len(run_of)) - np.repeat(np.cumsum(chunks) - chunks, chunks)) * BLOCK_M
+    start = run_start[run_of] + offset
+    length = np.minimum(run_len[run_of] - offset, BLOCK_M)
+    expert = experts[start]
+    if first is not None:
+        part = np.argsort(~first[expert], kind="stable")  # the `first` groups, then the rest
+        start, length, expert = start[part], length[part], expert[part]
+    src = (np.arange(T)[:, None] * K + order).ravel()  # top_w's flat index for y's row
+    return Groups(tok=rows // K, dst=rows, start=start, length=length, expert=expert,
+                  w_src=src)
+
+
+def moe(x: torch.Tensor, top_w: torch.Tensor, groups: Groups, blob_addr: np.ndarray,
+        ffn_size: int, splits: int, split: int | None = None,
+        between: Callable[[], None] | None = None) -> torch.Tensor:
+    """The routed experts of one layer: x [T, D] on the device, top_w [T, K] (device, in
+    top_idx's order), blob_addr [E] int64 (each grouped expert's blob address) -> [T, D].
+    With `split`, groups [0, split) run first, then `between()` (e.g. waits for copies), then
+    the rest."""
+    T, D = x.shape
+    K = top_w.shape[1]
+    M, G = len(groups.tok), len(groups.start)
+    device = x.device
+    # one host -> device transfer for the layer's index arrays
+    meta = np.concatenate((groups.tok, groups.dst, groups.w_src, groups.start, groups.length,
+                           blob_addr[groups.expert])).astype(np.int64)
+    meta_d = torch.from_numpy(meta).to(device)
+    tok, dst, w_src = meta_d[:M], meta_d[M : 2 * M], meta_d[2 * M : 3 * M]
+    g_start, g_len, g_addr = meta_d[3 * M :].view(3, G)
+    w_of_row = top_w.reshape(-1)[w_src]  # [M]: the weight of y's row r
+    act = torch.empty(M, ffn_size, dtype=x.dtype, device=device)
+    y = torch.empty(M, D, dtype=torch.float32, device=device)
+    ieee = x.dtype == torch.float32
+    x = x.contiguous()
+
+    def launch(g0: int, g1: int) -> None:
+        if g1 <= g0:
+            return
+        args = (g_addr[g0:g1], g_start[g0:g1], g_len[g0:g1])
+        _gate_up_kernel[(g1 - g0, triton.cdiv(ffn_size, BLOCK_F))](
+            x, tok, *args, act, D, ffn_size, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F,
+            BLOCK_D=BLOCK_D)
+        _down_kernel[(g1 - g0, triton.cdiv(D, BLOCK_D))](
+            act, dst, w_of_row, *args, y, D, ffn_size, D // splits, IEEE=ieee, BLOCK_M=BLOCK_M,
+            BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
+
+    cut = G if split is None else split
+    launch(0, cut)
+    if between is not None:
+        between()
+    launch(cut, G)
+    out = torch.empty(T, D, dtype=x.dtype, device=device)
+    _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, out, D, K=K, BLOCK_D=BLOCK_D)
+    return out
+
+
+def expert_forward(x: torch.Tensor, blob: torch.Tensor, ffn_size: int, splits: int
+                   ) -> torch.Tensor:
+    """One expert on all rows of x [n, D] (device) from `blob`, on the device or pinned on the
+    host -> [n, D] (unweighted): what the placement cost model times."""
+    n = x.shape[0]
+    groups = group_rows(np.zeros((n, 1), dtype=np.int64))
+    ones = torch.ones(n, 1, dtype=x.dtype, device=x.device)
+    return moe(x, ones, groups, np.array([blob.data_ptr()], dtype=np.int64), ffn_size, splits)

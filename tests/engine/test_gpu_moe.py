@@ -1,0 +1,141 @@
+"""The Triton MoE kernel (services.engine.kernels.gpu_moe): on a CUDA device when there is one,
+else in Triton's interpreter on the CPU (same kernel source, numpy underneath)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition
+gpu_moe = pytest.importorskip("services.engine.kernels.gpu_moe")
+
+from services.engine.cache.layout import ExpertLayout, num_splits  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+D, F = 128, 96  # F not a multiple of BLOCK_F: the masked tails run too
+
+
+def experts(num: int, seed: int = 0, layout: ExpertLayout | None = None) -> torch.Tensor:
+    layout = layout or ExpertLayout(D, F)
+    g = torch.Generator().manual_seed(seed)
+    blobs = torch.empty(num, layout.numel)
+    for e in range(num):
+        gate, up = (torch.randn(F, D, generator=g) * 0.1 for _ in range(2))
+        layout.pack(gate, up, torch.randn(D, F, generator=g) * 0.1, out=blobs[e])
+    return blobs.to(DEVICE)
+
+
+def routing(T: int, E: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(T, E, generator=g), dim=-1)
+    top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K], not sorted by expert id
+    return top_idx, top_w.to(DEVICE)
+
+
+def addresses(blobs: torch.Tensor) -> np.ndarray:
+    return np.array([b.data_ptr() for b in blobs], dtype=np.int64)
+
+
+def reference(x, top_idx, top_w, blobs, layout) -> torch.Tensor:
+    """Each token: its experts' outputs times their weights, summed in ascending expert id."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in np.argsort(top_idx[t].numpy(), kind="stable"):
+            y = layout.forward(x[t : t + 1].double().cpu(), blobs[top_idx[t, k]].double().cpu())
+            out[t] += float(top_w[t, k]) * y[0]
+    return out
+
+
+@pytest.mark.parametrize(("T", "E", "K"), [(1, 8, 2), (21, 8, 3), (40, 4, 2)])
+def test_routed_experts_match_the_float64_reference(T, E, K):
+    layout = ExpertLayout(D, F)
+    blobs = experts(E)
+    top_idx, top_w = routing(T, E, K, seed=T)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(blobs), F,
+                      num_splits(D))
+    want = reference(x, top_idx, top_w, blobs, layout)
+    err = (out.double().cpu() - want).norm() / want.norm()
+    assert err < 1e-6, err
+
+
+def test_groups_cover_every_row_once_in_ascending_expert_order():
+    top_idx, _ = routing(37, 4, 3, seed=5)  # ~28 rows per expert: two groups for some
+    g = gpu_moe.group_rows(top_idx.numpy())
+    assert (g.length >= 1).all() and (g.length <= gpu_moe.BLOCK_M).all()
+    covered = np.concatenate([np.arange(s, s + n) for s, n in zip(g.start, g.length)])
+    assert sorted(covered.tolist()) == list(range(37 * 3))
+    flat = top_idx.numpy().ravel()
+    by_row = np.empty(37 * 3, dtype=np.int64)
+    by_row[g.dst] = np.repeat(g.expert, g.length)[np.argsort(covered)]  # expert of y's row
+    assert (np.diff(by_row.reshape(37, 3), axis=1) > 0).all()  # per token ascending
+    assert sorted(by_row.tolist()) == sorted(flat.tolist())
+    assert (flat[g.w_src] == by_row).all()  # each row weighted by its own expert's weight
+    first = np.zeros(4, dtype=bool)
+    first[2] = True
+    g2 = gpu_moe.group_rows(top_idx.numpy(), first)
+    assert (g2.expert[: int(first[g2.expert].sum())] == 2).all()
+
+
+def test_results_do_not_depend_on_the_batch_the_address_or_the_launch_split():
+    layout = ExpertLayout(D, F)
+    blobs = experts(6, seed=1)
+    top_idx, top_w = routing(19, 6, 2, seed=2)
+    x = torch.randn(19, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    addr = addresses(blobs)
+    whole = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F, num_splits(D))
+    for t in (0, 7, 18):  # a token alone: the same bits as inside the batch on the device
+        alone = gpu_moe.moe(x[t : t + 1], top_w[t : t + 1],
+                            gpu_moe.group_rows(top_idx[t : t + 1].numpy()), addr, F,
+                            num_splits(D))
+        if DEVICE.type == "cuda":
+            assert torch.equal(alone[0], whole[t])
+        else:  # the interpreter's tl.dot is numpy's matmul: blocking varies with the shape
+            torch.testing.assert_close(alone[0], whole[t], atol=1e-6, rtol=1e-6)
+    moved = blobs.flip(0).clone().flip(0)  # the same bytes elsewhere
+    assert moved.data_ptr() != blobs.data_ptr()
+    elsewhere = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(moved), F,
+                            num_splits(D))
+    assert torch.equal(elsewhere, whole)
+    first = np.zeros(6, dtype=bool)
+    first[[1, 4]] = True
+    groups = gpu_moe.group_rows(top_idx.numpy(), first)
+    calls = []
+    split = gpu_moe.moe(x, top_w, groups, addr, F, num_splits(D),
+                        split=int(first[groups.expert].sum()), between=lambda: calls.append(1))
+    assert calls == [1] and torch.equal(split, whole)
+    assert reference(x[:1], top_idx[:1], top_w[:1], blobs, layout).abs().sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pinned_host_blob_is_read_in_place_with_the_bits_of_a_slot():
+    blobs = experts(4, seed=7)
+    host = blobs.cpu().pin_memory()
+    top_idx, top_w = routing(9, 4, 2, seed=8)
+    x = torch.randn(9, D, device=DEVICE)
+    groups = gpu_moe.group_rows(top_idx.numpy())
+    on_device = gpu_moe.moe(x, top_w, groups, addresses(blobs), F, num_splits(D))
+    in_place = gpu_moe.moe(x, top_w, groups, addresses(host), F, num_splits(D))
+    assert torch.equal(in_place, on_device)
+    one = gpu_moe.expert_forward(x, host[2], F, num_splits(D))
+    assert torch.equal(one, gpu_moe.expert_forward(x, blobs[2], F, num_splits(D)))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_experts_run_close_to_fp32():
+    layout = ExpertLayout(D, F)
+    blobs = experts(4, seed=9)
+    top_idx, top_w = routing(12, 4, 2, seed=10)
+    x = torch.randn(12, D, device=DEVICE)
+    groups = gpu_moe.group_rows(top_idx.numpy())
+    half = blobs.bfloat16()
+    out = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(half), F, num_splits(D))
+    want = reference(x, top_idx, top_w, blobs, layout)
+    err = (out.double().cpu() - want).norm() / want.norm()
+    assert out.dtype == torch.bfloat16 and err < 2e-2, err

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 step() { echo; echo "=== $1 ($(date +%T))"; }
 step "tests"
-timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts= -x --timeout 120 \
+timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts= --maxfail=4 --timeout 100 \
   tests/engine/test_gpu_moe.py \
   tests/engine/test_cache_cuda.py tests/engine/test_runner.py tests/engine/test_cache_placement.py \
   tests/engine/test_quant_experts.py tests/engine/test_plan_apply.py \

@@ -26,20 +26,24 @@ step "profile"
 timeout 60 python3 scripts/gpu_profile.py --model /tmp/bench-moe --steps 32 2>&1 \
   | grep -v "^\[" | tee "$OUT/profile.txt" | head -40
 BENCH="python3 -m services.cli bench engine --model /tmp/bench-moe --device cuda --json"
+LOG="$OUT/bench.log"
 step "bench: static residency, 100/50/25% coverage"
 timeout 110 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.5 0.25 \
-  --policy static --compare-hf > "$OUT/static.json" 2> "$OUT/static.log"; tail -12 "$OUT/static.log"
+  --policy static --compare-hf > "$OUT/static.json" 2>> "$LOG"; grep round "$LOG" | tail -6
+step "bench: the same without CUDA graphs"
+timeout 90 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.25 \
+  --policy static --cuda-graphs off > "$OUT/static_eager.json" 2>> "$LOG"; grep round "$LOG" | tail -4
 step "bench: crf, prefetch off and on"
 timeout 110 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.5 0.25 \
-  --prefetch off on > "$OUT/crf.json" 2> "$OUT/crf.log"; grep round "$OUT/crf.log" | tail -8
+  --prefetch off on > "$OUT/crf.json" 2>> "$LOG"; grep round "$LOG" | tail -6
 step "bench: batch 8, prefill 512"
-timeout 40 $BENCH --prompt-tokens 32 --gen-tokens 64 --batch 8 > "$OUT/batch8.json" 2>"$OUT/b8.log"
-timeout 40 $BENCH --prompt-tokens 512 --gen-tokens 8 > "$OUT/prefill512.json" 2>"$OUT/p512.log"
+timeout 40 $BENCH --prompt-tokens 32 --gen-tokens 64 --batch 8 > "$OUT/batch8.json" 2>> "$LOG"
+timeout 40 $BENCH --prompt-tokens 512 --gen-tokens 8 > "$OUT/prefill512.json" 2>> "$LOG"
 step "summary"
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for name in ("static", "crf", "batch8", "prefill512"):
+for name in ("static", "static_eager", "crf", "batch8", "prefill512"):
     try:
         d = json.loads((out / f"{name}.json").read_text())
     except Exception as e:
@@ -48,7 +52,8 @@ for name in ("static", "crf", "batch8", "prefill512"):
         print(f"{name:10} prefetch {'on ' if r['prefetch'] else 'off'} cov {r['coverage']:.0%} "
               f"hit {r['decode_hit_rate']:.1%} spill {r['decode_spill']:.1%} decode "
               f"{r['decode_tok_s']:.0f} tok/s prefill {r['prefill_tok_s']:.0f} bound "
-              f"{r['bound_fraction']:.1%} hf {r.get('hf_decode_tok_s', 0):.0f}")
+              f"{r['bound_fraction']:.1%} hf {r.get('hf_decode_tok_s', 0):.0f} "
+              f"graphs {r.get('cuda_graphs')}")
     if "spill_penalty" in d:
         print(name, "spill penalty", d["spill_penalty"])
 PY

@@ -2,7 +2,8 @@
 
     strata bench engine [--model DIR] [--prompt-tokens P] [--gen-tokens G] [--batch B]
                         [--repeat R] [--device cpu|cuda] [--coverage C [C ...]]
-                        [--prefetch off|on [off|on]] [--policy P] [--placement M] [--threads N]
+                        [--prefetch off|on [off|on]] [--policy P] [--placement M]
+                        [--cuda-graphs on|off] [--threads N]
                         [--expert-dtype auto|int8|int4] [--cpu-kernels auto|on|off]
                         [--compare-hf] [--json]
 
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="cache policy (see the engine's --policy)")
     p.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT,
                    help="miss placement (see the engine's --placement)")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="CUDA: decode "
+                   "steps as graph replays (the engine's --cuda-graphs)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto", help="expert "
                    "weights in the host store and slots (int8/int4: quantized, as the engine's "
@@ -246,14 +249,16 @@ def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,
     slots = round(coverage * total_pairs)
     runner = ModelRunner(model_dir, device=str(device), device_memory_bytes=slots * slot_bytes,
                          reserved_bytes=0, prefetch=prefetch, expert_dtype=args.expert_dtype,
-                         policy=PolicySpec(args.policy), placement=args.placement)
+                         policy=PolicySpec(args.policy), placement=args.placement,
+                         cuda_graphs=args.cuda_graphs == "on")
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     c = runner.config
     on_cuda = device.type == "cuda"
     progress(f"{model_dir.name} on {device}: batch {args.batch}, {args.prompt_tokens} prompt + "
              f"{args.gen_tokens} generated tokens, {slots}/{total_pairs} pairs cached, policy "
              f"{args.policy}, prefetch {'on' if prefetch else 'off'}, "
-             + ("device kernel " + ("on" if runner.cache.device_kernel else "off") if on_cuda
+             + (f"device kernel {'on' if runner.cache.device_kernel else 'off'}, CUDA graphs "
+                f"{'on' if runner.model.graphs is not None else 'off'}" if on_cuda
                 else f"{torch.get_num_threads()} threads, CPU kernels "
                      f"{'on' if kernels.active() else 'off'}") + "; warm-up")
     run_strata(runner, batch_prompts, min(args.gen_tokens, 4))
@@ -300,6 +305,7 @@ def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,
         "threads": torch.get_num_threads(),
         "cpu_kernels": kernels.active() is not None and not on_cuda,
         "device_kernel": runner.cache.device_kernel,
+        "cuda_graphs": runner.model.graphs is not None,
         "coverage": slots / total_pairs if total_pairs else 1.0,
         "policy": args.policy,
         "placement": args.placement,

@@ -58,6 +58,7 @@ async def serve(config: EngineConfig) -> None:
                          device_memory_bytes=device_budget(config, device),
                          reserved_bytes=config.reserve, policy=config.policy_spec,
                          placement=config.placement, prefetch=config.prefetch,
+                         cuda_graphs=config.cuda_graphs,
                          record_routing=config.record_routing,
                          draft_head_bytes=draft_bytes,
                          kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,

@@ -109,6 +109,10 @@ SETTINGS = (
             "C kernels for the CPU decode step, built with the machine's compiler at first "
             "use and cached: auto (use them when they build), on (refuse to start without "
             "them), off (torch ops only)"),
+    Setting("cuda_graphs", "STRATA_CUDA_GRAPHS", parse_bool, True,
+            "CUDA: run each decode step as a CUDA graph replay (one graph per batch size up "
+            "to 64, captured at first use); misses of such steps are read in place over the "
+            "link"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
             "device memory kept for a draft head, besides --reserve (0: what the "
             "--spec-method source reports, none for ngram)"),
@@ -129,8 +133,9 @@ SETTINGS = (
     Setting("crf_lambda", "STRATA_CRF_LAMBDA", _crf_lambda, DEFAULT_CRF_LAMBDA,
             "crf policy: decay per pair access (towards 0: frequency, 1: recency)"),
     Setting("placement", "STRATA_PLACEMENT", choice(PLACEMENTS), DEFAULT_PLACEMENT,
-            "where misses run: exact (cost model among placements bit-identical to a hit; "
-            "on CUDA always copy), auto (cost model, fastest), host, copy"),
+            "where misses run: exact (cost model among placements bit-identical to a hit: "
+            "both with the CPU kernels or the CUDA Triton kernel, which reads the host store in "
+            "place; else copy), auto (cost model, fastest), host, copy"),
     Setting("prefetch", "STRATA_PREFETCH", parse_bool, DEFAULT_PREFETCH,
             "prefetch the next layer's predicted experts (its router on this layer's input)"),
     Setting("record_routing", "STRATA_RECORD_ROUTING", optional_str, None,
@@ -166,6 +171,7 @@ class EngineConfig:
     prefix_reuse: bool = True
     threads: int = 0
     cpu_kernels: str = "auto"
+    cuda_graphs: bool = True
     draft_reserve: int = 0
     spec_tokens: int = 0
     spec_method: str = "ngram"

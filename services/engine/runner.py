@@ -42,6 +42,7 @@ from services.engine.cache.stats import CacheCounters
 from services.engine.cache.trace import TraceWriter
 from services.engine.model.checkpoint import open_checkpoint
 from services.engine.model.config import ModelConfig, load_model_config
+from services.engine.model.cuda_graphs import DecodeGraphs, graph_blocker
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.quant import QuantExpertLayout, expert_layout
 from services.engine.model.qwen3_moe import Span, load_qwen3_moe
@@ -146,6 +147,7 @@ class ModelRunner:
         kv_dtype: str = "auto",
         prefix_reuse: bool = True,
         expert_dtype: str = "auto",
+        cuda_graphs: bool = True,
     ):
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
@@ -221,6 +223,12 @@ class ModelRunner:
         self.cache = ExpertCache(
             host, pool, c.num_layers, c.num_experts, placer, prefetch=prefetch, recorder=recorder
         )
+        if cuda_graphs and self.device.type == "cuda":
+            blocker = graph_blocker(self.model, self.kv, self.cache)
+            if blocker is None:
+                self.model.graphs = DecodeGraphs(self.model, self.kv, self.cache)
+            log.info("decode steps as CUDA graphs: %s",
+                     "on" if blocker is None else f"off ({blocker})")
         self._seq_ids = itertools.count()
         log.info(
             "model %s ready on %s in %.1f s (host store %.0f MiB)",
@@ -342,6 +350,7 @@ class ModelRunner:
         if self.cache.recorder is not None:
             self.cache.recorder.fill_record(ranked_pairs)
         report = self.cache.pool.fill(ranked_pairs, source=source)
+        self.cache.refresh_addresses()
         (log.info if report.verified else log.error)(report.log_line())
         return report
 

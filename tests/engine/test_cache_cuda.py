@@ -39,7 +39,7 @@ def test_every_policy_with_prefetch_is_exact_on_cuda(tiny_dir, policy):
         if runner.cache.host_exact:  # the device kernel reads host blobs in place: both exact
             assert runner.cache.device_kernel
             assert d.misses_host + d.misses_copied == d.spilled
-            assert set(d.reasons) <= {"host:cheaper", "copy:cheaper"}
+            assert set(d.reasons) <= {"host:cheaper", "copy:cheaper", "host:graph"}
         else:  # a host matmul may differ in the last bits: copies only
             assert d.misses_host == 0 and d.misses_copied == d.spilled
             assert set(d.reasons) <= {"copy:exact"}
@@ -71,6 +71,60 @@ def test_auto_placement_and_live_replay_on_cuda(tiny_dir, tmp_path):
     runner.close()
     d = runner.cache.decode
     assert d.misses_host + d.misses_copied == d.spilled
-    assert set(d.reasons) <= {"host:cheaper", "copy:cheaper"}
+    assert set(d.reasons) <= {"host:cheaper", "copy:cheaper", "host:graph"}
     got = replay(Trace.read(path).records, 6, runner.policy, prefetch=runner.cache.prefetch)
     assert (got.decode.lookups, got.decode.hits) == (d.lookups, d.hits)
+
+
+@pytest.mark.parametrize("policy", ["static", "crf"])
+def test_graphed_decode_steps_equal_eager_ones(tiny_dir, policy):
+    """Decode steps replayed from CUDA graphs give the eager steps' bits, lookups and hits, at
+    every coverage, with fills and prefetch going on between the steps."""
+    for slots in (0, 6, 24):
+        runs = {}
+        for graphs in (False, True):
+            runner = cuda_runner(tiny_dir, slots, policy=PolicySpec(policy, 0.25),
+                                 prefetch=True, cuda_graphs=graphs)
+            runner.fill_cache(runner.layer_order_pairs()[::-1])
+            seq, tokens, logits = greedy(runner, PROMPT, n=24)
+            assert (runner.model.graphs is not None) == graphs
+            if graphs:
+                assert runner.model.graphs.replays == 24 and len(runner.model.graphs.graphs) == 1
+                assert "host:graph" in seq.stats.decode.reasons or seq.stats.decode.spilled == 0
+            runs[graphs] = (tokens, logits.cpu(), seq.stats.decode, runner)
+        (t0, l0, d0, _), (t1, l1, d1, graphed) = runs[False], runs[True]
+        assert t1 == t0 and torch.equal(l1, l0)
+        assert (d1.lookups, d1.hits, d1.fills) == (d0.lookups, d0.hits, d0.fills)
+        torch.cuda.synchronize()
+        cache = graphed.cache
+        for (layer, expert), slot in cache._where.items():  # every table entry is right
+            assert cache.residency.lookup((layer, expert)) == slot
+            assert int(cache.addr_table[layer, expert]) == cache.pool.slots[slot].data_ptr()
+            assert torch.equal(cache.pool.slots[slot].cpu(), cache.host.blob((layer, expert)))
+
+
+def test_graphs_per_batch_size_match_eager_batched_steps(tiny_dir):
+    from services.engine.runner import ChunkWork
+
+    prompts = [list(b"first prompt"), list(b"second"), list(b"the third one")]
+    outs = {}
+    for graphs in (False, True):
+        runner = cuda_runner(tiny_dir, 12, cuda_graphs=graphs)
+        runner.fill_cache(runner.layer_order_pairs())
+        seqs = [runner.start(p) for p in prompts]
+        tokens = [[int(runner.prefill(s).argmax())] for s in seqs]
+        for step in range(8):
+            live = seqs[: 1 + step % 3]  # batches of 1, 2, 3 sequences in turn
+            chunks = []
+            for s, toks in zip(live, tokens, strict=False):
+                s.token_ids.append(toks[-1])
+                runner.blocks.append(s.table, s.num_tokens)
+                chunks.append(ChunkWork([toks[-1]], s.num_tokens - 1, s.table.block_ids,
+                                        False, True))
+                s.num_cached = s.num_tokens
+            for toks, (logits, _) in zip(tokens, runner.step(chunks), strict=False):
+                toks.append(int(logits.argmax()))
+        outs[graphs] = tokens
+        if graphs:
+            assert sorted(runner.model.graphs.graphs) == [1, 2, 3]
+    assert outs[True] == outs[False]

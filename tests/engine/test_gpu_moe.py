@@ -13,6 +13,25 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition
 gpu_moe = pytest.importorskip("services.engine.kernels.gpu_moe")
 
+
+def _interpreter_scalars_index() -> None:
+    """Triton 3.6's interpreter holds a loaded scalar as a 1-element array and turns it into a
+    Python int (a loop bound) with int(array), which numpy >= 2.3 refuses for 1-d arrays;
+    index it instead. Interpreter only: compiled kernels never take this path."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001 - the interpreter's own signature
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if not torch.cuda.is_available():
+    _interpreter_scalars_index()
+
 from services.engine.cache.layout import ExpertLayout, num_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +86,7 @@ def test_groups_cover_every_row_once_in_ascending_expert_order():
     top_idx, _ = routing(37, 4, 3, seed=5)  # ~28 rows per expert: two groups for some
     g = gpu_moe.group_rows(top_idx.numpy())
     assert (g.length >= 1).all() and (g.length <= gpu_moe.BLOCK_M).all()
-    covered = np.concatenate([np.arange(s, s + n) for s, n in zip(g.start, g.length)])
+    covered = np.concatenate([np.arange(s, s + n) for s, n in zip(g.start, g.length, strict=True)])
     assert sorted(covered.tolist()) == list(range(37 * 3))
     flat = top_idx.numpy().ravel()
     by_row = np.empty(37 * 3, dtype=np.int64)
@@ -139,3 +158,42 @@ def test_bf16_experts_run_close_to_fp32():
     want = reference(x, top_idx, top_w, blobs, layout)
     err = (out.double().cpu() - want).norm() / want.norm()
     assert out.dtype == torch.bfloat16 and err < 2e-2, err
+
+
+def test_device_grouping_gives_the_host_grouping_bits():
+    """moe_device (one group per row, indices built on the device: what a CUDA graph runs)
+    against moe (host-built groups of up to BLOCK_M rows)."""
+    blobs = experts(5, seed=11)
+    top_idx, top_w = routing(23, 5, 3, seed=12)
+    x = torch.randn(23, D, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    addr = addresses(blobs)
+    host = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F, num_splits(D))
+    device = gpu_moe.moe_device(x, top_idx.to(DEVICE), top_w, torch.from_numpy(addr).to(DEVICE),
+                                F, num_splits(D))
+    if DEVICE.type == "cuda":
+        assert torch.equal(device, host)
+    else:
+        torch.testing.assert_close(device, host, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("H", "G", "Hd", "P"), [(4, 2, 16, 16), (8, 8, 64, 4), (6, 2, 24, 8)])
+def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P):
+    from services.engine.kernels.gpu_attention import decode_attention
+    from services.engine.model.qwen3_moe import decode_attention as reference_attention
+
+    gen = torch.Generator().manual_seed(H * 100 + Hd)
+    B, T = 12, 3
+    k = torch.randn(B, P, G, Hd, generator=gen).to(DEVICE)
+    v = torch.randn(B, P, G, Hd, generator=gen).to(DEVICE)
+    q = torch.randn(T, H, Hd, generator=gen).to(DEVICE)
+    lengths = [1, P + 3, 3 * P]  # one position, a partial block, whole blocks
+    tables = [[7], [2, 9], [11, 0, 5]]
+    ids = torch.zeros(T, 4, dtype=torch.int64)  # wider than needed: never read past a length
+    for i, table in enumerate(tables):
+        ids[i, : len(table)] = torch.tensor(table)
+    out = decode_attention(q, k, v, ids.to(DEVICE), torch.tensor(lengths).to(DEVICE), Hd**-0.5)
+    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        kk = k[table].flatten(0, 1)[:n].transpose(0, 1).cpu()  # [G, N, Hd]
+        vv = v[table].flatten(0, 1)[:n].transpose(0, 1).cpu()
+        want = reference_attention(q[i : i + 1].cpu(), kk, vv)[0]
+        torch.testing.assert_close(out[i].cpu(), want, atol=1e-5, rtol=1e-5)

@@ -123,6 +123,11 @@ class ExpertCache:
         # blob addresses for the kernels: slot i at slots_base + i * blob_bytes
         self._blob_addr = np.zeros(num_experts, dtype=np.int64)  # [E] this layer's
         self._blob_bytes = self.layout.numel * host.dtype.itemsize
+        # CUDA graphs: every pair's blob address [L, E] on the device (its slot once filled,
+        # else the pinned host store), kept current by every fill; and each slot's pair
+        self.addr_table: torch.Tensor | None = None
+        self._slot_pair: list[tuple[int, int] | None] = [None] * pool.num_slots
+        self._where: dict[tuple[int, int], int] = {}  # pair -> the slot its entry points to
         if self.on_cuda:
             self._copy_stream = torch.cuda.Stream(pool.device)
             self._slot_ready: dict[int, torch.cuda.Event] = {}
@@ -185,11 +190,12 @@ class ExpertCache:
     def wants_predictions(self) -> bool:
         return len(self._decode_rows) > 0 and (self.prefetch or self.recorder is not None)
 
-    def route(self, layer: int, top_idx: torch.Tensor, counts: Sequence[int] | np.ndarray
-              ) -> None:
+    def route(self, layer: int, top_idx: torch.Tensor | np.ndarray,
+              counts: Sequence[int] | np.ndarray, graphed: bool = False) -> None:
         """Look up this step's distinct experts of `layer` once each (counts [E]: rows routed
-        to each); place the misses."""
-        top = top_idx.cpu().numpy()  # [T, K]
+        to each); place the misses. `graphed`: the step already ran in a CUDA graph, which read
+        every miss in place from the host store (see finish_graphed_step)."""
+        top = top_idx if isinstance(top_idx, np.ndarray) else top_idx.cpu().numpy()  # [T, K]
         counts = np.asarray(counts)  # [E]
         experts_arr = np.flatnonzero(counts)  # distinct experts, ascending
         if self._any_prefill:
@@ -222,7 +228,7 @@ class ExpertCache:
             if out.hit:
                 self._plan[expert] = (_SLOT, out.slot)
                 continue
-            where, reason = self.placer.choose(d + p)
+            where, reason = ("host", "host:graph") if graphed else self.placer.choose(d + p)
             c = self.decode if d else self.prefill
             c.reasons[reason] = c.reasons.get(reason, 0) + 1
             if where == "host":
@@ -277,7 +283,7 @@ class ExpertCache:
         if self._cpu is not None:
             return self._apply_kernel(layer, x, top_idx, top_w)
         if self._gpu is not None:
-            return self._apply_device(layer, x, top_idx, top_w)
+            return self._apply_gpu(layer, x, top_idx, top_w)
         K = top_idx.shape[1]
         order = torch.argsort(top_idx.flatten(), stable=True).to(x.device)  # [T*K], grouped by expert
         token_of = order // K  # [T*K]
@@ -312,7 +318,7 @@ class ExpertCache:
         return self._cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), addr,
                              self.layout.ffn_size, num_splits(self.layout.hidden_size))
 
-    def _apply_device(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+    def _apply_gpu(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
                       top_w: torch.Tensor) -> torch.Tensor:
         """apply() on CUDA with the Triton kernel: hits, and misses read in place from the pinned
         host store, launch at once; slots still being filled and staged copies after the compute
@@ -351,6 +357,55 @@ class ExpertCache:
                     between=wait_for_copies if waits else None)
         self._layer_done()
         return y
+
+    # -- decode steps captured in a CUDA graph ------------------------------------------------
+    def enable_address_table(self, num_layers: int) -> None:
+        """Keep a device table of every pair's blob address (what graphed steps read)."""
+        if self.addr_table is None:
+            self.addr_table = torch.zeros(num_layers, self.num_experts, dtype=torch.int64,
+                                          device=self.pool.device)
+            self.refresh_addresses()
+
+    def refresh_addresses(self) -> None:
+        """Rebuild the address table from the residency (after a full pre-fill)."""
+        self._slot_pair = [None] * self.pool.num_slots
+        self._where = {pair: self.residency.lookup(pair) for pair in  # type: ignore[misc]
+                       self.residency.resident_pairs}
+        for pair, slot in self._where.items():
+            self._slot_pair[slot] = pair
+        if self.addr_table is None:
+            return
+        table = np.zeros(tuple(self.addr_table.shape), dtype=np.int64)
+        for layer, expert in self.host.pairs:
+            table[layer, expert] = self.host.blob((layer, expert)).data_ptr()
+        base = self.pool.slots.data_ptr()
+        for slot, pair in enumerate(self._slot_pair):
+            if pair is not None:
+                table[pair] = base + slot * self._blob_bytes
+        self.addr_table.copy_(torch.from_numpy(table))
+
+    def apply_graphed(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
+                      top_w: torch.Tensor) -> torch.Tensor:
+        """apply() inside a CUDA graph: top_idx, top_w [T, K] on the device; each expert read
+        at its address in the table — its slot, or in place from the host store."""
+        assert self._gpu is not None and self.addr_table is not None
+        return self._gpu.moe_device(x, top_idx, top_w, self.addr_table[layer],
+                                    self.layout.ffn_size, num_splits(self.layout.hidden_size))
+
+    def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray,
+                            predicted: np.ndarray | None,
+                            next_layer: dict[int, int]) -> None:
+        """The lookups of a step that ran in a CUDA graph, after it: per MoE layer, in the
+        order an eager step makes them (route, then predict for the next layer), so hits,
+        policy state and fills are those of an eager step. top_idx, predicted [Lm, T, K]. The
+        step read every miss in place; fills the policy admits serve the later steps."""
+        for j, layer in enumerate(moe_layers):
+            top = top_idx[j]
+            counts = np.bincount(top.ravel(), minlength=self.num_experts)
+            self.route(layer, top, counts, graphed=True)
+            nxt = next_layer.get(layer)
+            if predicted is not None and nxt is not None and self.wants_predictions:
+                self.predict(nxt, torch.from_numpy(predicted[j]))
 
     def _stage_device(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Copy a host blob into device staging buffer i on the copy stream (after the last
@@ -438,21 +493,49 @@ class ExpertCache:
     # -- moving bytes ------------------------------------------------------------------------
     def _fill(self, slot: int, pair: tuple[int, int]) -> None:
         dst, src = self.pool.slots[slot], self.host.blob(pair)
+        unmapped = None
+        if self.addr_table is not None:  # first, no later step may read the bytes replaced
+            old = self._slot_pair[slot]
+            if old is not None:
+                self._unmap(old)
+            if pair in self._where:  # (a plan moving a pair into the pinned core)
+                self._unmap(pair)
+            if self.on_cuda:
+                unmapped = torch.cuda.Event()
+                unmapped.record(torch.cuda.current_stream(self.pool.device))
+        self._slot_pair[slot], self._where[pair] = pair, slot
         if not self.on_cuda:
             t0 = time.perf_counter()
             dst.copy_(src)
             self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
+            if self.addr_table is not None:
+                self.addr_table[pair].fill_(dst.data_ptr())
             return
         with torch.cuda.stream(self._copy_stream):
             if self._reads_done is not None:
                 self._copy_stream.wait_event(self._reads_done)
+            if unmapped is not None:  # steps enqueued until now have read what they read here
+                self._copy_stream.wait_event(unmapped)
             start = torch.cuda.Event(enable_timing=True)
             start.record(self._copy_stream)
             dst.copy_(src, non_blocking=True)
+            if self.addr_table is not None:  # the slot is whole: later steps read it here
+                self.addr_table[pair].fill_(dst.data_ptr())
             ready = torch.cuda.Event(enable_timing=True)
             ready.record(self._copy_stream)
         self._slot_ready[slot] = ready
         self.link.add_timed(self.host.slot_bytes, start, ready)
+
+    def _unmap(self, pair: tuple[int, int]) -> None:
+        """Point `pair`'s address-table entry back at the host store, on the compute stream —
+        after its own fill (and that fill's table write) if that is still in flight."""
+        assert self.addr_table is not None
+        slot = self._where.pop(pair)
+        self._slot_pair[slot] = None
+        ready = self._slot_ready.get(slot) if self.on_cuda else None
+        if ready is not None:
+            torch.cuda.current_stream(self.pool.device).wait_event(ready)
+        self.addr_table[pair].fill_(self.host.blob(pair).data_ptr())
 
     def _slot_blob(self, slot: int) -> torch.Tensor:
         if self.on_cuda:

@@ -14,13 +14,18 @@ group is (its expert blob's address, its first sorted row, its row count):
     down     (group, D block):  y[dst[r]] = w[r] * (act[r] @ down)                       [M, D]
     combine  (token, D block):  out[t] = y[t*K] + y[t*K+1] + ... + y[t*K+K-1]           [T, D]
 
-`run(..., groups)` may run the groups in two launches of the first two kernels (`split`): the
+`moe(..., groups)` takes groups built on the host (`group_rows`: several rows of an expert share
+a group, so each weight tile is read once for them — prefill, batched decode) and may run them
+in two launches of the first two kernels (`split`): the
 groups whose weights are ready, then — after the caller has waited for its copies — the rest,
-so hits start before the copied misses they would otherwise wait for.
+so hits start before the copied misses they would otherwise wait for. `moe_device` builds
+one group per row on the device from a device table of blob addresses, with no host work: what
+a decode step captured in a CUDA graph runs. Both give the same bits (see below).
 
 Numerics: every output row is a fixed-order computation over its own row alone (fp32
 accumulation; `tl.dot` in IEEE fp32 for fp32 weights), so a token's result does not depend on
-the other tokens of the step, on its group's size or on where the blob lies.
+the other tokens of the step, on its group's size or on where the blob lies (tested on the
+device; Triton's CPU interpreter computes tl.dot with numpy, whose blocking varies by shape).
 """
 
 from __future__ import annotations
@@ -191,6 +196,34 @@ def moe(x: torch.Tensor, top_w: torch.Tensor, groups: Groups, blob_addr: np.ndar
         between()
     launch(cut, G)
     out = torch.empty(T, D, dtype=x.dtype, device=device)
+    _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, out, D, K=K, BLOCK_D=BLOCK_D)
+    return out
+
+
+def moe_device(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+               blob_addr: torch.Tensor, ffn_size: int, splits: int) -> torch.Tensor:
+    """moe() with every index built on the device: top_idx, top_w [T, K] and blob_addr [E]
+    int64 (each expert's blob address, e.g. one layer's row of a device table) on x's device;
+    one group per (token, expert) row. No host synchronisation: CUDA-graph capturable."""
+    T, D = x.shape
+    K = top_idx.shape[1]
+    M = T * K
+    experts, order = torch.sort(top_idx, dim=1)  # [T, K] per token ascending expert id
+    w_of_row = torch.gather(top_w, 1, order).reshape(-1)  # [M]
+    rows = torch.arange(M, device=x.device)
+    g_addr = blob_addr[experts.reshape(-1)]  # [M]
+    g_len = torch.ones(M, dtype=torch.int64, device=x.device)
+    act = torch.empty(M, ffn_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, D, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32
+    x = x.contiguous()
+    _gate_up_kernel[(M, triton.cdiv(ffn_size, BLOCK_F))](
+        x, rows // K, g_addr, rows, g_len, act, D, ffn_size, IEEE=ieee, BLOCK_M=BLOCK_M,
+        BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
+    _down_kernel[(M, triton.cdiv(D, BLOCK_D))](
+        act, rows, w_of_row, g_addr, rows, g_len, y, D, ffn_size, D // splits, IEEE=ieee,
+        BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, out, D, K=K, BLOCK_D=BLOCK_D)
     return out
 

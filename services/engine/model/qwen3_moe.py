@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -45,9 +46,23 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.paged_kv import PagedKVCache
 
 if TYPE_CHECKING:
+    from services.engine.cache.expert_cache import ExpertCache
+    from services.engine.model.cuda_graphs import DecodeGraphs
     from services.engine.model.deepseek import MlaWeights
 
 log = logging.getLogger("strata.engine")
+
+
+def gpu_attention_for(x: torch.Tensor) -> ModuleType | None:
+    """The Triton decode attention (services.engine.kernels.gpu_attention) when x is on a CUDA
+    device and Triton is importable, else None."""
+    if x.device.type != "cuda":
+        return None
+    try:
+        from services.engine.kernels import gpu_attention
+    except ImportError:
+        return None
+    return gpu_attention
 
 
 class ExpertSource(Protocol):
@@ -186,6 +201,7 @@ class Qwen3MoeModel:
         moe = [i for i, w in enumerate(layers) if w.router_t is not None]
         self.next_moe_layer = {i: j for i, j in zip(moe, moe[1:], strict=False)}
         self.last_hidden: torch.Tensor | None = None  # of the last forward
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode steps as graph replays
 
     @torch.no_grad()
     def forward(
@@ -203,10 +219,14 @@ class Qwen3MoeModel:
         slots = torch.cat([
             kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
-        if decode is not None and decode.all_rows and decode.lengths is not None and (
-                self._fused_decode):
-            return self._forward_fused(token_ids, positions, slots, decode, kv, experts,
-                                       logit_rows)
+        if decode is not None and decode.all_rows and decode.lengths is not None:
+            if self.graphs is not None and len(logit_rows) == len(token_ids):
+                logits = self.graphs.run(token_ids, positions, slots, decode)
+                if logits is not None:
+                    return logits
+            if self._fused_decode:
+                return self._forward_fused(token_ids, positions, slots, decode, kv, experts,
+                                           logit_rows)
         others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
         rope = (positions, self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         x = self.embed[token_ids]  # [T, D]
@@ -217,16 +237,57 @@ class Qwen3MoeModel:
             h = rms_norm(x, layer.post_attn_norm, eps)
             if layer.router_t is not None:
                 x = x + self.moe(i, layer, h, experts)
-                if layer.shared_gate_up is not None:  # resident, never a cache pair
-                    shared = split_swiglu(h, layer.shared_gate_up, layer.shared_down)  # [T, D]
-                    if layer.shared_gate_t is not None:
-                        shared = torch.sigmoid(h @ layer.shared_gate_t) * shared
-                    x = x + shared
+                if layer.shared_gate_up is not None:
+                    x = x + self.shared_expert(layer, h)
             else:
                 x = x + split_swiglu(h, layer.mlp_gate_up, layer.mlp_down)
         self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
-        x = x[logit_rows]  # [S, D]
-        return matmul_split(rms_norm(x, self.final_norm, eps), self.lm_head).float()  # [S, V]
+        return self.logits(x[logit_rows])  # [S, V]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: hidden [S, D] -> fp32 logits [S, V]."""
+        return matmul_split(rms_norm(x, self.final_norm, self.config.rms_norm_eps),
+                            self.lm_head).float()
+
+    @staticmethod
+    def shared_expert(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's shared expert (resident, never a cache pair) on h [T, D] -> [T, D]."""
+        shared = split_swiglu(h, w.shared_gate_up, w.shared_down)
+        if w.shared_gate_t is not None:
+            shared = torch.sigmoid(h @ w.shared_gate_t) * shared
+        return shared
+
+    def decode_graph_body(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                          slots: torch.Tensor, decode: DecodeRows, kv: PagedKVCache,
+                          experts: ExpertCache, route_top: torch.Tensor,
+                          predicted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step with no host work at all, for capture in a CUDA graph (see
+        model/cuda_graphs.py): every input on the device, routing on the device, each routed
+        expert read at its address in the expert cache's table. Each MoE layer's top-K goes
+        to route_top [Lm, T, K] (and the next layer's predicted top-K to `predicted`), for
+        the cache's lookups after the step. -> (hidden [T, D], fp32 logits [T, V])."""
+        c = self.config
+        rope = (positions, self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
+        x = self.embed[token_ids]  # [T, D]
+        j = 0
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            x = x + self.attention(i, layer, h, rope, [], decode, kv, slots)
+            h = rms_norm(x, layer.post_attn_norm, c.rms_norm_eps)
+            if layer.router_t is None:
+                x = x + split_swiglu(h, layer.mlp_gate_up, layer.mlp_down)
+                continue
+            top_w, top_idx = self.router(layer, h)
+            route_top[j].copy_(top_idx)
+            nxt = self.next_moe_layer.get(i)
+            if predicted is not None and nxt is not None:
+                next_logits = h @ self.layers[nxt].router_t  # [T, E]
+                predicted[j].copy_(torch.topk(next_logits, c.experts_per_token, dim=-1).indices)
+            x = x + experts.apply_graphed(i, h, top_idx, top_w)
+            if layer.shared_gate_up is not None:
+                x = x + self.shared_expert(layer, h)
+            j += 1
+        return x, self.logits(x)
 
     @property
     def _fused_decode(self) -> bool:
@@ -302,7 +363,8 @@ class Qwen3MoeModel:
         them with the CPU kernel; two or more with SDPA (a lone one takes the per-span path,
         which reads consecutive KV blocks as views)."""
         decode = [s for s in spans if s.row_end - s.row_start == 1]
-        kernel = not kv.quantized and cpu_kernels_for(self.embed, self.embed) is not None
+        kernel = not kv.quantized and (cpu_kernels_for(self.embed, self.embed) is not None
+                                       or gpu_attention_for(self.embed) is not None)
         if not decode or (len(decode) == 1 and not kernel):
             return None
         tables = [s.block_table for s in decode]
@@ -311,7 +373,8 @@ class Qwen3MoeModel:
         all_rows = len(decode) == T and all(s.row_start == i for i, s in enumerate(decode))
         if kernel:
             return DecodeRows(rows, all_rows, kv.block_ids(tables, lengths),
-                              lengths=torch.tensor(lengths), max_length=max(lengths))
+                              lengths=torch.tensor(lengths, device=self.device),
+                              max_length=max(lengths))
         ids, mask = kv.gather_index(tables, lengths)
         return DecodeRows(rows, all_rows, ids, mask=mask[:, None, None, :])
 
@@ -385,7 +448,11 @@ class Qwen3MoeModel:
             ).transpose(0, 1)  # [t, H, Hd]
         if decode is not None:
             q_rows = q if decode.all_rows else q[decode.rows]  # [B, H, Hd]
-            if decode.lengths is not None:
+            gpu = gpu_attention_for(q_rows)
+            if decode.lengths is not None and gpu is not None:
+                res = gpu.decode_attention(q_rows, kv.k[layer_idx], kv.v[layer_idx], decode.ids,
+                                           decode.lengths, q_rows.shape[-1] ** -0.5)
+            elif decode.lengths is not None:
                 cpu = cpu_kernels_for(q_rows, q_rows)
                 assert cpu is not None
                 res = cpu.decode_attention(q_rows, kv.k[layer_idx], kv.v[layer_idx], decode.ids,
@@ -405,6 +472,20 @@ class Qwen3MoeModel:
         out = matmul_split(out.reshape(T, -1), w.o)  # [T, D]
         return out if w.o_bias is None else out + w.o_bias
 
+    def router(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing as torch ops on x's device: x [T, D] -> (top_w [T, K] in x's dtype,
+        top_idx [T, K]): softmax (fp32) top-K, renormalized where the family does, or
+        deepseek_v3's grouped routing."""
+        c = self.config
+        if c.grouped_routing:
+            top_w, top_idx = deepseek.grouped_topk(c, (x @ w.router_t).float(), w.router_bias)
+        else:
+            probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
+            top_w, top_idx = torch.topk(probs, c.experts_per_token, dim=-1)  # [T, K]
+            if c.norm_topk_prob:
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_w.to(x.dtype), top_idx
+
     def moe(
         self, layer_idx: int, w: LayerWeights, x: torch.Tensor, experts: ExpertSource
     ) -> torch.Tensor:
@@ -415,15 +496,7 @@ class Qwen3MoeModel:
             top_idx, top_w, counts = cpu.router(x.contiguous(), w.router_t, K,
                                                 c.norm_topk_prob)
         else:
-            if c.grouped_routing:
-                top_w, top_idx = deepseek.grouped_topk(c, (x @ w.router_t).float(),
-                                                       w.router_bias)
-            else:
-                probs = torch.softmax((x @ w.router_t).float(), dim=-1)  # [T, E] fp32
-                top_w, top_idx = torch.topk(probs, K, dim=-1)  # [T, K]
-                if c.norm_topk_prob:
-                    top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-            top_w = top_w.to(x.dtype)
+            top_w, top_idx = self.router(w, x)
             top_idx = top_idx.cpu()  # [T, K]
             counts = torch.bincount(top_idx.flatten(), minlength=c.num_experts).numpy()  # [E]
         experts.route(layer_idx, top_idx, counts)  # one lookup per distinct expert

@@ -374,11 +374,11 @@ class ModelRunner:
             logit_rows.extend(range(row + n - chunk.num_logits, row + n))
         self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
         before = self.cache.decode.copy()
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=self.device),  # [T]
-            torch.tensor(positions, dtype=torch.long, device=self.device),  # [T]
+        logits = self.model.forward(  # (inputs on the host: the model moves what it needs)
+            torch.tensor(ids, dtype=torch.long),  # [T]
+            torch.tensor(positions, dtype=torch.long),  # [T]
             spans, self.kv, self.cache,
-            torch.tensor(logit_rows, dtype=torch.long, device=self.device))  # [S, V]
+            torch.tensor(logit_rows, dtype=torch.long))  # [S, V]
         logits[:, self.num_usable_tokens:] = float("-inf")
         if self.hidden_sink is not None:
             self.hidden_sink(chunks, self.model.last_hidden)

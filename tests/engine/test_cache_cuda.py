@@ -90,8 +90,9 @@ def test_graphed_decode_steps_equal_eager_ones(tiny_dir, policy):
             assert (runner.model.graphs is not None) == graphs
             if graphs:
                 assert runner.model.graphs.replays == 24 and len(runner.model.graphs.graphs) == 1
-                assert "host:graph" in seq.stats.decode.reasons or seq.stats.decode.spilled == 0
-            runs[graphs] = (tokens, logits.cpu(), seq.stats.decode, runner)
+                d = runner.cache.decode
+                assert "host:graph" in d.reasons or d.spilled == 0
+            runs[graphs] = (tokens, logits.cpu(), runner.cache.decode, runner)
         (t0, l0, d0, _), (t1, l1, d1, graphed) = runs[False], runs[True]
         assert t1 == t0 and torch.equal(l1, l0)
         assert (d1.lookups, d1.hits, d1.fills) == (d0.lookups, d0.hits, d0.fills)

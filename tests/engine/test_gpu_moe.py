@@ -197,3 +197,60 @@ def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P
         vv = v[table].flatten(0, 1)[:n].transpose(0, 1).cpu()
         want = reference_attention(q[i : i + 1].cpu(), kk, vv)[0]
         torch.testing.assert_close(out[i].cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real graphs run in test_cache_cuda")
+@pytest.mark.parametrize(("policy", "prefetch"), [("static", False), ("crf", True)])
+def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch, policy,
+                                                          prefetch):
+    """What a graphed decode step computes and books, without a GPU: the graph body run
+    directly (a stand-in CUDAGraph whose replay calls it), the kernels in the interpreter.
+    Tokens, lookups, hits, fills and prefetch fills equal the eager steps', and the address
+    table agrees with the residency after every fill."""
+    from services.engine.cache.policy import PolicySpec
+    from services.engine.kernels import gpu_attention
+    from services.engine.model import cuda_graphs, qwen3_moe
+    from services.engine.runner import ModelRunner
+    from tests.engine.test_runner import greedy
+
+    class ReplayCallsTheBody:
+        def __init__(self):
+            self.body = None
+
+        def replay(self):
+            self.body()
+
+    def capture(self, g):
+        def body():
+            g.hidden, g.logits = self._body(g)
+
+        g.graph.body = body
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayCallsTheBody)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", capture)
+    runs = []
+    for graphed in (False, True):
+        runner = ModelRunner(tiny_dir, device_memory_bytes=6 * 3 * 64 * 32 * 4,
+                             reserved_bytes=0, policy=PolicySpec(policy, 0.25),
+                             prefetch=prefetch)
+        if graphed:
+            runner.cache._gpu = gpu_moe
+            runner.model._fused = False  # not the fused CPU decode
+            monkeypatch.setattr(qwen3_moe, "gpu_attention_for", lambda x: gpu_attention)
+            runner.model.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)
+        runner.fill_cache(runner.layer_order_pairs()[::-1])
+        _, tokens, _ = greedy(runner, "The expert cache keeps", n=10)
+        runs.append((tokens, runner.cache.decode, runner))
+    (t0, d0, _), (t1, d1, runner) = runs
+    assert runner.model.graphs.replays == 10
+    assert t1 == t0
+    assert (d1.lookups, d1.hits, d1.fills, d1.prefetch_fills) == (
+        d0.lookups, d0.hits, d0.fills, d0.prefetch_fills)
+    assert set(d1.reasons) <= {"host:graph"} and sum(d1.reasons.values()) > 0
+    cache = runner.cache
+    for pair in cache.host.pairs:
+        slot = cache.residency.lookup(pair)
+        blob = cache.host.blob(pair) if slot is None else cache.pool.slots[slot]
+        assert int(cache.addr_table[pair]) == blob.data_ptr()

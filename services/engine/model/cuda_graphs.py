@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.model.paged_kv import PagedKVCache
-from services.engine.model.qwen3_moe import DecodeRows, Qwen3MoeModel
+from services.engine.model.qwen3_moe import DecodeRows, Qwen3MoeModel, Span
 
 log = logging.getLogger("strata.engine")
 
@@ -58,15 +59,18 @@ def graph_blocker(model: Qwen3MoeModel, kv: PagedKVCache, cache: ExpertCache) ->
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    token_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] flat KV slot of each token
-    block_ids: torch.Tensor  # [T, nb]
-    lengths: torch.Tensor  # [T]
+    host_in: torch.Tensor  # pinned [3T + T*nb]: token ids, positions, lengths, block ids
+    inputs: torch.Tensor  # the same on the device: one copy per step
     route_top: torch.Tensor  # [Lm, T, K]
     predicted: torch.Tensor | None  # [Lm, T, K]
     hidden: torch.Tensor  # [T, D]
     logits: torch.Tensor  # [T, V]
+
+    def views(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """(token_ids, positions, lengths [T], block_ids [T, nb]) views of `inputs`."""
+        x = self.inputs
+        return x[:batch], x[batch : 2 * batch], x[2 * batch : 3 * batch], \
+            x[3 * batch :].view(batch, -1)
 
 
 class DecodeGraphs:
@@ -82,55 +86,60 @@ class DecodeGraphs:
         self.capture_s = 0.0
         cache.enable_address_table(len(model.layers))
 
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            decode: DecodeRows) -> torch.Tensor | None:
-        """One decode step (every row a sequence's next token; logits for every row) as a
-        graph replay -> fp32 logits [T, V]; None when T is over max_batch (run it eagerly)."""
-        batch = len(token_ids)
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span]
+            ) -> torch.Tensor | None:
+        """One decode step (each span one sequence's next token; logits for every row) as a
+        graph replay -> fp32 logits [T, V]; None when T is over max_batch (run it eagerly).
+        The inputs go to the device in one copy from a pinned buffer."""
+        batch = len(spans)
         if batch > self.max_batch:
             return None
-        assert decode.lengths is not None
         g = self.graphs.get(batch)
         fresh = g is None
         if g is None:
             g = self._buffers(batch)
-        g.token_ids.copy_(token_ids)
-        g.positions.copy_(positions)
-        g.slots.copy_(slots)
-        g.block_ids[:, : decode.ids.shape[1]].copy_(decode.ids)
-        g.lengths.copy_(decode.lengths)
+        host = g.host_in.numpy()
+        host[:batch] = token_ids.cpu().numpy()
+        host[batch : 2 * batch] = positions.cpu().numpy()
+        ids = host[3 * batch :].reshape(batch, self.num_blocks)
+        P = self.kv.block_size
+        for t, span in enumerate(spans):
+            host[2 * batch + t] = span.pos_end
+            used = -(-span.pos_end // P)
+            ids[t, :used] = span.block_table[:used]
+        g.inputs.copy_(g.host_in, non_blocking=True)  # the step below waits for it anyway
         if fresh:
             self._capture(g)
             self.graphs[batch] = g
         g.graph.replay()
         self.replays += 1
-        top = g.route_top.cpu().numpy()  # waits for the step
+        top = g.route_top.cpu().numpy()  # waits for the step (and so for the input copy)
         predicted = None if g.predicted is None else g.predicted.cpu().numpy()
         self.model.last_hidden = g.hidden.clone()
         self.cache.finish_graphed_step(self.moe_layers, top, predicted, self.model.next_moe_layer)
         return g.logits.clone()
 
-    def _buffers(self, T: int) -> _Graph:
+    def _buffers(self, batch: int) -> _Graph:
         c, device = self.model.config, self.model.device
         K, Lm = c.experts_per_token, len(self.moe_layers)
-        long = dict(dtype=torch.int64, device=device)
+        size = 3 * batch + batch * self.num_blocks
         predicts = self.cache.prefetch or self.cache.recorder is not None
         return _Graph(
             graph=torch.cuda.CUDAGraph(),
-            token_ids=torch.zeros(T, **long),
-            positions=torch.zeros(T, **long),
-            slots=torch.zeros(T, **long),
-            block_ids=torch.zeros(T, self.num_blocks, **long),
-            lengths=torch.ones(T, **long),
-            route_top=torch.zeros(Lm, T, K, **long),
-            predicted=torch.zeros(Lm, T, K, **long) if predicts else None,
+            host_in=torch.zeros(size, dtype=torch.int64).pin_memory(),
+            inputs=torch.zeros(size, dtype=torch.int64, device=device),
+            route_top=torch.zeros(Lm, batch, K, dtype=torch.int64, device=device),
+            predicted=(torch.zeros(Lm, batch, K, dtype=torch.int64, device=device)
+                       if predicts else None),
             hidden=torch.empty(0), logits=torch.empty(0))
 
     def _body(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
-        decode = DecodeRows(rows=torch.arange(len(g.token_ids), device=g.token_ids.device),
-                            all_rows=True, ids=g.block_ids, lengths=g.lengths)
-        return self.model.decode_graph_body(g.token_ids, g.positions, g.slots, decode, self.kv,
-                                            self.cache, g.route_top, g.predicted)
+        batch = g.route_top.shape[1]
+        token_ids, positions, lengths, block_ids = g.views(batch)
+        decode = DecodeRows(rows=torch.arange(batch, device=token_ids.device), all_rows=True,
+                            ids=block_ids, lengths=lengths)
+        return self.model.decode_graph_body(token_ids, positions, decode, self.kv, self.cache,
+                                            g.route_top, g.predicted)
 
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
@@ -145,4 +154,4 @@ class DecodeGraphs:
             g.hidden, g.logits = self._body(g)
         self.capture_s += time.perf_counter() - t0
         log.info("captured the decode step for batch %d as a CUDA graph in %.0f ms (%d graphs)",
-                 len(g.token_ids), (time.perf_counter() - t0) * 1e3, len(self.graphs) + 1)
+                 g.route_top.shape[1], (time.perf_counter() - t0) * 1e3, len(self.graphs) + 1)

@@ -214,19 +214,23 @@ class Qwen3MoeModel:
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
         """One step over several sequences: token_ids, positions [T] (spans say which rows are
-        whose) -> fp32 logits [S, V] of logit_rows [S]. Linear layers and the MoE run once over
-        all T rows; attention runs per sequence over its paged K/V."""
+        whose; on the host or the device) -> fp32 logits [S, V] of logit_rows [S]. Linear
+        layers and the MoE run once over all T rows; attention runs per sequence over its
+        paged K/V. A pure decode step runs as a CUDA graph replay where one is set up."""
+        if (self.graphs is not None and len(logit_rows) == len(token_ids)
+                and all(s.row_end - s.row_start == 1 for s in spans)):
+            logits = self.graphs.run(token_ids, positions, spans)
+            if logits is not None:
+                return logits
+        token_ids, positions = token_ids.to(self.device), positions.to(self.device)
+        logit_rows = logit_rows.to(self.device)
         slots = torch.cat([
             kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
-        if decode is not None and decode.all_rows and decode.lengths is not None:
-            if self.graphs is not None and len(logit_rows) == len(token_ids):
-                logits = self.graphs.run(token_ids, positions, slots, decode)
-                if logits is not None:
-                    return logits
-            if self._fused_decode:
-                return self._forward_fused(token_ids, positions, slots, decode, kv, experts,
-                                           logit_rows)
+        if (decode is not None and decode.all_rows and decode.lengths is not None
+                and self._fused_decode):
+            return self._forward_fused(token_ids, positions, slots, decode, kv, experts,
+                                       logit_rows)
         others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
         rope = (positions, self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         x = self.embed[token_ids]  # [T, D]
@@ -258,15 +262,19 @@ class Qwen3MoeModel:
         return shared
 
     def decode_graph_body(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                          slots: torch.Tensor, decode: DecodeRows, kv: PagedKVCache,
-                          experts: ExpertCache, route_top: torch.Tensor,
-                          predicted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                          decode: DecodeRows, kv: PagedKVCache, experts: ExpertCache,
+                          route_top: torch.Tensor, predicted: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step with no host work at all, for capture in a CUDA graph (see
-        model/cuda_graphs.py): every input on the device, routing on the device, each routed
-        expert read at its address in the expert cache's table. Each MoE layer's top-K goes
-        to route_top [Lm, T, K] (and the next layer's predicted top-K to `predicted`), for
-        the cache's lookups after the step. -> (hidden [T, D], fp32 logits [T, V])."""
+        model/cuda_graphs.py): every input on the device (decode: each row's block ids and
+        length), routing on the device, each routed expert read at its address in the expert
+        cache's table. Each MoE layer's top-K goes to route_top [Lm, T, K] (and the next
+        layer's predicted top-K to `predicted`), for the cache's lookups after the step.
+        -> (hidden [T, D], fp32 logits [T, V])."""
         c = self.config
+        P = kv.block_size
+        block = decode.ids.gather(1, (positions // P)[:, None])[:, 0]  # [T] the new token's
+        slots = block * P + positions % P  # [T] flat KV slot
         rope = (positions, self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         x = self.embed[token_ids]  # [T, D]
         j = 0

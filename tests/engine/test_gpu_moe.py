@@ -178,7 +178,7 @@ def test_device_grouping_gives_the_host_grouping_bits():
 
 @pytest.mark.parametrize(("H", "G", "Hd", "P"), [(4, 2, 16, 16), (8, 8, 64, 4), (6, 2, 24, 8)])
 def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P):
-    from services.engine.kernels.gpu_attention import decode_attention
+    from services.engine.kernels.gpu_ops import decode_attention
     from services.engine.model.qwen3_moe import decode_attention as reference_attention
 
     gen = torch.Generator().manual_seed(H * 100 + Hd)
@@ -207,9 +207,10 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     directly (a stand-in CUDAGraph whose replay calls it), the kernels in the interpreter.
     Tokens, lookups, hits, fills and prefetch fills equal the eager steps', and the address
     table agrees with the residency after every fill."""
+    from services.engine import kernels
     from services.engine.cache.policy import PolicySpec
-    from services.engine.kernels import gpu_attention
-    from services.engine.model import cuda_graphs, qwen3_moe
+    from services.engine.kernels import gpu_ops
+    from services.engine.model import cuda_graphs
     from services.engine.runner import ModelRunner
     from tests.engine.test_runner import greedy
 
@@ -238,7 +239,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
         if graphed:
             runner.cache._gpu = gpu_moe
             runner.model._fused = False  # not the fused CPU decode
-            monkeypatch.setattr(qwen3_moe, "gpu_attention_for", lambda x: gpu_attention)
+            monkeypatch.setattr(kernels, "gpu_ops_for", lambda x: gpu_ops)
             runner.model.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)
         runner.fill_cache(runner.layer_order_pairs()[::-1])
         _, tokens, _ = greedy(runner, "The expert cache keeps", n=10)
@@ -254,3 +255,35 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
         slot = cache.residency.lookup(pair)
         blob = cache.host.blob(pair) if slot is None else cache.pool.slots[slot]
         assert int(cache.addr_table[pair]) == blob.data_ptr()
+
+
+def test_rms_norm_and_qk_norm_rope_match_the_torch_ops():
+    from services.engine.kernels import gpu_ops
+    from services.engine.model.qwen3_moe import apply_rope, rope_tables
+
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 96, generator=gen)
+    w = torch.randn(96, generator=gen)
+    rows = torch.randn(5, 2 * 96, generator=gen)[:, 96:]  # strided rows
+    for inp in (x, rows):
+        want = w * (inp * torch.rsqrt(inp.pow(2).mean(-1, keepdim=True) + 1e-6))
+        got = gpu_ops.rms_norm(inp.to(DEVICE), w.to(DEVICE), 1e-6)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    H, G, T = 4, 2, 3
+    for Hd, norm in ((16, True), (24, False)):  # 24: a half that is not a power of two
+        cos, sin = rope_tables(Hd, 10000.0, 64, torch.device("cpu"))
+        qkv = torch.randn(T, (H + 2 * G) * Hd, generator=gen)
+        positions = torch.tensor([0, 7, 63])
+        qn, kn = (torch.randn(Hd, generator=gen) for _ in range(2)) if norm else (None, None)
+        want = qkv.clone()
+        for lo, n, weight in ((0, H, qn), (H * Hd, G, kn)):
+            heads = want[:, lo : lo + n * Hd].view(T, n, Hd)
+            if norm:
+                heads = weight * (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6))
+            rotated = apply_rope(heads, cos[positions][:, None], sin[positions][:, None])
+            want[:, lo : lo + n * Hd] = rotated.reshape(T, n * Hd)
+        got = qkv.to(DEVICE)
+        gpu_ops.qk_norm_rope(got, H, G, Hd, None if qn is None else qn.to(DEVICE),
+                             None if kn is None else kn.to(DEVICE), 1e-6, cos.to(DEVICE),
+                             sin.to(DEVICE), positions.to(DEVICE))
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)  # v untouched too

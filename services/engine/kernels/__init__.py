@@ -19,6 +19,10 @@ What runs here (decode is bound by the weight bytes it reads; see docs/benchmark
                                       block table, no gather)
 Both are fp32 only, and every output row is computed the same way whatever the other rows of
 the call are (see the numerics note in cpu_kernels.c).
+
+On a CUDA device the same roles are played by Triton kernels: `gpu_ops` (norms, q/k norm and
+RoPE, paged decode attention; `gpu_ops_for(x)`) and `gpu_moe` (the routed experts, read by
+address from slots or in place from the pinned host store).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -286,6 +291,18 @@ class CpuKernels:
 
 
 _state: dict[str, object] = {"mode": "auto"}
+
+
+def gpu_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """The Triton ops for the attention half (services.engine.kernels.gpu_ops: the same calls
+    as CpuKernels') when x is on a CUDA device and Triton is importable, else None."""
+    if x.device.type != "cuda":
+        return None
+    try:
+        from services.engine.kernels import gpu_ops
+    except ImportError:
+        return None
+    return gpu_ops
 
 
 def configure(mode: str) -> CpuKernels | None:

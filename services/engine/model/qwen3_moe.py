@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -51,18 +50,6 @@ if TYPE_CHECKING:
     from services.engine.model.deepseek import MlaWeights
 
 log = logging.getLogger("strata.engine")
-
-
-def gpu_attention_for(x: torch.Tensor) -> ModuleType | None:
-    """The Triton decode attention (services.engine.kernels.gpu_attention) when x is on a CUDA
-    device and Triton is importable, else None."""
-    if x.device.type != "cuda":
-        return None
-    try:
-        from services.engine.kernels import gpu_attention
-    except ImportError:
-        return None
-    return gpu_attention
 
 
 class ExpertSource(Protocol):
@@ -108,9 +95,9 @@ class Span:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2:
-        cpu = cpu_kernels_for(x, weight)
-        if cpu is not None:
-            return cpu.rms_norm(x, weight, eps)
+        fused = cpu_kernels_for(x, weight) or kernels.gpu_ops_for(x)
+        if fused is not None:
+            return fused.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -372,7 +359,7 @@ class Qwen3MoeModel:
         which reads consecutive KV blocks as views)."""
         decode = [s for s in spans if s.row_end - s.row_start == 1]
         kernel = not kv.quantized and (cpu_kernels_for(self.embed, self.embed) is not None
-                                       or gpu_attention_for(self.embed) is not None)
+                                       or kernels.gpu_ops_for(self.embed) is not None)
         if not decode or (len(decode) == 1 and not kernel):
             return None
         tables = [s.block_table for s in decode]
@@ -395,10 +382,10 @@ class Qwen3MoeModel:
         T = x.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = matmul_split(x, w.qkv)  # [T, (H+2G)*Hd]
-        cpu = cpu_kernels_for(qkv, qkv)
-        if (cpu is not None and w.qkv_bias is None and c.clip_qkv is None
+        fused = cpu_kernels_for(qkv, qkv) or kernels.gpu_ops_for(qkv)
+        if (fused is not None and w.qkv_bias is None and c.clip_qkv is None
                 and c.qk_norm in ("head", "none")):  # per head norm and RoPE in one call
-            cpu.qk_norm_rope(qkv, c.num_heads, c.num_kv_heads, c.head_dim, w.q_norm, w.k_norm,
+            fused.qk_norm_rope(qkv, c.num_heads, c.num_kv_heads, c.head_dim, w.q_norm, w.k_norm,
                              c.rms_norm_eps, self.rope_cos, self.rope_sin, rope[0])
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
             return (q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
@@ -456,7 +443,7 @@ class Qwen3MoeModel:
             ).transpose(0, 1)  # [t, H, Hd]
         if decode is not None:
             q_rows = q if decode.all_rows else q[decode.rows]  # [B, H, Hd]
-            gpu = gpu_attention_for(q_rows)
+            gpu = kernels.gpu_ops_for(q_rows)
             if decode.lengths is not None and gpu is not None:
                 res = gpu.decode_attention(q_rows, kv.k[layer_idx], kv.v[layer_idx], decode.ids,
                                            decode.lengths, q_rows.shape[-1] ** -0.5)

@@ -114,9 +114,13 @@ def _qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, row
     b = tl.load(base + HALF + i, mask=ok, other=0.0).to(tl.float32)  # and its second half
     if HAS_NORM:
         scale = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
-        norm_ptr = qn_ptr if h < H else kn_ptr
-        a = tl.load(norm_ptr + i, mask=ok, other=0.0).to(tl.float32) * (a * scale)
-        b = tl.load(norm_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32) * (b * scale)
+        q_ok, k_ok = ok & (h < H), ok & (h >= H)  # a q head's weights, or a k head's
+        w_a = tl.load(qn_ptr + i, mask=q_ok, other=0.0) + tl.load(kn_ptr + i, mask=k_ok,
+                                                                   other=0.0)
+        w_b = tl.load(qn_ptr + HALF + i, mask=q_ok, other=0.0) + tl.load(
+            kn_ptr + HALF + i, mask=k_ok, other=0.0)
+        a = w_a.to(tl.float32) * (a * scale)
+        b = w_b.to(tl.float32) * (b * scale)
     pos = tl.load(pos_ptr + t)
     cos_a = tl.load(cos_ptr + pos * HD + i, mask=ok, other=0.0)
     cos_b = tl.load(cos_ptr + pos * HD + HALF + i, mask=ok, other=0.0)

@@ -42,7 +42,8 @@ FROM ${PYTHON_IMAGE} AS runtime
 ARG STRATA_UID=10001
 # gcc: the engine builds its CPU decode kernels (services/engine/kernels/cpu_kernels.c) at first
 # start for the CPU it runs on (-march=native) and caches them under $HOME/.cache (/data);
-# without a compiler it serves on torch ops, slower. Unpinned: Debian's security updates replace
+# without a compiler it serves on torch ops, slower. On CUDA, Triton (which the CUDA torch wheel
+# brings) compiles its kernels' launcher stubs with it too. Unpinned: Debian's security updates replace
 # these versions, and a pin would break rebuilds.
 # hadolint ignore=DL3008
 RUN apt-get update \

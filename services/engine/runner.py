@@ -229,6 +229,10 @@ class ModelRunner:
                 self.model.graphs = DecodeGraphs(self.model, self.kv, self.cache)
             log.info("decode steps as CUDA graphs: %s",
                      "on" if blocker is None else f"off ({blocker})")
+            if blocker is None and prefetch:
+                log.info("next-layer prefetch runs in eager steps only (prefill, mixed "
+                         "batches): a graphed decode step has no point where a fill could "
+                         "start before the layer that needs it")
         self._seq_ids = itertools.count()
         log.info(
             "model %s ready on %s in %.1f s (host store %.0f MiB)",

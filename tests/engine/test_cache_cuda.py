@@ -51,7 +51,8 @@ def test_every_policy_with_prefetch_is_exact_on_cuda(tiny_dir, policy):
 
 
 def test_prefetch_fills_and_slots_hold_the_host_bytes(tiny_dir):
-    runner = cuda_runner(tiny_dir, 8, policy=PolicySpec("lru", 0.0), prefetch=True)
+    runner = cuda_runner(tiny_dir, 8, policy=PolicySpec("lru", 0.0), prefetch=True,
+                         cuda_graphs=False)  # prefetch runs in eager steps
     runner.fill_cache(runner.layer_order_pairs())
     greedy(runner, PROMPT, n=32)
     torch.cuda.synchronize()
@@ -78,13 +79,13 @@ def test_auto_placement_and_live_replay_on_cuda(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("policy", ["static", "crf"])
 def test_graphed_decode_steps_equal_eager_ones(tiny_dir, policy):
-    """Decode steps replayed from CUDA graphs give the eager steps' bits, lookups and hits, at
-    every coverage, with fills and prefetch going on between the steps."""
+    """Decode steps replayed from CUDA graphs give the eager steps' bits, lookups, hits and
+    fills at every coverage, with the policy's fills going on between the steps."""
     for slots in (0, 6, 24):
         runs = {}
         for graphs in (False, True):
             runner = cuda_runner(tiny_dir, slots, policy=PolicySpec(policy, 0.25),
-                                 prefetch=True, cuda_graphs=graphs)
+                                 prefetch=False, cuda_graphs=graphs)
             runner.fill_cache(runner.layer_order_pairs()[::-1])
             seq, tokens, logits = greedy(runner, PROMPT, n=24)
             assert (runner.model.graphs is not None) == graphs
@@ -129,3 +130,16 @@ def test_graphs_per_batch_size_match_eager_batched_steps(tiny_dir):
         if graphs:
             assert sorted(runner.model.graphs.graphs) == [1, 2, 3]
     assert outs[True] == outs[False]
+
+
+def test_graphed_decode_steps_do_not_prefetch(tiny_dir):
+    runner = cuda_runner(tiny_dir, 6, policy=PolicySpec("crf", 0.25), prefetch=True)
+    runner.fill_cache(runner.layer_order_pairs())
+    _, tokens, _ = greedy(runner, PROMPT, n=8)
+    d = runner.cache.decode
+    assert runner.model.graphs.replays == 8
+    assert d.predicted == 0 and d.prefetch_fills == 0
+    eager = cuda_runner(tiny_dir, 6, policy=PolicySpec("crf", 0.25), prefetch=True,
+                        cuda_graphs=False)
+    eager.fill_cache(eager.layer_order_pairs())
+    assert greedy(eager, PROMPT, n=8)[1] == tokens and eager.cache.decode.predicted > 0

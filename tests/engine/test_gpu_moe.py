@@ -200,13 +200,12 @@ def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the real graphs run in test_cache_cuda")
-@pytest.mark.parametrize(("policy", "prefetch"), [("static", False), ("crf", True)])
-def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch, policy,
-                                                          prefetch):
+@pytest.mark.parametrize("policy", ["static", "lru"])
+def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch, policy):
     """What a graphed decode step computes and books, without a GPU: the graph body run
     directly (a stand-in CUDAGraph whose replay calls it), the kernels in the interpreter.
-    Tokens, lookups, hits, fills and prefetch fills equal the eager steps', and the address
-    table agrees with the residency after every fill."""
+    Tokens, lookups, hits and fills equal the eager steps', and the address table agrees with
+    the residency after every fill."""
     from services.engine import kernels
     from services.engine.cache.policy import PolicySpec
     from services.engine.kernels import gpu_ops
@@ -235,7 +234,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     for graphed in (False, True):
         runner = ModelRunner(tiny_dir, device_memory_bytes=6 * 3 * 64 * 32 * 4,
                              reserved_bytes=0, policy=PolicySpec(policy, 0.25),
-                             prefetch=prefetch)
+                             prefetch=False)
         if graphed:
             runner.cache._gpu = gpu_moe
             runner.model._fused = False  # not the fused CPU decode
@@ -247,8 +246,8 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     (t0, d0, _), (t1, d1, runner) = runs
     assert runner.model.graphs.replays == 10
     assert t1 == t0
-    assert (d1.lookups, d1.hits, d1.fills, d1.prefetch_fills) == (
-        d0.lookups, d0.hits, d0.fills, d0.prefetch_fills)
+    assert (d1.lookups, d1.hits, d1.fills) == (d0.lookups, d0.hits, d0.fills)
+    assert d1.fills > 0 or policy == "static"  # lru refills its slots every step
     assert set(d1.reasons) <= {"host:graph"} and sum(d1.reasons.values()) > 0
     cache = runner.cache
     for pair in cache.host.pairs:

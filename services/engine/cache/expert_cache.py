@@ -392,20 +392,16 @@ class ExpertCache:
         return self._gpu.moe_device(x, top_idx, top_w, self.addr_table[layer],
                                     self.layout.ffn_size, num_splits(self.layout.hidden_size))
 
-    def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray,
-                            predicted: np.ndarray | None,
-                            next_layer: dict[int, int]) -> None:
-        """The lookups of a step that ran in a CUDA graph, after it: per MoE layer, in the
-        order an eager step makes them (route, then predict for the next layer), so hits,
-        policy state and fills are those of an eager step. top_idx, predicted [Lm, T, K]. The
-        step read every miss in place; fills the policy admits serve the later steps."""
+    def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
+        """The lookups of a step that ran in a CUDA graph, after it: top_idx [Lm, T, K], one
+        route() per MoE layer in layer order, as an eager step makes them, so hits, policy
+        state and fills are an eager step's (less the next-layer prefetch, which cannot help
+        a step that has already run). The step read every miss in place; the fills the policy
+        admits serve the later steps."""
         for j, layer in enumerate(moe_layers):
             top = top_idx[j]
-            counts = np.bincount(top.ravel(), minlength=self.num_experts)
-            self.route(layer, top, counts, graphed=True)
-            nxt = next_layer.get(layer)
-            if predicted is not None and nxt is not None and self.wants_predictions:
-                self.predict(nxt, torch.from_numpy(predicted[j]))
+            self.route(layer, top, np.bincount(top.ravel(), minlength=self.num_experts),
+                       graphed=True)
 
     def _stage_device(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Copy a host blob into device staging buffer i on the copy stream (after the last

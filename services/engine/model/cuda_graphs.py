@@ -15,8 +15,11 @@ the pinned host store in place) — no host decision inside the step.
 The cache's lookups, hit counting, policy and fills still happen, after the replay, from the
 routing the graph recorded (ExpertCache.finish_graphed_step): the same calls in the same order
 as an eager step, so hit rates, traces and residency are an eager step's. What differs: every
-miss of a graphed step is read in place over the link (placement reason "host:graph"), and a
-fill the policy admits serves the steps after it. Outputs do not change: the kernels read the
+miss of a graphed step is read in place over the link (placement reason "host:graph"), a fill
+the policy admits serves the steps after it, and there is no next-layer prefetch — a prediction
+made inside the step could only start its copy after the step, for a token it no longer helps
+(measured on the H200: predictions in the graph and fills after it cost 30% of decode speed at
+full coverage and more at 25%, docs/benchmarks.md). Outputs do not change: the kernels read the
 same bytes wherever they are (bit-identical to an eager decode step of the same batch).
 
 Steps that are not pure decode (prefill chunks, mixed batches, draft verification), batches
@@ -62,7 +65,6 @@ class _Graph:
     host_in: torch.Tensor  # pinned [3T + T*nb]: token ids, positions, lengths, block ids
     inputs: torch.Tensor  # the same on the device: one copy per step
     route_top: torch.Tensor  # [Lm, T, K]
-    predicted: torch.Tensor | None  # [Lm, T, K]
     hidden: torch.Tensor  # [T, D]
     logits: torch.Tensor  # [T, V]
 
@@ -114,23 +116,19 @@ class DecodeGraphs:
         g.graph.replay()
         self.replays += 1
         top = g.route_top.cpu().numpy()  # waits for the step (and so for the input copy)
-        predicted = None if g.predicted is None else g.predicted.cpu().numpy()
         self.model.last_hidden = g.hidden.clone()
-        self.cache.finish_graphed_step(self.moe_layers, top, predicted, self.model.next_moe_layer)
+        self.cache.finish_graphed_step(self.moe_layers, top)
         return g.logits.clone()
 
     def _buffers(self, batch: int) -> _Graph:
         c, device = self.model.config, self.model.device
         K, Lm = c.experts_per_token, len(self.moe_layers)
         size = 3 * batch + batch * self.num_blocks
-        predicts = self.cache.prefetch or self.cache.recorder is not None
         return _Graph(
             graph=torch.cuda.CUDAGraph(),
             host_in=torch.zeros(size, dtype=torch.int64).pin_memory(),
             inputs=torch.zeros(size, dtype=torch.int64, device=device),
             route_top=torch.zeros(Lm, batch, K, dtype=torch.int64, device=device),
-            predicted=(torch.zeros(Lm, batch, K, dtype=torch.int64, device=device)
-                       if predicts else None),
             hidden=torch.empty(0), logits=torch.empty(0))
 
     def _body(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +137,7 @@ class DecodeGraphs:
         decode = DecodeRows(rows=torch.arange(batch, device=token_ids.device), all_rows=True,
                             ids=block_ids, lengths=lengths)
         return self.model.decode_graph_body(token_ids, positions, decode, self.kv, self.cache,
-                                            g.route_top, g.predicted)
+                                            g.route_top)
 
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.

@@ -250,14 +250,12 @@ class Qwen3MoeModel:
 
     def decode_graph_body(self, token_ids: torch.Tensor, positions: torch.Tensor,
                           decode: DecodeRows, kv: PagedKVCache, experts: ExpertCache,
-                          route_top: torch.Tensor, predicted: torch.Tensor | None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          route_top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step with no host work at all, for capture in a CUDA graph (see
         model/cuda_graphs.py): every input on the device (decode: each row's block ids and
         length), routing on the device, each routed expert read at its address in the expert
-        cache's table. Each MoE layer's top-K goes to route_top [Lm, T, K] (and the next
-        layer's predicted top-K to `predicted`), for the cache's lookups after the step.
-        -> (hidden [T, D], fp32 logits [T, V])."""
+        cache's table. Each MoE layer's top-K goes to route_top [Lm, T, K], for the cache's
+        lookups after the step. -> (hidden [T, D], fp32 logits [T, V])."""
         c = self.config
         P = kv.block_size
         block = decode.ids.gather(1, (positions // P)[:, None])[:, 0]  # [T] the new token's
@@ -274,10 +272,6 @@ class Qwen3MoeModel:
                 continue
             top_w, top_idx = self.router(layer, h)
             route_top[j].copy_(top_idx)
-            nxt = self.next_moe_layer.get(i)
-            if predicted is not None and nxt is not None:
-                next_logits = h @ self.layers[nxt].router_t  # [T, E]
-                predicted[j].copy_(torch.topk(next_logits, c.experts_per_token, dim=-1).indices)
             x = x + experts.apply_graphed(i, h, top_idx, top_w)
             if layer.shared_gate_up is not None:
                 x = x + self.shared_expert(layer, h)

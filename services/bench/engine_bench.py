@@ -5,7 +5,8 @@
                         [--prefetch off|on [off|on]] [--policy P] [--placement M]
                         [--cuda-graphs on|off] [--threads N]
                         [--expert-dtype auto|int8|int4] [--cpu-kernels auto|on|off]
-                        [--compare-hf] [--json]
+                        [--compare-hf] [--json] [--out DIR]
+    strata bench engine --from-json FILE --out DIR      (the report of a saved result)
 
 1. Load the model with services.engine.runner.ModelRunner on `--device` (expert cache at
    `--coverage`, all of it by default, filled in layer order) and, with `--compare-hf`, the same
@@ -87,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
                    "C kernels for CPU decode (off: torch ops only, for comparison)")
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate()")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", type=Path, help="also write engine.json, engine.md and (several "
+                   "runs) engine-spill.png, decode tok/s against spill, into this directory")
+    p.add_argument("--from-json", type=Path, metavar="FILE", help="render the report of a "
+                   "result saved with --json (e.g. on a GPU machine) instead of running")
     return p
 
 
@@ -202,6 +207,13 @@ class HfGenerate:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.from_json is not None:
+        if args.out is None:
+            raise SystemExit("--from-json needs --out DIR")
+        out = json.loads(args.from_json.read_text())
+        print(json.dumps(write_report(args.out, out)) if args.json else
+              f"wrote {write_report(args.out, out)['markdown']}")
+        return 0
     if args.gen_tokens < 2 or args.prompt_tokens < 1 or args.batch < 1 or args.repeat < 1:
         raise SystemExit("--gen-tokens >= 2, --prompt-tokens, --batch, --repeat >= 1")
     if not all(0.0 <= c <= 1.0 for c in args.coverage):
@@ -227,11 +239,61 @@ def main(argv: list[str] | None = None) -> int:
         out: dict[str, Any] = runs[0]
     else:
         out = {"runs": runs, "spill_penalty": spill_penalty(runs)}
+    if args.out is not None:
+        progress(f"report: {write_report(args.out, out)['markdown']}")
     if args.json:
         print(json.dumps(out))
     else:
         print(render(out) if len(runs) == 1 else render_runs(out))
     return 0
+
+
+def write_report(out_dir: Path, out: dict[str, Any]) -> dict[str, Any]:
+    """engine.json, engine.md (a table of the runs, the spill penalty) and, for several runs,
+    engine-spill.png under out_dir; returns the paths."""
+    import matplotlib.pyplot as plt
+
+    from services.bench.report import Report, table
+
+    runs = out.get("runs", [out])
+    r0 = runs[0]
+    report = Report(out_dir, "engine", f"strata bench engine: {r0['model']} on "
+                    f"{r0.get('device', 'cpu')}")
+    report.text(f"- batch {r0['batch']}, {r0['prompt_tokens']} prompt + {r0['gen_tokens']} "
+                f"generated tokens, policy {r0.get('policy', '-')}, placement "
+                f"{r0.get('placement', '-')}, CUDA graphs {fmt_flag(r0.get('cuda_graphs'))}, "
+                f"Triton expert kernel {fmt_flag(r0.get('device_kernel'))}\n"
+                f"- bandwidth {r0['bandwidth_gb_s']:.1f} GB/s (median probe), active "
+                f"{r0['active_bytes_per_token'] / 1e6:.1f} MB/token, bound "
+                f"{r0['bandwidth_bound_tok_s']:.0f} tok/s\n")
+    report.section("Runs", table(
+        ["prefetch", "coverage", "decode hit rate", "decode spill", "decode tok/s",
+         "rounds tok/s", "prefill tok/s", "of the bound", "HF decode tok/s"],
+        [[fmt_flag(r.get("prefetch")), f"{r['coverage']:.0%}",
+          f"{r.get('decode_hit_rate', 1.0):.1%}", f"{r.get('decode_spill', 0.0):.1%}",
+          r["decode_tok_s"], " / ".join(f"{x:.0f}" for x in r["decode_runs_tok_s"]),
+          r["prefill_tok_s"], f"{r['bound_fraction']:.1%}", r.get("hf_decode_tok_s")]
+         for r in runs]))
+    for key, value in out.get("spill_penalty", {}).items():
+        report.text(f"Spill penalty, {key.replace('_', ' ')}: "
+                    + ("n/a (one spill level)" if value is None else
+                       f"{value:.2f} tok/s per point of spill") + "\n")
+    if len(runs) > 1:
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        for prefetch in dict.fromkeys(r.get("prefetch") for r in runs):
+            pts = sorted((100 * r["decode_spill"], r["decode_tok_s"]) for r in runs
+                         if r.get("prefetch") == prefetch)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-",
+                    label=f"prefetch {fmt_flag(prefetch)}")
+        ax.set(xlabel="decode spill, % of routed experts served from outside the cache",
+               ylabel="decode tok/s", title="decode speed vs spill", ylim=(0, None))
+        ax.legend()
+        report.figure("spill", fig, "decode tok/s against spill")
+    return report.write(out)
+
+
+def fmt_flag(value: bool | None) -> str:
+    return "-" if value is None else "on" if value else "off"
 
 
 def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,

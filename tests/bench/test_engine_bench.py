@@ -58,3 +58,28 @@ def test_bench_preset_shape():
             bench["vocab_size"]) == (512, 8, 64, 8, 256, 32000)
     with pytest.raises(ValueError, match="unknown preset"):
         write_demo_checkpoint("/nonexistent", preset="huge")
+
+
+def test_coverage_and_prefetch_sweep_reports_the_spill_penalty(tiny_model, capsys, monkeypatch,
+                                                                tmp_path):
+    monkeypatch.setattr(engine_bench, "BANDWIDTH_BYTES", 16 * 2**20)
+    out = run_json(capsys, ["--model", str(tiny_model), "--prompt-tokens", "6", "--gen-tokens",
+                            "5", "--coverage", "1", "0.25", "--prefetch", "off", "on",
+                            "--policy", "static", "--out", str(tmp_path / "report")])
+    runs = out["runs"]
+    assert [(r["prefetch"], r["coverage"]) for r in runs] == [
+        (False, 1.0), (False, 0.25), (True, 1.0), (True, 0.25)]
+    for r in runs:  # static residency: every miss of the uncached pairs is spill
+        assert r["decode_spill"] == pytest.approx(1 - r["decode_hit_rate"])
+        assert (r["decode_spill"] == 0) == (r["coverage"] == 1.0) and r["decode_spill"] < 1
+        assert r["device"] == "cpu" and r["cuda_graphs"] is False
+    for key in ("prefetch_off", "prefetch_on"):  # tok/s lost per point: the fitted slope
+        full, part = (r for r in runs if r["prefetch"] == (key == "prefetch_on"))
+        assert out["spill_penalty"][key] == pytest.approx(
+            (full["decode_tok_s"] - part["decode_tok_s"]) / (100 * part["decode_spill"]))
+    md = (tmp_path / "report" / "engine.md").read_text()
+    assert "Spill penalty, prefetch off" in md and "engine-spill.png" in md
+    assert (tmp_path / "report" / "engine-spill.png").stat().st_size > 0
+    assert engine_bench.main(["--from-json", str(tmp_path / "report" / "engine.json"),
+                              "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "engine.md").read_text() == md

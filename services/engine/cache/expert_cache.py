@@ -319,7 +319,7 @@ class ExpertCache:
                              self.layout.ffn_size, num_splits(self.layout.hidden_size))
 
     def _apply_gpu(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
-                      top_w: torch.Tensor) -> torch.Tensor:
+                   top_w: torch.Tensor) -> torch.Tensor:
         """apply() on CUDA with the Triton kernel: hits, and misses read in place from the pinned
         host store, launch at once; slots still being filled and staged copies after the compute
         stream has waited for their copies."""
@@ -489,16 +489,16 @@ class ExpertCache:
     # -- moving bytes ------------------------------------------------------------------------
     def _fill(self, slot: int, pair: tuple[int, int]) -> None:
         dst, src = self.pool.slots[slot], self.host.blob(pair)
+        # First, no later step may read the bytes this fill replaces, nor `pair` where it was
+        old = self._slot_pair[slot]
+        if old is not None:
+            self._unmap(old)
+        if pair in self._where:  # (a plan moving a pair into the pinned core)
+            self._unmap(pair)
         unmapped = None
-        if self.addr_table is not None:  # first, no later step may read the bytes replaced
-            old = self._slot_pair[slot]
-            if old is not None:
-                self._unmap(old)
-            if pair in self._where:  # (a plan moving a pair into the pinned core)
-                self._unmap(pair)
-            if self.on_cuda:
-                unmapped = torch.cuda.Event()
-                unmapped.record(torch.cuda.current_stream(self.pool.device))
+        if self.addr_table is not None and self.on_cuda:
+            unmapped = torch.cuda.Event()
+            unmapped.record(torch.cuda.current_stream(self.pool.device))
         self._slot_pair[slot], self._where[pair] = pair, slot
         if not self.on_cuda:
             t0 = time.perf_counter()
@@ -523,11 +523,13 @@ class ExpertCache:
         self.link.add_timed(self.host.slot_bytes, start, ready)
 
     def _unmap(self, pair: tuple[int, int]) -> None:
-        """Point `pair`'s address-table entry back at the host store, on the compute stream —
-        after its own fill (and that fill's table write) if that is still in flight."""
-        assert self.addr_table is not None
+        """`pair` leaves its slot: its address-table entry (if there is a table) points back at
+        the host store, written on the compute stream — after the pair's own fill and that
+        fill's table write, if they are still in flight."""
         slot = self._where.pop(pair)
         self._slot_pair[slot] = None
+        if self.addr_table is None:
+            return
         ready = self._slot_ready.get(slot) if self.on_cuda else None
         if ready is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(ready)

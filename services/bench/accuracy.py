@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,7 @@ def measured(result: dict) -> dict:
     return {"budget_mib": e["device_memory_bytes"] / 2**20, "slots": e["slots"],
             "coverage": e["coverage"], "hit_rate": aggregate,
             "hit_rate_p50": case["hit_rate_p50"], "decode_lookups": counters.get("lookups"),
-            "cache_work": work,
+            "cache_work": None if work is None else asdict(work),
             "decode_tok_s": case["decode_tok_s_p50"], "decode_tok_s_ci95": median_interval(speeds),
             "decode_tok_s_p25": percentile(speeds, 25),
             "decode_tok_s_p75": percentile(speeds, 75), "plan_source": e["plan_source"],
@@ -182,7 +183,7 @@ def predict(fit: dict, profile: Profile, replayed: HitRateModel | None, held_out
     out = {}
     for name, hits in hit_models(fit, profile, replayed).items():
         row = planner.plan_row(hw, free, hits, cost)
-        out[name] = {**row, "cache_work": hits.work(row["slots"]) if hits.work else None,
+        out[name] = {**row, "cache_work": asdict(hits.work(row["slots"])) if hits.work else None,
                      "hit_rate_error_points": 100 * (row["hit_rate"] - held_out["hit_rate"]),
                      "decode_rel_error": row["decode_tok_s"] / held_out["decode_tok_s"] - 1}
     return out
@@ -354,10 +355,12 @@ def write_accuracy(out: Path, paths: dict[str, Path], profile: Profile,
     report = Report(out, "accuracy", "Planner accuracy: fit at two budgets, predict a third")
     report.section("Measured (interleaved short decodes)", table(
         ["budget", "slots", "coverage", "plan (version)", "requests", "hit rate (all decode)",
-         "hit rate p50", "cache work", "decode tok/s p50 (95% CI)", "decode p25-p75"],
+         "hit rate p50", "misses / fills per lookup", "decode tok/s p50 (95% CI)",
+         "decode p25-p75"],
         [[b, r["slots"], f"{r['coverage']:.1%}", f"{r['plan_source']} (v{r['plan_version']})",
           r["requests"], f"{r['hit_rate']:.1%}", f"{r['hit_rate_p50']:.1%}",
-          "-" if r["cache_work"] is None else f"{r['cache_work']:.3f}",
+          "-" if r["cache_work"] is None else
+          f"{r['cache_work']['misses']:.3f} / {r['cache_work']['fills']:.3f}",
           f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_ci95'][0]:.0f}-{r['decode_tok_s_ci95'][1]:.0f})",
           f"{r['decode_tok_s_p25']:.0f}-{r['decode_tok_s_p75']:.0f}"] for b, r in rows.items()]))
     lines = []
@@ -375,10 +378,12 @@ def write_accuracy(out: Path, paths: dict[str, Path], profile: Profile,
         ["fit on", "held out", "hit-rate source", "hit rate (pred vs meas)", "error (points)",
          "decode tok/s (pred vs meas)", "error", "hit-rate basis", "decode basis (model, driver)"],
         lines))
-    report.text("Cache work = (misses + slot fills on demand and by prefetch) per decode lookup; "
-                "the engine's counters over the measured rounds, or the replay's at a predicted "
-                "size. A cost model fitted on it needs the replay to predict (the decode driver "
-                "says which drove each prediction).")
+    report.text("Cache work = misses and slot fills (on demand and by prefetch) per decode "
+                "lookup: the engine's counters over the measured rounds, or the replay's at a "
+                "predicted size. The cost model is fitted on the fills for an engine on the CPU "
+                "(a miss is read in place at the speed of a hit), on misses + fills behind a "
+                "link; either needs the replay to predict (the decode driver says which drove "
+                "each prediction).")
     report.section("Cost models", "\n".join(
         f"- fit on {', '.join(ch['fit_on'])}: {ch['cost_model']['basis']}; in-sample RMS "
         f"error {ch['fit_error']['rms_rel_error']:.1%}" for ch in checks))

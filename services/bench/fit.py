@@ -3,9 +3,10 @@
 Points are single-stream decode requests (the `short_decode` case of `bench run`, concurrency 1
 of `bench sweep`): the engine's per-request hit rate and decode tok/s, at the slot count the
 engine reported. The fit is decode seconds per token against the miss rate (planner.CostModel),
-or against the cache work per decode lookup (misses + slot fills, planner.cache_work) when every
-result carries the engine's decode counters over its requests (`decode_counters`: lookups, hits,
-demand_fills, prefetch_fills, as the accuracy script records them).
+or against the cache work per decode lookup when every result carries the engine's decode
+counters over its requests (`decode_counters`: lookups, hits, demand_fills, prefetch_fills, as the
+accuracy script records them): its slot fills for an engine on the CPU, where a miss is read in
+place at the speed of a hit, its misses + slot fills elsewhere (planner.fit_driver).
 
 The line is a median regression (least absolute deviations) of s/token: a shared machine adds a
 heavy tail of slow requests that would pull a least-squares line, and the planner's figures are
@@ -20,9 +21,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 
-from services.bench.planner import CONSTANT, LINEAR, MISS, WORK, CostModel, cache_work
+from services.bench.planner import (
+    CONSTANT,
+    FILL,
+    LINEAR,
+    MISS,
+    WORK,
+    CostModel,
+    cache_work,
+    fit_driver,
+)
 from services.bench.stats import bootstrap_slope_interval, fit_median_line, median
 
 
@@ -47,7 +58,7 @@ def fit_points(result: dict, source: str = "") -> list[dict]:
             points.append({"source": source, "slots": engine.get("slots"),
                            "device_memory_bytes": engine.get("device_memory_bytes"),
                            "hit_rate": o["hit_rate"], "decode_tok_s": o["decode_tok_s"],
-                           "work": work})
+                           "work": work, "device": engine.get("device")})
     return points
 
 
@@ -56,8 +67,11 @@ def fit_cost_model(points: list[dict]) -> tuple[CostModel, dict]:
     cost is not significant; returns the model and its error report (which says which, why)."""
     if not points:
         raise ValueError("no single-stream decode requests with engine figures in the results")
-    driver = WORK if all(p.get("work") is not None for p in points) else MISS
-    x = [p["work"] if driver == WORK else 1.0 - p["hit_rate"] for p in points]
+    devices = {p.get("device") for p in points}
+    driver = fit_driver(devices.pop() if len(devices) == 1 else None,
+                        all(p.get("work") is not None for p in points))
+    probe = CostModel(0.0, 1.0, 0.0, 1.0, LINEAR, driver)
+    x = [probe.driver_value(p["hit_rate"], p.get("work")) for p in points]
     s_per_token = [1.0 / p["decode_tok_s"] for p in points]
     line = fit_median_line(x, s_per_token)
     interval = bootstrap_slope_interval(x, s_per_token)
@@ -76,7 +90,8 @@ def fit_cost_model(points: list[dict]) -> tuple[CostModel, dict]:
         measured = median([p["decode_tok_s"] for p in group])
         predicted = model.decode_tok_s(hit, work)
         groups.append({"slots": slots, "num_requests": len(group), "hit_rate_p50": hit,
-                       "work": work, "decode_tok_s_p50": measured, "predicted_tok_s": predicted,
+                       "work": probe.driver_value(hit, work), "decode_tok_s_p50": measured,
+                       "predicted_tok_s": predicted,
                        "rel_error": predicted / measured - 1.0})
     linear = CostModel(line.intercept, line.slope, min(x), max(x), LINEAR, driver)
     linear_rel = [linear.decode_tok_s(p["hit_rate"], p.get("work")) / p["decode_tok_s"] - 1.0
@@ -109,6 +124,13 @@ def _fallback_reason(slope: float, intercept: float,
     return None
 
 
+DRIVERS = {MISS: "(1 - hit_rate)", WORK: "cache_work  [(misses + slot fills) per decode lookup]",
+           FILL: "fill_rate  [slot fills per decode lookup]"}
+UNITS = {MISS: "unit miss rate",
+         WORK: "unit of cache work ((misses + slot fills) per decode lookup)",
+         FILL: "slot fill per decode lookup"}
+
+
 def _rms(values: list[float]) -> float:
     return float(sum(r * r for r in values) / len(values)) ** 0.5
 
@@ -116,8 +138,7 @@ def _rms(values: list[float]) -> float:
 def describe(model: CostModel, error: dict) -> str:
     """The fit's basis in one line: which model and why."""
     cost = error["miss_cost"]
-    unit = "unit miss rate" if model.driver == MISS else (
-        "unit of cache work ((misses + slot fills) per decode lookup)")
+    unit = UNITS[model.driver]
     if model.form == LINEAR:
         lo, hi = cost["ci95_s"]
         return (f"linear: {model.per_miss_s * 1e3:.3f} ms per token per {unit} "
@@ -141,10 +162,9 @@ def fit_results(paths: Iterable[Path]) -> dict:
     model, error = fit_cost_model(points)
     hit_points = [[g["slots"], g["hit_rate_p50"]] for g in error["by_slots"]
                   if g["slots"] is not None]
-    driver = ("(1 - hit_rate)" if model.driver == MISS
-              else "cache_work  [(misses + slot fills) per decode lookup]")
-    form = (f"s_per_token = base_s + per_miss_s * {driver}" if model.form == LINEAR
-            else "s_per_token = base_s")
+    form = (f"s_per_token = base_s + per_miss_s * {DRIVERS[model.driver]}"
+            if model.form == LINEAR else "s_per_token = base_s")
+    points = [{**p, "work": None if p["work"] is None else asdict(p["work"])} for p in points]
     return {"kind": "strata-plan-fit", "version": 2,
             "cost_model": {"form": form, "model": model.form, "driver": model.driver,
                            "basis": describe(model, error),

@@ -201,7 +201,7 @@ def fit_main(argv: list[str]) -> int:
         print(json.dumps(summary))
     else:
         m, e = fit["cost_model"], fit["error"]
-        driver = "cache work" if m.get("driver") == "work" else "miss rate"
+        driver = {"work": "cache work", "fill": "fill rate"}.get(m.get("driver"), "miss rate")
         print(f"decode s/token = {m['base_s'] * 1e3:.3f} ms + {m['per_miss_s'] * 1e3:.3f} ms x "
               f"{driver} ({driver} seen {m['miss_lo']:.3f}..{m['miss_hi']:.3f}); "
               f"{e['num_points']} requests, RMS relative error {e['rms_rel_error']:.1%}")

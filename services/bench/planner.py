@@ -5,7 +5,8 @@
                                                    policy, else the profile's decode CDF, else
                                                    measured points)
     hit rate ──CostModel──> decode tok/s          (fitted by `strata plan fit` on bench results;
-    (cache work)                                   with a replay, on the misses + slot fills)
+    (cache work)                                   with a replay, on the slot fills (CPU) or the
+                                                   misses + slot fills per decode lookup)
 
 and the inverse: target tok/s -> the least slots (and device memory) that reach it.
 
@@ -44,7 +45,8 @@ MIB = 2**20
 GIB = 2**30
 MEASURED, REPLAYED, FITTED, EXTRAPOLATED = "measured", "replayed", "fitted", "extrapolated"
 LINEAR, CONSTANT = "linear", "constant"  # CostModel forms
-MISS, WORK = "miss", "work"  # CostModel drivers: miss rate, or cache work per decode lookup
+# CostModel drivers, per decode lookup: misses, misses + slot fills, or slot fills alone
+MISS, WORK, FILL = "miss", "work", "fill"
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,9 @@ class HitRateModel:
     basis: Callable[[int], str]
     detail: str = ""  # one line on what the model rests on, copied into each row's basis
     expensive: bool = False  # each new slot count costs a replay: plan_inverse bisects
-    # Cache work at a slot count: (misses + slot fills, on demand and by prefetch) per decode
+    # Cache work at a slot count: (misses, slot fills on demand and by prefetch) per decode
     # lookup; None when the source cannot tell (only a replay runs the dynamic policy's fills).
-    work: Callable[[int], float] | None = None
+    work: Callable[[int], CacheWork] | None = None
 
 
 def profile_hit_rate(profile: Profile) -> HitRateModel:
@@ -87,9 +89,9 @@ def replayed_hit_rate(records: Sequence[Record], spec: PolicySpec, *, prefetch: 
     """Decode hit rate of the recorded routing replayed through the engine's residency code
     (pinned core + dynamic region, `spec`) at each slot count, starting from `fill` (else the
     trace's own pre-fill records). Replays are memoized per slot count."""
-    memo: dict[int, tuple[float, float]] = {}  # slots -> (hit rate, cache work)
+    memo: dict[int, tuple[float, CacheWork]] = {}  # slots -> (hit rate, cache work)
 
-    def run(slots: int) -> tuple[float, float]:
+    def run(slots: int) -> tuple[float, CacheWork]:
         slots = max(int(slots), 0)
         if slots not in memo:
             r = replay(records, slots, spec, prefetch=prefetch, fill=fill)
@@ -104,11 +106,32 @@ def replayed_hit_rate(records: Sequence[Record], spec: PolicySpec, *, prefetch: 
                         expensive=True, work=lambda slots: run(slots)[1])
 
 
-def cache_work(lookups: int, hits: int, demand_fills: int, prefetch_fills: int) -> float:
-    """(misses + slot fills) per decode lookup: the cache's own work beyond the expert math.
-    Each miss costs a placement and a host (or staged) run, each fill a slot copy and the
-    policy's bookkeeping; on a CPU these, not the miss's arithmetic, are what a miss costs."""
-    return (lookups - hits + demand_fills + prefetch_fills) / lookups if lookups else 0.0
+@dataclass(frozen=True)
+class CacheWork:
+    """The cache's own work per decode lookup, beyond the expert math it serves."""
+
+    misses: float
+    fills: float  # slot fills, on demand and by prefetch
+
+    def value(self, driver: str) -> float:
+        return self.fills if driver == FILL else self.misses + self.fills
+
+
+def cache_work(lookups: int, hits: int, demand_fills: int, prefetch_fills: int) -> CacheWork:
+    """Misses and slot fills per decode lookup. A fill is a slot copy plus the policy's
+    bookkeeping; what a miss costs depends on the device (see `fit_driver`)."""
+    if not lookups:
+        return CacheWork(0.0, 0.0)
+    return CacheWork((lookups - hits) / lookups, (demand_fills + prefetch_fills) / lookups)
+
+
+def fit_driver(device: str | None, has_fill_counters: bool) -> str:
+    """What decode time is fitted against. On a CPU a miss is read in place by the same
+    kernel at the speed of a hit, so only the fills cost ("fill"); elsewhere a miss crosses
+    the link, so misses and fills both do ("work"); without fill counters, the miss rate."""
+    if not has_fill_counters:
+        return MISS
+    return FILL if device == "cpu" else WORK
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -160,14 +183,15 @@ def measured_hit_rate(points: Sequence[tuple[int, float]], total_pairs: int) -> 
 @dataclass(frozen=True)
 class CostModel:
     """Decode seconds per token = base + per_miss * x, fitted on bench results, where x (the
-    driver) is the miss rate, or the cache work per decode lookup (misses + slot fills, see
-    `cache_work`) when the fit had the engine's fill counters.
+    driver) is the miss rate, or, when the fit had the engine's fill counters, the cache work
+    per decode lookup (see `cache_work`, `fit_driver`): slot fills on a CPU, misses + slot
+    fills on a GPU.
 
-    Misses, not hits, drive decode speed (design.md section 1), so the model is linear in them
-    ("linear"). A dynamic cache also pays for the fills that keep its hit rate up, which the
-    miss rate alone cannot see: at 6% coverage a CRF region misses more but fills less than at
-    20%. Where the data show no significant cost the fit keeps a constant instead ("constant":
-    per_miss_s = 0).
+    Misses, not hits, drive decode speed behind a link (design.md section 1), so the model is
+    linear in them ("linear"). A dynamic cache also pays for the fills that keep its hit rate
+    up, which the miss rate alone cannot see: at 6% coverage a CRF region misses more but fills
+    less than at 20%. Where the data show no significant cost the fit keeps a constant instead
+    ("constant": per_miss_s = 0).
     """
 
     base_s: float
@@ -177,20 +201,20 @@ class CostModel:
     form: str = LINEAR
     driver: str = MISS
 
-    def driver_value(self, hit_rate: float, work: float | None = None) -> float:
-        """x for this model: the cache work when it is driven by it and known, else the miss
-        rate (a static cache's work: it never fills)."""
-        if self.driver == WORK and work is not None:
-            return work
-        return 1.0 - min(max(hit_rate, 0.0), 1.0)
+    def driver_value(self, hit_rate: float, work: CacheWork | None = None) -> float:
+        """x for this model: the cache work when it is driven by it and known; else what a
+        static cache (it never fills) would do: its misses, and no fills."""
+        if self.driver in (WORK, FILL) and work is not None:
+            return work.value(self.driver)
+        return 0.0 if self.driver == FILL else 1.0 - min(max(hit_rate, 0.0), 1.0)
 
-    def decode_tok_s(self, hit_rate: float, work: float | None = None) -> float:
+    def decode_tok_s(self, hit_rate: float, work: CacheWork | None = None) -> float:
         per_token_s = self.base_s + max(self.per_miss_s, 0.0) * self.driver_value(hit_rate, work)
         return 1.0 / per_token_s if per_token_s > 0 else math.inf
 
-    def basis(self, hit_rate: float, work: float | None = None) -> str:
-        if self.driver == WORK and work is None and self.per_miss_s > 0:
-            return EXTRAPOLATED  # the miss rate standing in for the work it was fitted on
+    def basis(self, hit_rate: float, work: CacheWork | None = None) -> str:
+        if self.driver in (WORK, FILL) and work is None and self.per_miss_s > 0:
+            return EXTRAPOLATED  # a static cache standing in for the work it was fitted on
         x = self.driver_value(hit_rate, work)
         inside = self.miss_lo - 1e-9 <= x <= self.miss_hi + 1e-9
         return FITTED if inside else EXTRAPOLATED
@@ -230,7 +254,8 @@ def plan_row(hw: Hardware, free_bytes: int, hits: HitRateModel | None,
             worse = EXTRAPOLATED in (basis["hit_rate"], cost.basis(hit_rate, work))
             basis["decode_tok_s"] = EXTRAPOLATED if worse else FITTED
             basis["decode_model"] = cost.form
-            basis["decode_driver"] = WORK if cost.driver == WORK and work is not None else MISS
+            basis["decode_driver"] = (cost.driver if cost.driver != WORK or work is not None
+                                      else MISS)
     return {"free_mib": round(free_bytes / MIB, 3), "slots": size.slots,
             "cache_gib": round(size.cache_bytes / GIB, 4), "coverage": round(size.coverage, 6),
             "hit_rate": None if hit_rate is None else round(hit_rate, 6),

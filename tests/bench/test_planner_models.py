@@ -210,7 +210,8 @@ def test_fit_on_cache_work_when_the_results_carry_fill_counters(tmp_path):
     assert cost.per_miss_s == pytest.approx(0.001, rel=1e-6)
     assert "cache_work" in fit["cost_model"]["form"]
     # The 20% budget predicted from its replayed work, not its miss rate.
-    assert cost.decode_tok_s(0.76, work=1.10) == pytest.approx(1 / 0.0071)
+    assert cost.decode_tok_s(0.76, work=planner.CacheWork(0.24, 0.86)) == pytest.approx(
+        1 / 0.0071)
     assert cost.decode_tok_s(0.76) == pytest.approx(1 / (0.006 + 0.001 * 0.24))  # miss rate
     assert cost.basis(0.76) == "extrapolated"  # the miss rate standing in for the work
 
@@ -220,12 +221,44 @@ def test_replay_reports_the_cache_work_and_plan_row_uses_it(tmp_path):
     trace = write_trace(tmp_path / "t.trace", [[0], [0], [1], [1], [0], [0]], policy="lru")
     model = planner.trace_hit_rate(trace, fill=[])
     assert model.hit_rate(1) == pytest.approx(3 / 6)
-    assert model.work(1) == pytest.approx((3 + 3) / 6)  # 3 misses + 3 fills per 6 lookups
-    cost = planner.CostModel(0.005, 0.003, 0.0, 1.0, "linear", "work")
+    assert model.work(1) == planner.CacheWork(3 / 6, 3 / 6)  # 3 misses, 3 fills, 6 lookups
     hw = Hardware(3 * MIB, 4, reserved_bytes=700 * MIB)
-    row = planner.plan_row(hw, 700 * MIB + 3 * MIB, model, cost)
-    assert row["decode_tok_s"] == pytest.approx(1 / 0.008, rel=1e-4)
-    assert row["basis"]["decode_driver"] == "work" and row["basis"]["decode_model"] == "linear"
+    for driver, x in (("work", 1.0), ("fill", 0.5)):
+        cost = planner.CostModel(0.005, 0.003, 0.0, 1.0, "linear", driver)
+        row = planner.plan_row(hw, 700 * MIB + 3 * MIB, model, cost)
+        assert row["decode_tok_s"] == pytest.approx(1 / (0.005 + 0.003 * x), rel=1e-4)
+        assert row["basis"]["decode_driver"] == driver
+        assert row["basis"]["decode_model"] == "linear"
+
+
+def test_an_engine_on_the_cpu_is_fitted_on_its_fills(tmp_path):
+    """On a CPU a miss is read in place at the speed of a hit: decode time follows the fills.
+    Here s/token = 1.5 ms + 1.3 ms x fills per lookup, whatever the misses; a fit on two
+    budgets predicts the third from its fills, where misses + fills would be off."""
+    budgets = {32: (0.40, 0.37), 106: (0.75, 0.54), 362: (0.99, 0.05)}  # slots: hit, fills
+    paths = {}
+    for slots, (hit, fills) in budgets.items():
+        lookups = 10_000
+        requests = [{"ok": True, "hit_rate": hit, "decode_tok_s": 1 / (0.0015 + 0.0013 * fills)}
+                    for _ in range(5)]
+        path = tmp_path / f"cpu-{slots}.json"
+        path.write_text(json.dumps({
+            "engine": {"device": "cpu", "slots": slots, "slot_bytes": 3 * MIB,
+                       "total_pairs": 512, "reserved_bytes": 700 * MIB},
+            "decode_counters": {"lookups": lookups, "hits": round(hit * lookups),
+                                "demand_fills": round(fills * lookups), "prefetch_fills": 0},
+            "cases": [{"name": "short_decode", "requests": requests}]}))
+        paths[slots] = path
+    fit = fit_results([paths[32], paths[362]])
+    cost = planner.CostModel.from_dict(fit["cost_model"])
+    assert (cost.form, cost.driver) == ("linear", "fill")
+    assert cost.per_miss_s == pytest.approx(0.0013, rel=1e-6)
+    assert "fill_rate" in fit["cost_model"]["form"]
+    work = planner.CacheWork(0.25, 0.54)  # the 106-slot budget, as a replay would give it
+    assert cost.decode_tok_s(0.75, work) == pytest.approx(1 / (0.0015 + 0.0013 * 0.54))
+    assert cost.basis(0.75, work) == "extrapolated"  # more fills than either fit budget
+    assert planner.fit_driver("cuda:0", True) == "work"
+    assert planner.fit_driver("cpu", False) == "miss"
 
 
 def test_gzipped_traces_read_like_plain_ones(tmp_path):

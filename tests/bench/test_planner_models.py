@@ -186,24 +186,31 @@ def test_median_line_ignores_a_tail_of_slow_outliers():
     assert (two.intercept, two.slope) == (2.0, 2.0)  # through the two groups' medians
 
 
+def write_counted_result(path, slots: int, hit: float, fills: float, decode_tok_s: float,
+                         device: str | None = None):
+    """A bench result with the engine's decode counters over 10,000 lookups (fills per lookup
+    split between demand and prefetch) and five identical short decodes."""
+    lookups, num_fills = 10_000, round(fills * 10_000)
+    engine = {"slots": slots, "slot_bytes": 3 * MIB, "total_pairs": 512,
+              "reserved_bytes": 700 * MIB, **({"device": device} if device else {})}
+    path.write_text(json.dumps({
+        "engine": engine,
+        "decode_counters": {"lookups": lookups, "hits": round(hit * lookups),
+                            "demand_fills": num_fills // 2,
+                            "prefetch_fills": num_fills - num_fills // 2},
+        "cases": [{"name": "short_decode", "requests": [
+            {"ok": True, "hit_rate": hit, "decode_tok_s": decode_tok_s}] * 5}]}))
+    return path
+
+
 def test_fit_on_cache_work_when_the_results_carry_fill_counters(tmp_path):
     # s/token = 6 ms + 1 ms x cache work; the 20% budget misses less but fills more than the
     # 6% one, so it is *slower* than its miss rate says: only the work explains both.
     budgets = {32: (0.40, 0.95), 106: (0.76, 1.10), 362: (0.99, 0.06)}  # slots: hit, work
-    paths = {}
-    for slots, (hit, work) in budgets.items():
-        lookups = 10_000
-        fills = round(work * lookups) - round((1 - hit) * lookups)
-        requests = [{"ok": True, "hit_rate": hit, "decode_tok_s": 1 / (0.006 + 0.001 * work)}
-                    for _ in range(5)]
-        path = tmp_path / f"acc-{slots}.json"
-        path.write_text(json.dumps({
-            "engine": {"slots": slots, "slot_bytes": 3 * MIB, "total_pairs": 512,
-                       "reserved_bytes": 700 * MIB},
-            "decode_counters": {"lookups": lookups, "hits": round(hit * lookups),
-                                "demand_fills": fills // 2, "prefetch_fills": fills - fills // 2},
-            "cases": [{"name": "short_decode", "requests": requests}]}))
-        paths[slots] = path
+    paths = {slots: write_counted_result(tmp_path / f"acc-{slots}.json", slots, hit,
+                                         fills=work - (1 - hit),
+                                         decode_tok_s=1 / (0.006 + 0.001 * work))
+             for slots, (hit, work) in budgets.items()}
     fit = fit_results([paths[32], paths[362]])
     cost = planner.CostModel.from_dict(fit["cost_model"])
     assert (cost.form, cost.driver) == ("linear", "work")
@@ -236,19 +243,10 @@ def test_an_engine_on_the_cpu_is_fitted_on_its_fills(tmp_path):
     Here s/token = 1.5 ms + 1.3 ms x fills per lookup, whatever the misses; a fit on two
     budgets predicts the third from its fills, where misses + fills would be off."""
     budgets = {32: (0.40, 0.37), 106: (0.75, 0.54), 362: (0.99, 0.05)}  # slots: hit, fills
-    paths = {}
-    for slots, (hit, fills) in budgets.items():
-        lookups = 10_000
-        requests = [{"ok": True, "hit_rate": hit, "decode_tok_s": 1 / (0.0015 + 0.0013 * fills)}
-                    for _ in range(5)]
-        path = tmp_path / f"cpu-{slots}.json"
-        path.write_text(json.dumps({
-            "engine": {"device": "cpu", "slots": slots, "slot_bytes": 3 * MIB,
-                       "total_pairs": 512, "reserved_bytes": 700 * MIB},
-            "decode_counters": {"lookups": lookups, "hits": round(hit * lookups),
-                                "demand_fills": round(fills * lookups), "prefetch_fills": 0},
-            "cases": [{"name": "short_decode", "requests": requests}]}))
-        paths[slots] = path
+    paths = {slots: write_counted_result(tmp_path / f"cpu-{slots}.json", slots, hit, fills,
+                                         decode_tok_s=1 / (0.0015 + 0.0013 * fills),
+                                         device="cpu")
+             for slots, (hit, fills) in budgets.items()}
     fit = fit_results([paths[32], paths[362]])
     cost = planner.CostModel.from_dict(fit["cost_model"])
     assert (cost.form, cost.driver) == ("linear", "fill")

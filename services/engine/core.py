@@ -97,7 +97,7 @@ class RequestStats(_DraftFigures):
     lookups: int = 0
     hits: int = 0
     spilled: int = 0
-    misses_host: int = 0  # missed tokens computed on the host
+    misses_host: int = 0  # missed tokens run from host memory (see cache/placement.py)
     misses_copied: int = 0  # missed tokens whose expert was copied over the link first
     prefetch_predicted: int = 0  # distinct pairs predicted for the next layer
     prefetch_predicted_routed: int = 0  # ... that the layer then routed to
@@ -562,7 +562,7 @@ class Engine:
         serve_log.info(
             "strata serve: decode expert cache hit rate: %.1f%% (%d hits / %d lookups); "
             "%d more served from host RAM (%.2f%% of all %d routed); "
-            "misses by placement: %d host-computed, %d copied over the link%s",
+            "misses by placement: %d from host memory, %d copied over the link%s",
             100 * s.hit_rate, s.hits, s.lookups, s.spilled, 100 * s.spill_ratio, s.lookups,
             s.misses_host, s.misses_copied,
             f"; prefetch precision {100 * s.prefetch_precision:.1f}% recall "

@@ -42,7 +42,7 @@ def test_reference_lines_pair_including_the_draft_and_pcie_wording():
 
 def test_clauses_appended_to_either_line_are_tolerated():
     lines = [prompt(100) + ", drafts accepted 50/100, queue 3 ms",
-             hit(90, 100) + "; misses by placement: 10 host-computed, 0 copied over the link"]
+             hit(90, 100) + "; misses by placement: 10 from host memory, 0 copied over the link"]
     (record,) = pair_lines(lines).records
     assert record.drafts_accepted == 50 and record.hits == 90
 

@@ -56,7 +56,7 @@ def test_request_stats_log_lines_and_status(tiny_dir, caplog):
     assert len(lines) == 2
     hits, lookups, spilled = map(int, E2E_LINE_2.match(lines[0]).groups())
     assert (hits, lookups, spilled) == (s.hits, s.lookups, s.spilled)
-    assert f"misses by placement: {s.misses_host} host-computed, 0 copied over the link" in lines[0]
+    assert f"misses by placement: {s.misses_host} from host memory, 0 copied over the link" in lines[0]
     assert "; prefetch precision " in lines[0] and "% recall " in lines[0]
 
     cache = StatusSource(engine, "e", "m", "cpu").status().cache

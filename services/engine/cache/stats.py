@@ -2,7 +2,9 @@
 same way. Pure Python.
 
 One *lookup* is one routed (token, layer, expert); hits and misses are counted in tokens.
-Misses are split by where they ran: computed on the host, or copied over the link first.
+Misses are split by where they ran: from host memory (the CPU kernels on the host store, the
+CUDA kernel reading it in place over the link, or the CPU computing for a device without that
+kernel), or copied over the link first.
 Prefetch quality is counted in distinct pairs per (step, layer): precision = predicted pairs
 that were routed / predicted pairs; recall = routed pairs that were predicted / routed pairs
 (over the layers that had a prediction).
@@ -20,7 +22,7 @@ from services.engine.cache.policy import Outcome
 class CacheCounters:
     lookups: int = 0
     hits: int = 0
-    misses_host: int = 0  # missed tokens computed on the host
+    misses_host: int = 0  # missed tokens run from host memory
     misses_copied: int = 0  # missed tokens computed on the device after a copy over the link
     fills: int = 0  # slots filled on demand (admitted misses)
     prefetch_fills: int = 0  # slots filled ahead of use by prefetch

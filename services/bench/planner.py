@@ -278,12 +278,14 @@ def plan_inverse(hw: Hardware, target_tok_s: float, hits: HitRateModel,
                  cost: CostModel) -> dict:
     """The least slots whose expected decode tok/s reaches the target, and the device memory
     that buys exactly them: reserved + draft + slots * slot_bytes. An expensive hit-rate model
-    (trace replay) is bisected, taking speed as non-decreasing in slots; others are scanned."""
+    (trace replay) is searched on a coarse grid, then bisected inside the first grid interval
+    that reaches the target (speed need not rise with slots: on a CPU a small dynamic region
+    can decode faster than a larger one that fills more); others are scanned."""
     def speed(slots: int) -> float:
         work = hits.work(slots) if hits.work is not None else None
         return cost.decode_tok_s(hits.hit_rate(slots), work)
 
-    found = _bisect(speed, target_tok_s, hw.total_pairs) if hits.expensive else next(
+    found = _least_slots(speed, target_tok_s, hw.total_pairs) if hits.expensive else next(
         (s for s in range(hw.total_pairs + 1) if speed(s) >= target_tok_s), None)
     if found is not None:
         free_bytes = hw.reserved_bytes + hw.draft_bytes + found * hw.slot_bytes
@@ -298,15 +300,22 @@ def plan_inverse(hw: Hardware, target_tok_s: float, hits: HitRateModel,
             "basis": {"best_decode_tok_s": EXTRAPOLATED}}
 
 
-def _bisect(speed: Callable[[int], float], target: float, hi: int) -> int | None:
-    """The least slots in 0..hi with speed >= target, for a speed non-decreasing in slots."""
-    if speed(hi) < target:
-        return None
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if speed(mid) >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def _least_slots(speed: Callable[[int], float], target: float, hi: int, grid: int = 16
+                 ) -> int | None:
+    """The least slots in 0..hi with speed >= target: the first of `grid` + 1 evenly spaced
+    sizes that reaches it, then bisection between it and the size before (speed taken as
+    non-decreasing within one grid interval)."""
+    sizes = sorted({round(hi * k / grid) for k in range(grid + 1)})
+    below = -1
+    for size in sizes:
+        if speed(size) >= target:
+            lo, top = below + 1, size
+            while lo < top:
+                mid = (lo + top) // 2
+                if speed(mid) >= target:
+                    top = mid
+                else:
+                    lo = mid + 1
+            return lo
+        below = size
+    return None

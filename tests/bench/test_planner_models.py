@@ -75,6 +75,33 @@ def test_plan_inverse_bisects_a_replayed_model(tmp_path):
     assert not planner.plan_inverse(hw, 150.0, hits, cost)["reachable"]
 
 
+def test_plan_inverse_finds_the_least_size_when_speed_dips():
+    """On a CPU a mid-size dynamic region can decode slower than a small one (it fills more):
+    the least size reaching the target can lie before the dip, where a bisection over all
+    sizes would not look."""
+    def fills(slots: int) -> float:  # 0.3 per lookup at 0 slots, 0.5 at 200, none at 512
+        return 0.3 + slots / 1000 if slots <= 200 else 0.5 * (512 - slots) / 312
+
+    calls = []
+
+    def work(slots: int) -> planner.CacheWork:
+        calls.append(slots)
+        return planner.CacheWork(1 - slots / 512, fills(slots))
+
+    hits = planner.HitRateModel("replayed", lambda s: s / 512, lambda s: "replayed",
+                                expensive=True, work=work)
+    cost = planner.CostModel(0.002, 0.002, 0.0, 0.5, "linear", "fill")  # 1 / (2 + 2 x fills) ms
+    hw = Hardware(3 * MIB, 512, reserved_bytes=700 * MIB)
+    # 385 tok/s at 0 slots, 333 at 200, 500 at 512: 380 is reached before the dip (a bisection
+    # over 0..512 would answer ~315), 450 only past it, from 443 slots (fills <= 0.111).
+    assert planner.plan_inverse(hw, 380.0, hits, cost)["slots"] == 0
+    inverse = planner.plan_inverse(hw, 450.0, hits, cost)
+    assert inverse["reachable"] and inverse["slots"] == 443
+    assert inverse["decode_tok_s"] >= 450.0 > cost.decode_tok_s(0.0, work(442))
+    assert not planner.plan_inverse(hw, 501.0, hits, cost)["reachable"]
+    assert len(set(calls)) < 40  # a grid and a bisection, not all 513 sizes
+
+
 def test_cli_replays_a_trace_with_a_profile_as_the_pre_fill(tmp_path, capsys):
     trace_path = tmp_path / "t.trace"
     write_trace(trace_path, [[0, 2]] * 10)

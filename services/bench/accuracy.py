@@ -1,6 +1,7 @@
 """Planner accuracy on this machine: fit at two device-memory budgets, predict a third, measure it.
 
-    python -m services.bench.accuracy --out docs/bench [--skip-samples]  (~12 min on 2 CPU cores)
+    python -m services.bench.accuracy --out docs/bench [--skip-samples | --samples-only]
+                                                              (~12 min on 2 CPU cores)
 
 1. warm-up cluster, recording its routing (the engine's --record-routing): phase A, short
    decodes like the measurement's (other prompts); its routing counts (all and decode-only, from
@@ -241,10 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak-s", type=float, default=120.0)
     p.add_argument("--reuse", action="store_true", help="no new clusters: recompute the "
                    "accuracy from OUT/accuracy-BUDGET.json and OUT/expert-profile.bin")
+    p.add_argument("--samples-only", action="store_true", help="only step 3, on one cluster at "
+                   "--sample-budget (default: the largest saved accuracy budget) starting from "
+                   "OUT/expert-profile.bin; the accuracy files stay as they are")
     a = p.parse_args(argv)
     out, work = a.out, a.work
     out.mkdir(parents=True, exist_ok=True)
     profile_path, trace_path = out / "expert-profile.bin", out / "accuracy-routing.trace.gz"
+    if a.samples_only:
+        budget = a.sample_budget or max(
+            (p.stem.removeprefix("accuracy-") for p in out.glob("accuracy-*MiB.json")),
+            key=lambda b: float(b.removesuffix("MiB")))
+        own = work / "samples" / "expert-profile.bin"
+        own.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(profile_path, own)
+        env = {"STRATA_HOME": str(work / "home"), "STRATA_PROFILE": str(own)}
+        with cluster(work / "samples", budget, env) as c:
+            say(f"sample benches at {budget}")
+            sample_benches(c, out, a.soak_s)
+        return 0
     if not a.reuse:
         engine = warm_up(work, profile_path, trace_path, a.warmup_requests)
         a.budgets = a.budgets or budgets_for(engine, a.coverages)

@@ -85,7 +85,6 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
         self.graphs: dict[int, _Graph] = {}
         self.replays = 0
-        self.capture_s = 0.0
         cache.enable_address_table(len(model.layers))
 
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span]
@@ -150,6 +149,5 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.hidden, g.logits = self._body(g)
-        self.capture_s += time.perf_counter() - t0
         log.info("captured the decode step for batch %d as a CUDA graph in %.0f ms (%d graphs)",
                  g.route_top.shape[1], (time.perf_counter() - t0) * 1e3, len(self.graphs) + 1)

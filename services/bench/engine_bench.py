@@ -4,7 +4,8 @@
                         [--repeat R] [--device cpu|cuda] [--coverage C [C ...]]
                         [--prefetch off|on [off|on]] [--policy P] [--placement M]
                         [--cuda-graphs on|off] [--threads N]
-                        [--expert-dtype auto|int8|int4] [--cpu-kernels auto|on|off]
+                        [--dtype auto|bf16|fp32 [...]] [--expert-dtype auto|int8|int4]
+                        [--cpu-kernels auto|on|off]
                         [--compare-hf] [--json] [--out DIR]
     strata bench engine --from-json FILE --out DIR      (the report of a saved result)
 
@@ -24,7 +25,10 @@
    layer share experts, measured from the run), divided by the B tokens of the step. The bound is
    bandwidth / active bytes; decode's share of it is the headline figure. On CUDA the
    bandwidth is the device's (sum of a 1 GiB tensor), the bound that of an all-hit step.
-4. Several coverages or prefetch settings: one run of steps 1-3 each (HF once, with the first),
+4. Several dtypes (`--dtype bf16 fp32`): a runner each, loaded side by side, their rounds
+   interleaved (the bandwidth drifts between runs), and each dtype's decode over the first's,
+   the median of back-to-back rounds' ratios.
+5. Several coverages or prefetch settings: one run of steps 1-3 each (HF once, with the first),
    and per prefetch setting the spill penalty — the least-squares slope of decode tok/s over
    the decode spill in points (share of routed experts served from outside the cache), i.e.
    tok/s lost per point of spill.
@@ -40,6 +44,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,7 @@ import torch
 from services.engine import kernels
 from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from services.engine.cache.policy import DEFAULT_POLICY, POLICIES, PolicySpec
+from services.engine.model.dtypes import DTYPES, dtype_name
 from services.engine.model.quant import EXPERT_DTYPES
 
 BANDWIDTH_BYTES = 256 * 2**20
@@ -81,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="CUDA: decode "
                    "steps as graph replays (the engine's --cuda-graphs)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--dtype", choices=DTYPES, nargs="+", default=["auto"], help="the engine's "
+                   "--dtype; several: one runner each, their rounds interleaved, and the "
+                   "decode ratio of each to the first")
     p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto", help="expert "
                    "weights in the host store and slots (int8/int4: quantized, as the engine's "
                    "--expert-dtype)")
@@ -123,17 +132,6 @@ def measure_bandwidth(num_bytes: int | None = None, repeats: int = BANDWIDTH_REP
     read_s = [timed(x.sum) for _ in range(repeats)]
     copy_s = [timed(lambda: y.copy_(x)) for _ in range(repeats)]
     return num_bytes / min(read_s), 2 * num_bytes / min(copy_s)
-
-
-def non_expert_bytes(runner: Any) -> int:
-    """Bytes of the non-expert weights one decode step reads (the embedding: one row/token)."""
-    m = runner.model
-    tensors = [m.final_norm, getattr(m, "lm_head", None), getattr(m, "lm_head_t", None)]
-    for w in m.layers:  # every weight of the layer: attention, norms, router, dense MLP
-        for value in vars(w).values():
-            tensors += value if isinstance(value, tuple) else [value]
-    total = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total + m.embed.shape[1] * m.embed.element_size()
 
 
 def prompts(batch: int, num_tokens: int) -> list[list[int]]:
@@ -225,20 +223,32 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from services.models import default_model_dir
 
-    kernels.configure(args.cpu_kernels)
     model_dir = args.model or default_model_dir()
     batch_prompts = prompts(args.batch, args.prompt_tokens)
     runs: list[dict[str, Any]] = []
     hf = None
+    dtypes = list(dict.fromkeys(args.dtype))
     for prefetch in dict.fromkeys(args.prefetch):
         for coverage in dict.fromkeys(args.coverage):
-            result, hf = bench_one(args, model_dir, device, batch_prompts, coverage,
-                                   prefetch == "on", hf)
-            runs.append(result)
+            benches = [prepare(args, model_dir, device, batch_prompts, coverage,
+                               prefetch == "on", dtype) for dtype in dtypes]
+            if args.compare_hf and hf is None:
+                progress("loading the checkpoint in transformers for generate()")
+                hf = HfGenerate(model_dir, batch_prompts, args.gen_tokens, device)
+            for i in range(args.repeat):  # the settings' rounds interleaved
+                for b in benches:
+                    timed_round(b, args, batch_prompts, hf,
+                                f"round {i + 1}/{args.repeat}" + (f" {b.dtype}"
+                                                                  if len(benches) > 1 else ""))
+            for b in benches:
+                runs.append(summarize(b, args, model_dir))
+                b.runner.close()
     if len(runs) == 1:
         out: dict[str, Any] = runs[0]
     else:
         out = {"runs": runs, "spill_penalty": spill_penalty(runs)}
+        if len(dtypes) > 1:
+            out["dtype_ratio"] = dtype_ratios(runs)
     if args.out is not None:
         progress(f"report: {write_report(args.out, out)['markdown']}")
     if args.json:
@@ -296,82 +306,102 @@ def fmt_flag(value: bool | None) -> str:
     return "-" if value is None else "on" if value else "off"
 
 
-def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,
-              batch_prompts: list[list[int]], coverage: float, prefetch: bool,
-              hf: HfGenerate | None) -> tuple[dict[str, Any], HfGenerate | None]:
-    """Steps 1-3 of the module docstring at one coverage and prefetch setting."""
+@dataclass
+class Bench:
+    """One configuration under test: its runner, warmed up, and its timed rounds."""
+
+    runner: Any
+    dtype: str
+    coverage: float
+    prefetch: bool
+    slots: int
+    slot_bytes: int
+    fixed: int  # non-expert bytes per decode step
+    rounds: list[dict[str, Any]]
+
+
+def prepare(args: argparse.Namespace, model_dir: Path, device: torch.device,
+            batch_prompts: list[list[int]], coverage: float, prefetch: bool, dtype: str
+            ) -> Bench:
+    """Step 1 of the module docstring for one coverage, prefetch and dtype setting."""
     from services.engine.model.config import load_model_config
-    from services.engine.model.quant import expert_layout
-    from services.engine.runner import ModelRunner
+    from services.engine.runner import ModelRunner, slot_bytes_of
 
     config = load_model_config(model_dir)
-    slot_bytes = expert_layout(config.hidden_size, config.moe_intermediate_size,
-                               args.expert_dtype).blob_bytes(torch.float32)
-    total_pairs = config.total_pairs
-    slots = round(coverage * total_pairs)
+    slots = round(coverage * config.total_pairs)
+    slot_bytes = slot_bytes_of(model_dir, dtype, args.expert_dtype)
     runner = ModelRunner(model_dir, device=str(device), device_memory_bytes=slots * slot_bytes,
                          reserved_bytes=0, prefetch=prefetch, expert_dtype=args.expert_dtype,
-                         policy=PolicySpec(args.policy), placement=args.placement,
-                         cuda_graphs=args.cuda_graphs == "on")
+                         dtype=dtype, policy=PolicySpec(args.policy), placement=args.placement,
+                         cuda_graphs=args.cuda_graphs == "on", cpu_kernels=args.cpu_kernels)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
-    c = runner.config
     on_cuda = device.type == "cuda"
     progress(f"{model_dir.name} on {device}: batch {args.batch}, {args.prompt_tokens} prompt + "
-             f"{args.gen_tokens} generated tokens, {slots}/{total_pairs} pairs cached, policy "
+             f"{args.gen_tokens} generated tokens, {dtype_name(runner.weight_dtype)} weights, "
+             f"{slots}/{config.total_pairs} pairs cached, policy "
              f"{args.policy}, prefetch {'on' if prefetch else 'off'}, "
              + (f"device kernel {'on' if runner.cache.device_kernel else 'off'}, CUDA graphs "
                 f"{'on' if runner.model.graphs is not None else 'off'}" if on_cuda
                 else f"{torch.get_num_threads()} threads, CPU kernels "
-                     f"{'on' if kernels.active() else 'off'}") + "; warm-up")
+                     f"{'on' if runner.backend.cpu else 'off'}") + "; warm-up")
     run_strata(runner, batch_prompts, min(args.gen_tokens, 4))
-    if args.compare_hf and hf is None:
-        progress("loading the checkpoint in transformers for generate()")
-        hf = HfGenerate(model_dir, batch_prompts, args.gen_tokens, device)
-    fixed = non_expert_bytes(runner)
-    rounds: list[dict[str, Any]] = []
-    for i in range(args.repeat):
-        read_bps, copy_bps = measure_bandwidth(device=device)
-        before = runner.cache.decode.copy()
-        p_s, d_s, tokens, distinct = run_strata(runner, batch_prompts, args.gen_tokens)
-        d = runner.cache.decode.since(before)
-        active = (fixed + distinct * len(c.moe_layers) * slot_bytes) / args.batch
-        r = {"read_bps": read_bps, "copy_bps": copy_bps, "prefill_s": p_s, "distinct": distinct,
-             "decode_tok_s": args.batch * (args.gen_tokens - 1) / d_s,
-             "spill": d.spilled / max(1, d.lookups), "hit_rate": d.hits / max(1, d.lookups)}
-        r["bound_fraction"] = r["decode_tok_s"] / (read_bps / active)
-        line = (f"round {i + 1}/{args.repeat}: bandwidth {read_bps / 1e9:.1f} GB/s, prefill "
-                f"{p_s * 1e3:.0f} ms, decode {r['decode_tok_s']:.1f} tok/s "
-                f"({r['bound_fraction']:.0%} of the bound), spill {r['spill']:.1%}")
-        if hf is not None:
-            hp, hd, hf_tokens = hf.run()
-            r.update(hf_prefill_s=hp, hf_decode_tok_s=args.batch * (args.gen_tokens - 1) / hd,
-                     hf_tokens_match=hf_tokens == tokens)
-            r["hf_ratio"] = r["decode_tok_s"] / r["hf_decode_tok_s"]
-            line += f"; HF decode {r['hf_decode_tok_s']:.1f} tok/s -> {r['hf_ratio']:.2f}x"
-        rounds.append(r)
-        progress(line)
-    runner.close()
+    return Bench(runner, dtype, coverage, prefetch, slots, runner.slot_bytes,
+                 runner.model.non_expert_bytes_per_step(), [])
+
+
+def timed_round(b: Bench, args: argparse.Namespace, batch_prompts: list[list[int]],
+                hf: HfGenerate | None, label: str) -> None:
+    """Step 2 of the module docstring: one round of `b`, appended to b.rounds."""
+    runner, c = b.runner, b.runner.config
+    device = runner.device
+    read_bps, copy_bps = measure_bandwidth(device=device)
+    before = runner.cache.decode.copy()
+    p_s, d_s, tokens, distinct = run_strata(runner, batch_prompts, args.gen_tokens)
+    d = runner.cache.decode.since(before)
+    active = (b.fixed + distinct * len(c.moe_layers) * b.slot_bytes) / args.batch
+    r = {"read_bps": read_bps, "copy_bps": copy_bps, "prefill_s": p_s, "distinct": distinct,
+         "decode_tok_s": args.batch * (args.gen_tokens - 1) / d_s,
+         "spill": d.spilled / max(1, d.lookups), "hit_rate": d.hits / max(1, d.lookups)}
+    r["bound_fraction"] = r["decode_tok_s"] / (read_bps / active)
+    line = (f"{label}: bandwidth {read_bps / 1e9:.1f} GB/s, prefill "
+            f"{p_s * 1e3:.0f} ms, decode {r['decode_tok_s']:.1f} tok/s "
+            f"({r['bound_fraction']:.0%} of the bound), spill {r['spill']:.1%}")
+    if hf is not None:
+        hp, hd, hf_tokens = hf.run()
+        r.update(hf_prefill_s=hp, hf_decode_tok_s=args.batch * (args.gen_tokens - 1) / hd,
+                 hf_tokens_match=hf_tokens == tokens)
+        r["hf_ratio"] = r["decode_tok_s"] / r["hf_decode_tok_s"]
+        line += f"; HF decode {r['hf_decode_tok_s']:.1f} tok/s -> {r['hf_ratio']:.2f}x"
+    b.rounds.append(r)
+    progress(line)
+
+
+def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """Step 3 of the module docstring: the medians of b's rounds."""
+    runner, rounds = b.runner, b.rounds
+    total_pairs = runner.config.total_pairs
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rounds)
 
     distinct = statistics.mean(r["distinct"] for r in rounds)
-    active = (fixed + distinct * len(c.moe_layers) * slot_bytes) / args.batch
+    active = (b.fixed + distinct * len(runner.config.moe_layers) * b.slot_bytes) / args.batch
     read_bps = median("read_bps")
     result: dict[str, Any] = {
         "model": model_dir.name,
-        "device": str(device),
+        "device": str(runner.device),
         "batch": args.batch,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "threads": torch.get_num_threads(),
-        "cpu_kernels": kernels.active() is not None and not on_cuda,
+        "dtype": dtype_name(runner.weight_dtype),
+        "cpu_kernels": runner.backend.cpu is not None,
         "device_kernel": runner.cache.device_kernel,
         "cuda_graphs": runner.model.graphs is not None,
-        "coverage": slots / total_pairs if total_pairs else 1.0,
+        "coverage": b.slots / total_pairs if total_pairs else 1.0,
         "policy": args.policy,
         "placement": args.placement,
-        "prefetch": prefetch,
+        "prefetch": b.prefetch,
         "expert_dtype": args.expert_dtype,
         "prefill_tok_s": args.batch * args.prompt_tokens / median("prefill_s"),
         "decode_tok_s": median("decode_tok_s"),
@@ -381,15 +411,15 @@ def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,
         "bandwidth_gb_s": read_bps / 1e9,
         "bandwidth_runs_gb_s": [r["read_bps"] / 1e9 for r in rounds],
         "copy_bandwidth_gb_s": median("copy_bps") / 1e9,
-        "non_expert_bytes_per_step": fixed,
-        "expert_bytes": slot_bytes,
+        "non_expert_bytes_per_step": b.fixed,
+        "expert_bytes": b.slot_bytes,
         "distinct_experts_per_layer_step": distinct,
         "active_bytes_per_token": active,
         "bandwidth_bound_tok_s": read_bps / active,
         "bound_fraction": median("bound_fraction"),
         "bound_fraction_runs": [r["bound_fraction"] for r in rounds],
     }
-    if on_cuda:
+    if runner.device.type == "cuda":
         result["link_gb_s"] = runner.link.bytes_per_s / 1e9
     if "hf_decode_tok_s" in rounds[0]:
         result["hf_prefill_tok_s"] = args.batch * args.prompt_tokens / median("hf_prefill_s")
@@ -397,7 +427,22 @@ def bench_one(args: argparse.Namespace, model_dir: Path, device: torch.device,
         result["hf_ratio"] = median("hf_ratio")
         result["hf_ratio_runs"] = [r["hf_ratio"] for r in rounds]
         result["hf_tokens_match"] = all(r["hf_tokens_match"] for r in rounds)
-    return result, hf
+    return result
+
+
+def dtype_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per (prefetch, coverage): each later dtype's decode tok/s over the first dtype's, the
+    median of the ratios of rounds that ran back to back."""
+    out = {}
+    for prefetch, coverage in dict.fromkeys((r["prefetch"], r["coverage"]) for r in runs):
+        group = [r for r in runs if (r["prefetch"], r["coverage"]) == (prefetch, coverage)]
+        base = group[0]
+        for r in group[1:]:
+            ratios = [a / b for a, b in zip(r["decode_runs_tok_s"], base["decode_runs_tok_s"],
+                                            strict=True)]
+            out[f"{r['dtype']}/{base['dtype']} at {coverage:.0%}, prefetch "
+                f"{'on' if prefetch else 'off'}"] = statistics.median(ratios)
+    return out
 
 
 def spill_penalty(runs: list[dict[str, Any]]) -> dict[str, float | None]:

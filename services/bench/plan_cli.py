@@ -37,11 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--slot-bytes", type=int)
     p.add_argument("--pairs", type=int, help="(layer, expert) pairs of the model")
     p.add_argument("--model", type=Path, help="checkpoint directory (slot size and pairs)")
-    p.add_argument("--dtype-bytes", type=int, default=4,
-                   help="bytes per expert weight in the slots (the engine runs fp32: 4)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="with --model: the engine's --dtype (auto: as the checkpoint stores "
+                   "its weights), which sets the bytes per expert weight in the slots")
     p.add_argument("--expert-dtype", choices=("auto", "int8", "int4"), default="auto",
                    help="with --model: the engine's --expert-dtype; int8/int4 slots are the "
-                   "quantized blob's exact size (auto: --dtype-bytes per weight)")
+                   "quantized blob's exact size (auto: --dtype's bytes per weight)")
     p.add_argument("--profile", type=Path, help="expert-profile.bin: hit rate from its "
                    "decode cumulative distribution (with --trace: the pre-fill ranking)")
     p.add_argument("--trace", type=Path, help="routing trace (engine --record-routing; may be "
@@ -63,17 +64,12 @@ def _hardware(a: argparse.Namespace, fit: dict | None) -> Hardware:
         raise ValueError(f"--expert-dtype {a.expert_dtype} needs --model DIR (the slot size "
                          "follows the expert shape) and no --slot-mib/--slot-bytes")
     if a.model is not None:
-        from services.engine.cache.layout import ExpertLayout
         from services.engine.model.config import load_model_config
+        from services.engine.runner import slot_bytes_of
 
         c = load_model_config(a.model)
-        if a.expert_dtype != "auto":
-            from services.engine.model.quant import expert_layout
-
-            slot_bytes = expert_layout(c.hidden_size, c.moe_intermediate_size,
-                                       a.expert_dtype).numel
-        slot_bytes = slot_bytes or ExpertLayout(c.hidden_size, c.moe_intermediate_size).numel * (
-            a.dtype_bytes)
+        # what the engine logs at start for the same settings
+        slot_bytes = slot_bytes or slot_bytes_of(a.model, a.dtype, a.expert_dtype)
         pairs = pairs or c.total_pairs
     hw = (fit or {}).get("hardware") or {}
     slot_bytes, pairs = slot_bytes or hw.get("slot_bytes"), pairs or hw.get("total_pairs")

@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 @torch.no_grad()
 def position_logits(runner: Any, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits [T, V] at every position of one fresh sequence (one prefill step)."""
-    from services.engine.model.qwen3_moe import Span
+    from services.engine.model.step import Span
 
     seq = runner.start(token_ids)
     runner.blocks.append(seq.table, len(token_ids))

@@ -48,11 +48,6 @@ async def serve(config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(config.threads)
-    if device == "cpu":
-        from services.engine import kernels
-
-        cpu = kernels.configure(config.cpu_kernels)
-        log.info("CPU kernels: %s", f"on ({cpu.path.name})" if cpu else "off (torch ops)")
     draft_bytes = config.draft_reserve or _draft_bytes(config)
     runner = ModelRunner(config.model_dir, device=device,
                          device_memory_bytes=device_budget(config, device),
@@ -62,8 +57,8 @@ async def serve(config: EngineConfig) -> None:
                          record_routing=config.record_routing,
                          draft_head_bytes=draft_bytes,
                          kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
-                         kv_dtype=config.kv_dtype, prefix_reuse=config.prefix_reuse,
-                         expert_dtype=config.expert_dtype)
+                         dtype=config.dtype, kv_dtype=config.kv_dtype,
+                         prefix_reuse=config.prefix_reuse, expert_dtype=config.expert_dtype, cpu_kernels=config.cpu_kernels)
     draft_source = _draft_source(config, runner, device)  # in the room reserved above
     engine = Engine(runner, max_running=config.max_running,
                     max_step_tokens=config.prefill_chunk, draft_source=draft_source,

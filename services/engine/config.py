@@ -26,6 +26,7 @@ from services.engine.cache.policy import (
     POLICIES,
     PolicySpec,
 )
+from services.engine.model.dtypes import DTYPES
 from services.engine.model.quant import EXPERT_DTYPES
 from services.engine.spec.base import SPEC_METHODS
 
@@ -95,11 +96,15 @@ SETTINGS = (
             "device memory for the paged KV cache (default: 4 context windows' worth)"),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", positive_int, 16,
             "token positions per KV block (the unit of prefix reuse)"),
+    Setting("dtype", "STRATA_DTYPE", choice(DTYPES), "auto",
+            "weights (non-expert, host store, cache slots): auto (as the checkpoint stores "
+            "them: bf16 for bf16 and GGUF files, fp32 for fp32 and fp16), bf16 or fp32 (the "
+            "reference path); activations and KV run in fp32 on the CPU kernels"),
     Setting("kv_dtype", "STRATA_KV_DTYPE", _kv_dtype, "auto",
-            "auto (the model's dtype) or int8 (per-block scales, about 1/4 of fp32)"),
+            "auto (the activations' dtype) or int8 (per-block scales, about 1/4 of fp32)"),
     Setting("expert_dtype", "STRATA_EXPERT_DTYPE", choice(EXPERT_DTYPES), "auto",
-            "expert weights in the host store and the cache slots: auto (the engine's dtype, "
-            "fp32), int8 (per-channel scales, ~1/4 of fp32) or int4 (scales per 32 weights, "
+            "expert weights in the host store and the cache slots: auto (the engine's --dtype),"
+            " int8 (per-channel scales, ~1/4 of fp32) or int4 (scales per 32 weights, "
             "~1/7); the slot size and the auto-sized slot count follow"),
     Setting("prefix_reuse", "STRATA_PREFIX_REUSE", parse_bool, True,
             "reuse KV blocks of an equal prompt prefix already in the cache"),
@@ -166,6 +171,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     kv_memory: int | None = None
     kv_block_size: int = 16
+    dtype: str = "auto"
     kv_dtype: str = "auto"
     expert_dtype: str = "auto"
     prefix_reuse: bool = True

@@ -1,6 +1,6 @@
 """ModelRunner: the engine's tensor side — checkpoint, expert cache, per-sequence KV and steps.
 
-    checkpoint ─┬─> non-expert weights (device) ── Qwen3MoeModel.forward ──> logits [V]
+    checkpoint ─┬─> non-expert weights (device) ── Decoder.forward (backend) ──> logits [V]
                 └─> HostStore (every pair) ──fill──> SlotPool (S slots, device)
                           ExpertCache.route: Residency (pinned core + dynamic region) per step,
                           misses placed on the host or copied (cost model), next-layer prefetch
@@ -26,8 +26,9 @@ import torch
 from services.common.sizing import CacheSize, size_cache
 from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.cache.expert_cache import ExpertCache, device_kernel
+from services.engine.cache.formats import ExpertFormat, expert_format
 from services.engine.cache.host_store import HostStore
-from services.engine.cache.layout import ExpertLayout, num_splits
+from services.engine.cache.layout import num_splits
 from services.engine.cache.placement import (
     DEFAULT_PLACEMENT,
     CostModel,
@@ -40,17 +41,29 @@ from services.engine.cache.policy import DEFAULT_PREFETCH, PolicySpec, Residency
 from services.engine.cache.slot_pool import FillReport, SlotPool
 from services.engine.cache.stats import CacheCounters
 from services.engine.cache.trace import TraceWriter
+from services.engine.kernels.backend import select_backend
 from services.engine.model.checkpoint import open_checkpoint
 from services.engine.model.config import ModelConfig, load_model_config
 from services.engine.model.cuda_graphs import DecodeGraphs, graph_blocker
+from services.engine.model.dtypes import dtype_name, resolve_dtype
+from services.engine.model.loader import load_model
 from services.engine.model.paged_kv import PagedKVCache
-from services.engine.model.quant import QuantExpertLayout, expert_layout
-from services.engine.model.qwen3_moe import Span, load_qwen3_moe
+from services.engine.model.step import Span
 from services.engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.engine")
 
 DEFAULT_KV_WINDOWS = 4  # default KV pool: this many full context windows
+
+
+def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
+                  expert_dtype: str = "auto") -> int:
+    """Bytes of one cache slot (one pair's blob) for a checkpoint served with these settings,
+    without loading it: what the runner's start-up log line states."""
+    config = load_model_config(Path(model_dir))
+    weight_dtype = resolve_dtype(dtype, open_checkpoint(Path(model_dir), config.weight_names))
+    return expert_format(config.hidden_size, config.moe_intermediate_size, weight_dtype,
+                         expert_dtype).blob_bytes
 
 
 class PromptError(ValueError):
@@ -136,7 +149,7 @@ class ModelRunner:
         device: str = "cpu",
         device_memory_bytes: int | None = None,
         reserved_bytes: int = 700 * 2**20,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = "auto",
         policy: PolicySpec | None = None,
         placement: str = DEFAULT_PLACEMENT,
         prefetch: bool = DEFAULT_PREFETCH,
@@ -148,11 +161,11 @@ class ModelRunner:
         prefix_reuse: bool = True,
         expert_dtype: str = "auto",
         cuda_graphs: bool = True,
+        cpu_kernels: str = "auto",
     ):
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         self.device = torch.device(device)
-        self.dtype = dtype
         self.config: ModelConfig = load_model_config(model_dir)
         self.model_name = model_dir.name
         self.model_dir = model_dir
@@ -177,17 +190,23 @@ class ModelRunner:
             len(reader.names),
             reader.num_files,
         )
-        self.model = load_qwen3_moe(reader, c, self.device, dtype)
+        self.backend = select_backend(self.device, cpu_kernels)
+        log.info("compute backend: %s", self.backend.describe())
+        self.weight_dtype = resolve_dtype(dtype, reader)  # weights, host store, slots
+        self.model = load_model(reader, c, self.backend, self.weight_dtype)
+        self.dtype = self.model.dtype  # activations and the KV cache (the backend's choice)
+        log.info("weights in %s, activations and KV cache in %s", dtype_name(self.weight_dtype),
+                 dtype_name(self.dtype))
         self.num_usable_tokens = min(c.vocab_size, self.tokenizer.vocab_size)
         self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype, prefix_reuse)
 
-        layout = expert_layout(c.hidden_size, c.moe_intermediate_size, expert_dtype)
+        fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
+                            expert_dtype)
         self.expert_dtype = expert_dtype
-        self.slot_bytes = layout.blob_bytes(dtype)
-        if isinstance(layout, QuantExpertLayout):
-            full = ExpertLayout(c.hidden_size, c.moe_intermediate_size).blob_bytes(dtype)
-            log.info("experts %s: %d bytes per slot, %.3f of %s", layout.describe(),
-                     self.slot_bytes, self.slot_bytes / full, str(dtype).removeprefix("torch."))
+        self.slot_bytes = fmt.blob_bytes
+        log.info("experts %s: %d bytes per slot (%.2f bits per weight)", fmt.describe(),
+                 self.slot_bytes, 8 * self.slot_bytes / (3 * c.hidden_size
+                                                        * c.moe_intermediate_size))
         self.total_pairs = c.total_pairs
         free_bytes = self._free_bytes(device_memory_bytes)
         self.cache_size: CacheSize = size_cache(
@@ -196,9 +215,7 @@ class ModelRunner:
         self.slots = self.cache_size.slots
         log.info(self.cache_size.log_line())
 
-        host = HostStore(
-            layout, self.layer_order_pairs(), dtype, pin_memory=self.device.type == "cuda"
-        )
+        host = HostStore(fmt, self.layer_order_pairs(), pin_memory=self.device.type == "cuda")
         host.load(reader)
         self.policy = policy or PolicySpec()
         residency = Residency(self.slots, self.policy)
@@ -212,8 +229,8 @@ class ModelRunner:
         )
         self.link = probe_link(self.device)
         log.info(self.link.log_line())
-        cost = self._cost_model(layout, host, self.link) if host.pairs else None
-        host_exact = self.device.type != "cuda" or device_kernel(layout, self.device) is not None
+        cost = self._cost_model(fmt, host, self.link) if host.pairs else None
+        host_exact = fmt.exact_on(self.device, device_kernel(fmt, self.device) is not None)
         placer = Placer(placement if cost else "host", cost, host_exact)
         log.info(placer.describe())
         recorder = None
@@ -221,8 +238,8 @@ class ModelRunner:
             recorder = TraceWriter(record_routing, self.trace_meta(prefetch))
             log.info("recording routing to %s", record_routing)
         self.cache = ExpertCache(
-            host, pool, c.num_layers, c.num_experts, placer, prefetch=prefetch, recorder=recorder
-        )
+            host, pool, c.num_layers, c.num_experts, placer, prefetch=prefetch, recorder=recorder,
+            cpu_kernels=self.backend.cpu)
         if cuda_graphs and self.device.type == "cuda":
             blocker = graph_blocker(self.model, self.kv, self.cache)
             if blocker is None:
@@ -264,36 +281,35 @@ class ModelRunner:
         self.blocks = BlockManager(num_blocks, block_size, prefix_reuse)
         log.info("KV cache: %d blocks of %d positions (%s, %.0f MiB) = %d tokens, %.1f context "
                  "windows; prefix reuse %s", num_blocks, block_size,
-                 "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
+                 "int8" if kv_dtype == "int8" else dtype_name(self.dtype),
                  num_blocks * per_block / 2**20, num_blocks * block_size,
                  num_blocks / window_blocks, "on" if prefix_reuse else "off")
 
-    def _cost_model(self, layout: ExpertLayout | QuantExpertLayout, host: HostStore,
-                    link: LinkProbe) -> CostModel:
+    def _cost_model(self, fmt: ExpertFormat, host: HostStore, link: LinkProbe) -> CostModel:
         """Measured host and device expert speeds (the same on CPU) for miss placement. On
         CUDA with the device kernel, "host" is that kernel reading the pinned host blob in place
         over the link; without it, the CPU computing (and the activations' round trip)."""
         pair = host.pairs[0]
-        gpu = device_kernel(layout, self.device)
+        gpu = device_kernel(fmt, self.device)
         if gpu is not None:
-            splits = num_splits(layout.hidden_size)
+            splits = num_splits(fmt.hidden_size)
 
             def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-                return gpu.expert_forward(x, blob, layout.ffn_size, splits)
+                return gpu.expert_forward(x, blob, fmt.ffn_size, splits)
 
-            host_timing = time_expert(layout, host.blob(pair), dtype=self.dtype,
+            host_timing = time_expert(fmt, host.blob(pair), dtype=self.dtype,
                                       device=self.device, forward=forward)
-            device_timing = time_expert(layout, host.blob(pair).to(self.device),
+            device_timing = time_expert(fmt, host.blob(pair).to(self.device),
                                         dtype=self.dtype, forward=forward)
             log.info("device kernel on one expert: %.3f ms from a slot, %.3f ms read in place "
                      "from the host store (1 token)", device_timing.seconds(1) * 1e3,
                      host_timing.seconds(1) * 1e3)
             return CostModel(self.slot_bytes, link.bytes_per_s, host_timing, device_timing)
-        host_timing = time_expert(layout, host.blob(pair), dtype=self.dtype)
+        host_timing = time_expert(fmt, host.blob(pair), dtype=self.dtype)
         device_timing, activation_s = host_timing, 0.0
         if self.device.type == "cuda":
-            device_timing = time_expert(layout, host.blob(pair).to(self.device), dtype=self.dtype)
-            x = torch.zeros(1, layout.hidden_size, dtype=self.dtype, device=self.device)
+            device_timing = time_expert(fmt, host.blob(pair).to(self.device), dtype=self.dtype)
+            x = torch.zeros(1, fmt.hidden_size, dtype=self.dtype, device=self.device)
             torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             for _ in range(5):

@@ -4,7 +4,7 @@
 
 Routing (the top-K experts of every token at every MoE layer) comes from Strata's own engine: a
 `ModelRunner` loads the checkpoint, and each window of text runs as one prefill step of
-`Qwen3MoeModel.forward` with a `RoutingTap` as its ExpertSource — the runner's expert cache, plus
+`Decoder.forward` with a `RoutingTap` as its ExpertSource — the runner's expert cache, plus
 a copy of each `route(layer, top_idx [T, K], counts)`. (A routing trace stores a step's experts
 with their token counts, which loses which token took which expert inside a prefill step.)
 
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from services.engine.model.qwen3_moe import ExpertSource, Span
+from services.engine.model.step import ExpertSource, Span
 from services.training.bpe import split_ids
 from services.training.evaluate import routing_stats
 from services.training.loop import Log, stderr_log

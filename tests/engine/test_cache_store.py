@@ -8,6 +8,7 @@ import torch
 
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.host_store import HostStore
+from services.engine.cache.formats import DenseFormat
 from services.engine.cache.layout import ExpertLayout, swiglu
 from services.engine.cache.policy import StaticResidency
 from services.engine.cache.slot_pool import SlotPool
@@ -19,7 +20,7 @@ D, F = 64, 32  # the tiny_dir checkpoint: hidden 64, expert FFN 32, 3 layers x 8
 @pytest.fixture(scope="module")
 def host(tiny_dir) -> HostStore:
     store = HostStore(
-        ExpertLayout(D, F), [(layer, e) for layer in range(3) for e in range(8)], torch.float32
+        DenseFormat(D, F, torch.float32), [(layer, e) for layer in range(3) for e in range(8)]
     )
     store.load(CheckpointReader(tiny_dir))
     return store
@@ -34,13 +35,13 @@ def test_slot_bytes_is_one_exact_blob(host):
 
 def test_layout_round_trips_hf_weights(tiny_dir, host):
     gate, up, down = CheckpointReader(tiny_dir).expert_weights(2, 5, D, F)
-    gate_up_t, down_t = host.layout.views(host.blob((2, 5)))
+    gate_up_t, down_t = host.format.views(host.blob((2, 5)))
     assert torch.equal(gate_up_t[:, :F], gate.t()) and torch.equal(gate_up_t[:, F:], up.t())
     assert torch.equal(down_t, down.t())
     x = torch.randn(5, D)
     want = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
-    torch.testing.assert_close(host.layout.forward(x, host.blob((2, 5))), want)
-    assert torch.equal(host.layout.forward(x, host.blob((2, 5))), swiglu(x, gate_up_t, down_t))
+    torch.testing.assert_close(host.format.forward(x, host.blob((2, 5))), want)
+    assert torch.equal(host.format.forward(x, host.blob((2, 5))), swiglu(x, gate_up_t, down_t))
 
 
 def test_fill_report_and_checksum(host):
@@ -93,8 +94,8 @@ def test_lookups_counted_per_routed_token(host):
     assert cache.step_token_hits.tolist() == [1, 1, 1, 1]
     assert (cache.lookups, cache.hits, cache.spilled) == (8, 4, 4)
     assert cache.decode.misses_host == 4 and cache.prefill.lookups == 0
-    assert torch.equal(hit, host.layout.forward(x, host.blob((0, 0))))
-    assert torch.equal(miss, host.layout.forward(x[:3], host.blob((0, 1))))
+    assert torch.equal(hit, host.format.forward(x, host.blob((0, 0))))
+    assert torch.equal(miss, host.format.forward(x[:3], host.blob((0, 1))))
     counts = cache.take_routing_counts()
     assert counts.dtype.name == "int64" and counts.shape == (3, 8)
     assert counts[0, 0] == 4 and counts[0, 1] == 3 and counts[0, 2] == 1 and counts.sum() == 8

@@ -13,15 +13,17 @@ import torch.nn.functional as F
 
 from services.engine import kernels
 from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
-from services.engine.model.qwen3_moe import apply_rope, rms_norm
+from services.engine.kernels.backend import TorchBackend
+from services.engine.model.layers.rope import apply_rope
 from services.engine.runner import ChunkWork, ModelRunner
 
-pytestmark = pytest.mark.skipif(kernels.active() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler here")
+rms_norm = TorchBackend(torch.device("cpu")).rms_norm
 
 
 @pytest.fixture
 def cpu() -> kernels.CpuKernels:
-    k = kernels.active()
+    k = kernels.load()
     assert k is not None
     return k
 
@@ -157,9 +159,9 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
 def test_fused_decode_layer_equals_the_per_op_kernels(demo_dir):
     runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 17, 18, 19, 20, 21]]
-    assert runner.model._fused_decode
+    assert runner.model.fusable
     fused = decode_logits(runner, prompts, 6)
-    runner.model._fused = False  # the per-op path: strata_linear, strata_router, ...
+    runner.model.fusable = False  # the per-op path: strata_linear, strata_router, ...
     per_op = decode_logits(runner, prompts, 6)
     assert all(torch.equal(a, b) for a, b in zip(fused, per_op, strict=True))
 
@@ -168,12 +170,12 @@ def test_kernels_off_gives_the_same_greedy_tokens(demo_dir):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     on = decode_logits(ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0),
                        prompts, 8)
-    with kernels.using("off") as off_kernels:
-        assert off_kernels is None
-        runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
-        assert not runner.cache.cpu_kernels and not runner.model._fused_decode
-        off = decode_logits(runner, prompts, 8)
-    assert kernels.active() is not None  # restored
+    runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0,
+                         cpu_kernels="off")
+    assert runner.backend.cpu is None
+    assert not runner.cache.cpu_kernels and not runner.model.fusable
+    off = decode_logits(runner, prompts, 8)
+    assert kernels.load() is not None  # other runners still get them
     for a, b in zip(on, off, strict=True):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -184,14 +186,18 @@ def test_a_failed_build_falls_back_to_torch_in_auto_and_fails_loudly_when_on(
     monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
-    with caplog.at_level(logging.WARNING, logger="strata.engine"), kernels.using("auto") as k:
-        assert k is None
-    assert "CPU kernels unavailable (no C compiler found" in caplog.text
-    assert "--cpu-kernels off" in caplog.text
-    with pytest.raises(kernels.KernelBuildError, match="--cpu-kernels on"), kernels.using("on"):
-        pass
-    with pytest.raises(ValueError, match="auto, on, off"):
-        kernels.configure("fast")
+    kernels.forget()  # build afresh, under the broken environment
+    try:
+        with caplog.at_level(logging.WARNING, logger="strata.engine"):
+            assert kernels.load("auto") is None
+        assert "CPU kernels unavailable (no C compiler found" in caplog.text
+        assert "--cpu-kernels off" in caplog.text
+        with pytest.raises(kernels.KernelBuildError, match="--cpu-kernels on"):
+            kernels.load("on")
+        with pytest.raises(ValueError, match="auto, on, off"):
+            kernels.load("fast")
+    finally:
+        kernels.forget()
 
 
 def test_build_is_cached_by_source_and_reused(monkeypatch, tmp_path):

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from services.bench.prompts import QualitySet, agreement, quality_path
-from services.engine import kernels
 from services.engine.cache.policy import PolicySpec
 from services.engine.core import Engine
 from services.engine.runner import ModelRunner
@@ -36,8 +35,7 @@ def test_the_default_model_ships_small_with_its_card_and_tokenizer():
 def test_the_default_model_matches_transformers(cpu_kernels):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    with kernels.using(cpu_kernels):
-        assert_matches_reference(MODEL, ref, steps=8)
+    assert_matches_reference(MODEL, ref, steps=8, cpu_kernels=cpu_kernels)
 
 
 def test_quality_set_is_held_out_code_with_token_ids():

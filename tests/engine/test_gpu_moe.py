@@ -179,7 +179,9 @@ def test_device_grouping_gives_the_host_grouping_bits():
 @pytest.mark.parametrize(("H", "G", "Hd", "P"), [(4, 2, 16, 16), (8, 8, 64, 4), (6, 2, 24, 8)])
 def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P):
     from services.engine.kernels.gpu_ops import decode_attention
-    from services.engine.model.qwen3_moe import decode_attention as reference_attention
+    from services.engine.model.layers.attention import (
+        single_query_attention as reference_attention,
+    )
 
     gen = torch.Generator().manual_seed(H * 100 + Hd)
     B, T = 12, 3
@@ -206,9 +208,9 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     directly (a stand-in CUDAGraph whose replay calls it), the kernels in the interpreter.
     Tokens, lookups, hits and fills equal the eager steps', and the address table agrees with
     the residency after every fill."""
-    from services.engine import kernels
     from services.engine.cache.policy import PolicySpec
     from services.engine.kernels import gpu_ops
+    from services.engine.kernels.backend import TritonBackend
     from services.engine.model import cuda_graphs
     from services.engine.runner import ModelRunner
     from tests.engine.test_runner import greedy
@@ -237,8 +239,8 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
                              prefetch=False)
         if graphed:
             runner.cache._gpu = gpu_moe
-            runner.model._fused = False  # not the fused CPU decode
-            monkeypatch.setattr(kernels, "gpu_ops_for", lambda x: gpu_ops)
+            runner.model.fusable = False  # not the fused CPU decode
+            runner.model.backend = TritonBackend(runner.device, gpu_ops)  # the graph's ops
             runner.model.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)
         runner.fill_cache(runner.layer_order_pairs()[::-1])
         _, tokens, _ = greedy(runner, "The expert cache keeps", n=10)
@@ -258,7 +260,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
 
 def test_rms_norm_and_qk_norm_rope_match_the_torch_ops():
     from services.engine.kernels import gpu_ops
-    from services.engine.model.qwen3_moe import apply_rope, rope_tables
+    from services.engine.model.layers.rope import apply_rope, rope_tables
 
     gen = torch.Generator().manual_seed(21)
     x = torch.randn(5, 96, generator=gen)

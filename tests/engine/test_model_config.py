@@ -121,11 +121,15 @@ def test_fused_3d_expert_tensors_read_like_per_expert(tmp_path):
     assert got == want and torch.equal(got_logits, want_logits)
 
 
-def test_bf16_weights_are_converted_to_fp32(tmp_path):
+def test_bf16_weights_are_served_in_bf16_and_widened_on_request(tmp_path):
     d = _tiny(tmp_path / "bf16")
     weights = {k: v.to(torch.bfloat16) for k, v in load_file(d / "model.safetensors").items()}
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
-    runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0)
+    runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0)  # --dtype auto
+    assert runner.model.embed.dtype == torch.bfloat16
+    assert runner.cache.host.blobs.dtype == torch.bfloat16
+    assert runner.prefill(runner.start([1, 2, 3])).dtype == torch.float32  # logits stay fp32
+    runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0, dtype="fp32")
     assert runner.model.embed.dtype == torch.float32
     assert runner.cache.host.blobs.dtype == torch.float32
     seq = runner.start([1, 2, 3])

@@ -11,8 +11,10 @@ from tests.engine.conftest import TOKENIZER_VOCAB
 PROMPT = "<|im_start|>user\nWhich experts are hot today?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def assert_matches_reference(model_dir, ref, steps: int = 16, atol: float = 1e-4) -> None:
-    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0)
+def assert_matches_reference(model_dir, ref, steps: int = 16, atol: float = 1e-4,
+                             cpu_kernels: str = "auto") -> None:
+    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0, dtype="fp32",
+                         cpu_kernels=cpu_kernels)
     ids = runner.tokenizer.encode(PROMPT)
     seq = runner.start(ids)
     logits = runner.prefill(seq)

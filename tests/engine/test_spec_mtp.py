@@ -12,9 +12,9 @@ import torch
 
 from services.engine.block_manager import BlockTable
 from services.engine.cache.layout import matmul_split
+from services.engine.kernels.backend import TorchBackend
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import load_model_config
-from services.engine.model.qwen3_moe import rms_norm
 from services.engine.runner import ChunkWork
 from services.engine.spec import draft_memory_bytes, make_draft_source
 from services.engine.spec.base import DraftRequest
@@ -106,6 +106,7 @@ def test_the_first_draft_is_the_head_on_the_main_models_last_hidden_state(mtp_di
     ids = torch.tensor([*prompt[1:], x_n])[-W:]
     g = source.head(hidden[None, -W:], model.embed[ids][None],
                     torch.arange(len(prompt) - W, len(prompt))[None])[0, -1]
+    rms_norm = TorchBackend(torch.device("cpu")).rms_norm
     want = matmul_split(rms_norm(g[None], model.final_norm, runner.config.rms_norm_eps),
                         model.lm_head)[0]
     assert d1 == int(torch.argmax(want[: runner.num_usable_tokens]))

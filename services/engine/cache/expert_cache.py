@@ -50,9 +50,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.engine import kernels
 from services.engine.cache.host_store import HostStore
-from services.engine.cache.layout import ExpertLayout, num_splits
+from services.engine.cache.layout import num_splits
 from services.engine.cache.link_meter import LinkMeter
 from services.engine.cache.placement import Placer
 from services.engine.cache.policy import Residency
@@ -61,7 +60,8 @@ from services.engine.cache.stats import CacheCounters, PredictionTracker, count_
 from services.engine.cache.trace import DECODE, PREDICT, PREFILL, TraceWriter
 
 if TYPE_CHECKING:
-    from services.engine.model.quant import QuantExpertLayout
+    from services.engine.cache.formats import ExpertFormat
+    from services.engine.kernels import CpuKernels
 
 log = logging.getLogger("strata.engine")
 
@@ -69,11 +69,10 @@ _SLOT, _STAGING, _HOST = 0, 1, 2
 NUM_STAGING = 8  # CUDA ring of staging buffers for copied misses that take no slot
 
 
-def device_kernel(layout: ExpertLayout | QuantExpertLayout, device: torch.device
-                  ) -> ModuleType | None:
-    """The Triton MoE kernels when they run these experts (plain layout on a CUDA device, Triton
-    installed), else None."""
-    if device.type != "cuda" or type(layout) is not ExpertLayout:
+def device_kernel(fmt: ExpertFormat, device: torch.device) -> ModuleType | None:
+    """The Triton MoE kernels when they run these experts (a format they take, on a CUDA
+    device, Triton installed), else None."""
+    if device.type != "cuda" or fmt.kernel_weight_dtype is None:
         return None
     try:
         from services.engine.kernels import gpu_moe
@@ -94,10 +93,11 @@ class ExpertCache:
         placer: Placer | None = None,
         prefetch: bool = False,
         recorder: TraceWriter | None = None,
+        cpu_kernels: CpuKernels | None = None,
     ):
         self.host = host
         self.pool = pool
-        self.layout = host.layout
+        self.format = host.format
         self.num_experts = num_experts
         self.on_cuda = pool.device.type == "cuda"
         self.placer = placer or Placer("host", None, host_exact=True)
@@ -115,14 +115,15 @@ class ExpertCache:
         self._plan: dict[int, tuple[int, int | None]] = {}  # expert -> (where, slot)
         self._counts = np.zeros(0, dtype=np.int64)  # [E] rows per expert, of the last route()
         num_staging = NUM_STAGING if self.on_cuda else 1
-        self._staging = [torch.empty(self.layout.numel, dtype=host.dtype, device=pool.device)
+        self._staging = [torch.empty(self.format.numel, dtype=host.dtype, device=pool.device)
                          for _ in range(num_staging)]
         self._staging_next = 0
-        self._cpu = kernels.active() if self._kernel_layout() else None
-        self._gpu = device_kernel(self.layout, pool.device)
+        takes = self.format.kernel_weight_dtype is not None
+        self._cpu = cpu_kernels if takes and not self.on_cuda else None
+        self._gpu = device_kernel(self.format, pool.device)
         # blob addresses for the kernels: slot i at slots_base + i * blob_bytes
         self._blob_addr = np.zeros(num_experts, dtype=np.int64)  # [E] this layer's
-        self._blob_bytes = self.layout.numel * host.dtype.itemsize
+        self._blob_bytes = self.format.blob_bytes
         # CUDA graphs: every pair's blob address [L, E] on the device (its slot once filled,
         # else the pinned host store), kept current by every fill; and each slot's pair
         self.addr_table: torch.Tensor | None = None
@@ -133,11 +134,6 @@ class ExpertCache:
             self._slot_ready: dict[int, torch.cuda.Event] = {}
             self._staging_free: list[torch.cuda.Event | None] = [None] * num_staging
             self._reads_done: torch.cuda.Event | None = None
-
-    def _kernel_layout(self) -> bool:
-        """Whether the CPU kernels can run these experts: fp32 blobs on the CPU."""
-        return (not self.on_cuda and type(self.layout) is ExpertLayout
-                and self.host.dtype == torch.float32)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -153,7 +149,7 @@ class ExpertCache:
     def host_exact(self) -> bool:
         """Whether a miss placed on the host gives the bits of a hit (the same kernel reads it
         there: always on CPU; on CUDA with the device kernel)."""
-        return not self.on_cuda or self._gpu is not None
+        return self.format.exact_on(self.pool.device, self._gpu is not None)
 
     @property
     def residency(self) -> Residency:
@@ -316,7 +312,8 @@ class ExpertCache:
                 staged += 1
             addr[expert] = blob.data_ptr()
         return self._cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), addr,
-                             self.layout.ffn_size, num_splits(self.layout.hidden_size))
+                             self.format.ffn_size, num_splits(self.format.hidden_size),
+                             weight_dtype=self.host.dtype)
 
     def _apply_gpu(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
                    top_w: torch.Tensor) -> torch.Tensor:
@@ -351,8 +348,8 @@ class ExpertCache:
             for ready in waits:
                 compute.wait_event(ready)
 
-        y = gpu.moe(x, top_w, groups, addr, self.layout.ffn_size,
-                    num_splits(self.layout.hidden_size),
+        y = gpu.moe(x, top_w, groups, addr, self.format.ffn_size,
+                    num_splits(self.format.hidden_size),
                     split=int((~pending[groups.expert]).sum()) if waits else None,
                     between=wait_for_copies if waits else None)
         self._layer_done()
@@ -390,7 +387,7 @@ class ExpertCache:
         at its address in the table — its slot, or in place from the host store."""
         assert self._gpu is not None and self.addr_table is not None
         return self._gpu.moe_device(x, top_idx, top_w, self.addr_table[layer],
-                                    self.layout.ffn_size, num_splits(self.layout.hidden_size))
+                                    self.format.ffn_size, num_splits(self.format.hidden_size))
 
     def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
         """The lookups of a step that ran in a CUDA graph, after it: top_idx [Lm, T, K], one
@@ -433,13 +430,13 @@ class ExpertCache:
         """Expert `expert` of `layer` on x [n, D] -> [n, D] on x's device, where route() put it."""
         where, slot = self._plan[expert]
         if where == _SLOT:
-            return self.layout.forward(x, self._slot_blob(slot))  # type: ignore[arg-type]
+            return self.format.forward(x, self._slot_blob(slot))  # type: ignore[arg-type]
         host_blob = self.host.blob((layer, expert))
         if where == _STAGING:
             return self._forward_staged(x, host_blob)
         if not self.on_cuda:
-            return self.layout.forward(x, host_blob)
-        return self.layout.forward(x.cpu(), host_blob).to(x.device, non_blocking=True)
+            return self.format.forward(x, host_blob)
+        return self.format.forward(x.cpu(), host_blob).to(x.device, non_blocking=True)
 
     def _layer_done(self) -> None:
         """CUDA: mark this layer's slot reads as enqueued (fills of their slots wait on it)."""
@@ -550,7 +547,7 @@ class ExpertCache:
             t0 = time.perf_counter()
             buf.copy_(host_blob)
             self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
-            return self.layout.forward(x, buf)
+            return self.format.forward(x, buf)
         compute = torch.cuda.current_stream(self.pool.device)
         with torch.cuda.stream(self._copy_stream):
             free = self._staging_free[i]
@@ -563,7 +560,7 @@ class ExpertCache:
             ready.record(self._copy_stream)
         self.link.add_timed(self.host.slot_bytes, start, ready)
         compute.wait_event(ready)
-        y = self.layout.forward(x, buf)
+        y = self.format.forward(x, buf)
         used = torch.cuda.Event()
         used.record(compute)
         self._staging_free[i] = used

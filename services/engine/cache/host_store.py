@@ -1,9 +1,9 @@
 """Host store: every (layer, expert) pair's blob in one contiguous host tensor [P, numel].
 
 Pinned on CUDA so slot fills and miss copies run at full link speed. Pair p of the ranking
-`pairs` lives at row p; `blob(pair)` is a view, never a copy. Weights are read in `weight_dtype`
-(the engine's compute dtype) and packed by the layout: as they are, or quantized to bytes
-(services.engine.model.quant), in which case `dtype`, the blobs' element type, is uint8.
+`pairs` lives at row p; `blob(pair)` is a view, never a copy. Each pair is read from the
+checkpoint in its format's read dtype and packed by the format (cache/formats.py): as it is
+(fp32, bf16), or quantized to bytes (int8, int4).
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.cache.layout import ExpertLayout
 from services.engine.cache.policy import Pair
 from services.engine.model.checkpoint import CheckpointReader
 
 if TYPE_CHECKING:
-    from services.engine.model.quant import QuantExpertLayout
+    from services.engine.cache.formats import ExpertFormat
 
 log = logging.getLogger("strata.engine")
 
@@ -29,24 +28,22 @@ log = logging.getLogger("strata.engine")
 class HostStore:
     def __init__(
         self,
-        layout: ExpertLayout | QuantExpertLayout,
+        fmt: ExpertFormat,
         pairs: Sequence[Pair],
-        dtype: torch.dtype,
         pin_memory: bool = False,
     ):
-        self.layout = layout
-        self.weight_dtype = dtype  # what the weights compute in
-        self.dtype = layout.blob_dtype(dtype)  # what a blob (host row, slot) is made of
+        self.format = fmt
+        self.dtype = fmt.dtype  # what a blob (host row, slot) is made of
         self.pairs = [(int(layer), int(e)) for layer, e in pairs]
         self._row_of = {pair: row for row, pair in enumerate(self.pairs)}
         assert len(self._row_of) == len(self.pairs), "duplicate pairs"
         self.blobs = torch.empty(
-            len(self.pairs), layout.numel, dtype=self.dtype, pin_memory=pin_memory
+            len(self.pairs), fmt.numel, dtype=self.dtype, pin_memory=pin_memory
         )  # [P, numel]
 
     @property
     def slot_bytes(self) -> int:
-        return self.layout.blob_bytes(self.weight_dtype)
+        return self.format.blob_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -64,11 +61,12 @@ class HostStore:
     def load(self, reader: CheckpointReader) -> None:
         """Fill every row from the checkpoint, logging progress along the way."""
         t0 = time.perf_counter()
-        D, Fs = self.layout.hidden_size, self.layout.ffn_size
+        fmt = self.format
+        D, Fs = fmt.hidden_size, fmt.ffn_size
         step = max(64, -(-len(self.pairs) // 10))  # about every 10%, at most ~10 lines
         for row, (layer, expert) in enumerate(self.pairs):
-            gate, up, down = reader.expert_weights(layer, expert, D, Fs, self.weight_dtype)
-            self.layout.pack(gate, up, down, out=self.blobs[row])
+            gate, up, down = reader.expert_weights(layer, expert, D, Fs, fmt.read_dtype)
+            fmt.pack(gate, up, down, out=self.blobs[row])
             if (row + 1) % step == 0 or row + 1 == len(self.pairs):
                 log.info(
                     "loading experts into the host store: %d/%d pairs (%.0f MiB) in %.1f s",

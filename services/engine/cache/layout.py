@@ -13,9 +13,10 @@ full input, so the results equal the plain `x @ W_t` (bit-identical on the dev C
 small-T MKL kernel choices). Hit and miss paths both run `split_swiglu` on views of a blob in
 this layout, so their results are bit-identical on the same device.
 
-On the CPU with fp32 weights the products run in the C kernels instead (services.engine.kernels:
-`matmul_split` -> strata_linear, and a whole MoE layer in strata_moe), which read this same
-layout: each column block is a contiguous [in, out/S] matrix streamed row by row.
+The functions here are the torch reference of these products (kernels/backend.py's
+TorchBackend); the C kernels (a whole MoE layer in strata_moe, dense products in strata_linear)
+and the Triton kernels read this same layout: each column block is a contiguous [in, out/S]
+matrix streamed row by row.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from services.engine import kernels
 
 NUM_SPLITS = 2  # S: one column block per core of the dev CPU
 
@@ -47,19 +46,8 @@ def join_columns(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(0, 1).reshape(K, S * n)
 
 
-def cpu_kernels_for(x: torch.Tensor, w: torch.Tensor) -> kernels.CpuKernels | None:
-    """The CPU kernels when they apply to x @ w (fp32 on the CPU, x's rows unit-strided)."""
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    return kernels.active() if x.stride(-1) == 1 else None
-
-
 def matmul_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ the split weight w [S, K, N/S] -> [T, N]: the CPU kernel where it applies
-    (one pass over the weights on every core, any T), else one torch.bmm."""
-    cpu = cpu_kernels_for(x, w)
-    if cpu is not None:
-        return cpu.linear(x, w)
+    """x [T, K] @ the split weight w [S, K, N/S] -> [T, N] in one torch.bmm."""
     S, K, n = w.shape
     T = x.shape[0]
     y = torch.bmm(x.expand(S, T, K), w)  # [S, T, N/S]
@@ -107,18 +95,14 @@ class ExpertLayout:
         return torch.cat([gate_up[0], gate_up[1]], dim=1), join_columns(down)
 
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens: x [T, D] -> [T, D] (unweighted)."""
-        return split_swiglu(x, *self.parts(blob))
+        """One expert on its tokens: x [T, D] -> [T, D] (unweighted), in the blob's dtype."""
+        return split_swiglu(x.to(blob.dtype), *self.parts(blob)).to(x.dtype)
 
 
 def split_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)): x [T, D], gate_up [2, D, F] (gate, up), down [S, F, D/S]
     -> [T, D]."""
     T, D = x.shape
-    if cpu_kernels_for(x, gate_up) is not None:
-        gu = matmul_split(x, gate_up)  # [T, 2F]: gate | up
-        Fs = gate_up.shape[2]
-        return matmul_split(F.silu(gu[:, :Fs]) * gu[:, Fs:], down)  # [T, D]
     gu = torch.bmm(x.expand(2, T, D), gate_up)  # [2, T, F]: gate and up on one core each
     return matmul_split(F.silu(gu[0]) * gu[1], down)  # [T, D]
 

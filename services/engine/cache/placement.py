@@ -31,10 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.cache.layout import ExpertLayout
-
 if TYPE_CHECKING:
-    from services.engine.model.quant import QuantExpertLayout
+    from services.engine.cache.formats import ExpertFormat
 
 log = logging.getLogger("strata.engine")
 
@@ -90,20 +88,20 @@ class ExpertTiming:
         return 1.0 / self.seconds(1)
 
 
-def time_expert(layout: ExpertLayout | QuantExpertLayout, blob: torch.Tensor, tries: int = 5,
+def time_expert(fmt: ExpertFormat, blob: torch.Tensor, tries: int = 5,
                 dtype: torch.dtype | None = None, device: torch.device | None = None,
                 forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                 ) -> ExpertTiming:
     """Time one expert in `blob`'s place (host or device) on 1 and 16 tokens of `dtype`
     (default: the blob's; a quantized blob is bytes) on `device` (default: the blob's), run by
-    `forward(x, blob)` (default: layout.forward): the best of `tries` rounds of several runs
+    `forward(x, blob)` (default: the format's): the best of `tries` rounds of several runs
     each (a short run is easily disturbed)."""
     device = device or blob.device
-    forward = forward or layout.forward
+    forward = forward or fmt.forward
     on_cuda = device.type == "cuda"
     best = {}
     for n, runs in ((1, 16), (16, 4)):
-        x = torch.randn(n, layout.hidden_size, dtype=dtype or blob.dtype, device=device)
+        x = torch.randn(n, fmt.hidden_size, dtype=dtype or blob.dtype, device=device)
         forward(x, blob)  # warm-up
         times = []
         for _ in range(tries):

@@ -51,7 +51,7 @@ class SlotPool:
         self.policy = policy if policy is not None else StaticResidency(num_slots)
         assert self.policy.num_slots == num_slots
         self.slots = torch.empty(
-            num_slots, host.layout.numel, dtype=host.dtype, device=device
+            num_slots, host.format.numel, dtype=host.dtype, device=device
         )  # [S, numel]
 
     @property

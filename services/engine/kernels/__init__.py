@@ -1,8 +1,8 @@
 """Strata's CPU kernels: `cpu_kernels.c`, built with the machine's C compiler at first use and
 called through ctypes.
 
-    kernels.active()   the process's CpuKernels, or None (torch ops run instead)
-    kernels.configure(mode)   auto (build if a compiler is there) | on (must build) | off
+    kernels.load(mode)   the CpuKernels for --cpu-kernels auto (build if a compiler is there)
+                         | on (must build) | off; None where torch ops run instead
 
 The library is compiled for this CPU (-march=native) into a cache directory
 (STRATA_KERNEL_CACHE, else $XDG_CACHE_HOME/strata/kernels, else ~/.cache/strata/kernels), keyed by
@@ -21,8 +21,9 @@ Both are fp32 only, and every output row is computed the same way whatever the o
 the call are (see the numerics note in cpu_kernels.c).
 
 On a CUDA device the same roles are played by Triton kernels: `gpu_ops` (norms, q/k norm and
-RoPE, paged decode attention; `gpu_ops_for(x)`) and `gpu_moe` (the routed experts, read by
-address from slots or in place from the pinned host store).
+RoPE, paged decode attention) and `gpu_moe` (the routed experts, read by address from slots or
+in place from the pinned host store). Which of them a step uses is decided once, by the
+backend the runner selects (kernels/backend.py).
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ import torch
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 2  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 3  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -122,12 +121,14 @@ def build(directory: Path | None = None) -> Path:
 
 
 class DecodeLayer(ctypes.Structure):
-    """cpu_kernels.c's struct strata_layer: one decoder layer's weight pointers."""
+    """cpu_kernels.c's struct strata_layer: one decoder layer's weight pointers. wtype is the
+    type of wqkv, wo and router (CpuKernels.weight_type: 0 fp32, the default when omitted,
+    1 bf16); the norm weights and KV pools are fp32."""
 
     _fields_ = [("in_norm", _c_ptr), ("post_norm", _c_ptr), ("wqkv", _c_ptr),
                 ("qkv_splits", _c_i64), ("q_norm", _c_ptr), ("k_norm", _c_ptr), ("wo", _c_ptr),
                 ("o_splits", _c_i64), ("k_pool", _c_ptr), ("v_pool", _c_ptr),
-                ("router", _c_ptr)]
+                ("router", _c_ptr), ("wtype", _c_i64)]
 
 
 class DecodeStep(ctypes.Structure):
@@ -150,7 +151,19 @@ class _Workspace(threading.local):
 
 
 class CpuKernels:
-    """ctypes bindings of cpu_kernels.c. Inputs are fp32 CPU tensors; outputs are new tensors."""
+    """ctypes bindings of cpu_kernels.c. Inputs are fp32 CPU tensors, except the weights of the
+    products (linear's w, the experts' blobs, the router, a DecodeLayer's wqkv / wo / router),
+    which may be fp32 or bf16: a bf16 weight gives bit-identically the result of the fp32 kernel
+    on the weight widened (`w.float()`), reading half the bytes. Outputs are new tensors."""
+
+    WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_kernels.c's WT_F32, WT_BF16
+
+    @classmethod
+    def weight_type(cls, dtype: torch.dtype) -> int:
+        """The kernels' wtype code of a weight dtype (0 fp32, 1 bf16)."""
+        if dtype not in cls.WEIGHT_TYPES:
+            raise TypeError(f"CPU kernel weights must be fp32 or bf16, not {dtype}")
+        return cls.WEIGHT_TYPES[dtype]
 
     def __init__(self, path: Path):
         self.path = path
@@ -159,10 +172,10 @@ class CpuKernels:
             raise KernelBuildError(f"{path} has ABI {lib.strata_abi_version()}, "
                                    f"expected {ABI_VERSION}")
         lib.strata_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
-                                      _c_ptr]
+                                      _c_i64, _c_ptr]
         lib.strata_linear.restype = None
         lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
-                                   _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
+                                   _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_moe.restype = None
         lib.strata_moe_work_floats.argtypes = [_c_i64, _c_i64, _c_i64, _c_i64]
         lib.strata_moe_work_floats.restype = _c_i64
@@ -179,7 +192,7 @@ class CpuKernels:
                                                 _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr,
                                                 _c_i64, ctypes.c_float, _c_ptr, _c_ptr]
         lib.strata_decode_attention.restype = None
-        lib.strata_router.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
+        lib.strata_router.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64, _c_i64,
                                       ctypes.c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_router.restype = None
         lib.strata_decode_layer.argtypes = [ctypes.POINTER(DecodeLayer),
@@ -189,46 +202,53 @@ class CpuKernels:
         self._work = _Workspace()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, K] (rows may be strided) @ w [S, K, n] (contiguous) -> [T, S*n]."""
+        """x [T, K] (fp32, rows may be strided) @ w [S, K, n] (fp32 or bf16, contiguous)
+        -> [T, S*n] fp32."""
         S, K, n = w.shape
         T = x.shape[0]
-        assert x.dtype == w.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
+        assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
+        wtype = self.weight_type(w.dtype)
         y = torch.empty(T, S * n)
-        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), S, n,
+        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), wtype, S, n,
                                 y.data_ptr())
         return y
 
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
-            blob_addr: np.ndarray, ffn_size: int, splits: int) -> torch.Tensor:
+            blob_addr: np.ndarray, ffn_size: int, splits: int,
+            weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
-        blob_addr [E] (int64 address of each routed expert's blob) -> [T, D] weighted sums."""
+        blob_addr [E] (int64 address of each routed expert's blob, elements of weight_dtype:
+        fp32 or bf16) -> [T, D] weighted sums (fp32)."""
         T, D = x.shape
         K = top_idx.shape[1]
         E = blob_addr.shape[0]
         assert x.dtype == top_w.dtype == torch.float32 and top_idx.dtype == torch.int64
+        assert blob_addr.dtype == np.int64
+        wtype = self.weight_type(weight_dtype)
         assert x.is_contiguous() and top_idx.is_contiguous() and top_w.is_contiguous()
         floats = self._workspace("floats", torch.float32,
                                  self._lib.strata_moe_work_floats(T, K, D, ffn_size))
         ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
         y = torch.empty(T, D)
         self._lib.strata_moe(x.data_ptr(), T, D, ffn_size, splits, K, top_idx.data_ptr(),
-                             top_w.data_ptr(), E, blob_addr.ctypes.data, y.data_ptr(),
+                             top_w.data_ptr(), E, blob_addr.ctypes.data, wtype, y.data_ptr(),
                              floats.data_ptr(), ints.data_ptr())
         return y
 
     def router(self, x: torch.Tensor, router_t: torch.Tensor, k: int, renormalize: bool
                ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """Softmax top-k routing of x [T, D] by router_t [D, E] -> (experts [T, k] int64,
-        weights [T, k] fp32, rows per expert [E] int64)."""
+        """Softmax top-k routing of x [T, D] (fp32) by router_t [D, E] (fp32 or bf16)
+        -> (experts [T, k] int64, weights [T, k] fp32, rows per expert [E] int64)."""
         T, D = x.shape
         E = router_t.shape[1]
-        assert x.dtype == router_t.dtype == torch.float32 and x.is_contiguous()
+        assert x.dtype == torch.float32 and x.is_contiguous()
         assert router_t.is_contiguous() and router_t.shape[0] == D
+        wtype = self.weight_type(router_t.dtype)
         top_idx = torch.empty(T, k, dtype=torch.int64)
         top_w = torch.empty(T, k)
         counts = np.empty(E, dtype=np.int64)
         work = self._workspace("router", torch.float32, T * E)
-        self._lib.strata_router(x.data_ptr(), T, D, router_t.data_ptr(), E, k, renormalize,
+        self._lib.strata_router(x.data_ptr(), T, D, router_t.data_ptr(), wtype, E, k, renormalize,
                                 top_idx.data_ptr(), top_w.data_ptr(), counts.ctypes.data,
                                 work.data_ptr())
         return top_idx, top_w, counts
@@ -290,58 +310,35 @@ class CpuKernels:
         return buf
 
 
-_state: dict[str, object] = {"mode": "auto"}
+_loaded: dict[str, CpuKernels | KernelBuildError] = {}  # the built library, once a process
 
 
-def gpu_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The Triton ops for the attention half (services.engine.kernels.gpu_ops: the same calls
-    as CpuKernels') when x is on a CUDA device and Triton is importable, else None."""
-    if x.device.type != "cuda":
-        return None
-    try:
-        from services.engine.kernels import gpu_ops
-    except ImportError:
-        return None
-    return gpu_ops
-
-
-def configure(mode: str) -> CpuKernels | None:
-    """Choose the process's kernels: auto (use them if they build), on (raise if they do not),
-    off. Returns what active() will return."""
+def load(mode: str = "auto") -> CpuKernels | None:
+    """The CPU kernels for `--cpu-kernels` mode: auto (use them if they build), on (raise if
+    they do not), off (None). The library is built and loaded once per process; which
+    kernels a component uses is its backend's choice (kernels/backend.py), not state here."""
     if mode not in MODES:
         raise ValueError(f"cpu kernels mode must be one of {', '.join(MODES)}, not {mode!r}")
-    _state.clear()
-    _state["mode"] = mode
-    return active()
-
-
-def active() -> CpuKernels | None:
-    """The process's kernels (built and loaded at the first call), or None when off or
-    unavailable in auto mode."""
-    if "kernels" in _state:
-        return _state["kernels"]  # type: ignore[return-value]
-    mode = _state["mode"]
-    kernels = None
-    if mode != "off":
+    if mode == "off":
+        return None
+    if "lib" not in _loaded:
         try:
-            kernels = CpuKernels(build())
+            _loaded["lib"] = CpuKernels(build())
         except (KernelBuildError, OSError) as exc:
-            if mode == "on":
-                raise KernelBuildError(f"--cpu-kernels on, but the CPU kernels are not "
-                                       f"available: {exc}") from exc
-            log.warning("CPU kernels unavailable (%s): decode runs on torch ops instead, "
-                        "about 1.5x slower at batch 1. Install a C compiler with OpenMP "
-                        "(gcc) to get them, or set --cpu-kernels off to silence this.", exc)
-    _state["kernels"] = kernels
-    return kernels
+            _loaded["lib"] = KernelBuildError(str(exc))
+            if mode == "auto":
+                log.warning("CPU kernels unavailable (%s): decode runs on torch ops instead, "
+                            "about 1.5x slower at batch 1. Install a C compiler with OpenMP "
+                            "(gcc) to get them, or set --cpu-kernels off to silence this.", exc)
+    lib = _loaded["lib"]
+    if isinstance(lib, KernelBuildError):
+        if mode == "on":
+            raise KernelBuildError(f"--cpu-kernels on, but the CPU kernels are not "
+                                   f"available: {lib}") from lib
+        return None
+    return lib
 
 
-@contextlib.contextmanager
-def using(mode: str) -> Iterator[CpuKernels | None]:
-    """Run a block with the kernels on or off (tests and benches comparing the two paths)."""
-    saved = dict(_state)
-    try:
-        yield configure(mode)
-    finally:
-        _state.clear()
-        _state.update(saved)
+def forget() -> None:
+    """Drop the loaded library so the next load() builds again (tests of the build path)."""
+    _loaded.clear()

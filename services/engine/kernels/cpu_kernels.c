@@ -20,130 +20,308 @@
  * other rows share the call, on the tile it falls in, on the thread that computes it, or on
  * the address its weights are read from (a slot or the host store): batch shapes, cache sizes
  * and placements give bit-identical outputs.
+ *
+ * Weights (the products' W, the experts' blobs, the router, a layer's wqkv / wo / router) are
+ * fp32 or bf16 (`wtype`: WT_F32 0, WT_BF16 1; bf16 = the top 16 bits of an fp32). A bf16
+ * weight is widened to fp32 exactly (its bits shifted up) right after it is loaded, then the
+ * same fp32 FMA sequence runs: the bf16 kernel on w gives bit-identical outputs to the fp32
+ * kernel on w widened, and reads half the bytes. Activations, outputs, norm weights, tables,
+ * workspaces and KV pools are fp32.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#define ABI_VERSION 2
-#define TOK_TILE 4     /* rows sharing one pass over a weight block */
-#define COL_BLOCK 256  /* output columns per parallel work unit of strata_linear */
+#define ABI_VERSION 3
+#define WT_F32 0       /* weight types (wtype) */
+#define WT_BF16 1
+#define TOK_TILE 4        /* rows sharing one pass over a weight block */
+#define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
+#ifndef K_CHUNK
+#define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
+#endif
+#ifndef ACC_FLOATS
+#define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
+#endif
+#ifndef PF_ROWS
+#define PF_ROWS K_CHUNK
+#endif
+#ifndef SHORT_ROW
+#define SHORT_ROW 4096    /* bytes of W row up to which a chunked product prefetches */
+#endif
 #if TOK_TILE != 4
-#error "tile_product's register budget assumes TOK_TILE == 4"
+#error "tile_product_of's register budget assumes TOK_TILE == 4"
 #endif
 
 int strata_abi_version(void) { return ABI_VERSION; }
 
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats, unaligned ok */
 
-/* One pass over columns [c, c + 16 NV) of W for NT rows, the NT x NV accumulators in registers
- * (NT and NV are constants at every call site, so the loops unroll). */
-static inline __attribute__((always_inline)) void reg_pass(const float *const *xs, const int NT,
-                                                           const int NV, const float *W,
-                                                           int64_t K, int64_t ld, int64_t c,
-                                                           float *const *ys)
+/* The products' register tiles: a pass keeps NT x NV accumulators of VL floats in vector
+ * registers for NT rows (NV_NT vectors each), plus a vector of weights per column vector.
+ * AVX-512 has 32 registers of 16 floats; AVX2 16 of 8; the portable fallback assumes 16 of 4.
+ * Columns a full pass does not cover run in passes of NV_TAIL vectors, then one by one. The
+ * tiles only choose which outputs share a pass, never how one is computed (tile_product_of). */
+#if defined(__AVX512F__)
+#define VL 16
+#define NV_1 16
+#define NV_2 8
+#define NV_3 4
+#define NV_4 4
+#define NV_TAIL 4
+#elif defined(__AVX2__)
+#define VL 8
+#define NV_1 8
+#define NV_2 4
+#define NV_3 3
+#define NV_4 2
+#define NV_TAIL 2
+#else
+#define VL 4
+#define NV_1 8
+#define NV_2 4
+#define NV_3 3
+#define NV_4 2
+#define NV_TAIL 2
+#endif
+#define NV_MAX 16
+typedef float vw __attribute__((vector_size(4 * VL), aligned(4)));    /* VL floats, unaligned ok */
+typedef uint16_t vh __attribute__((vector_size(2 * VL), aligned(2))); /* VL bf16 bit patterns */
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+
+/* Element i of a weight of type wt, as a pointer (an fp32 element is 4 bytes, a bf16 one 2). */
+static inline const void *welem(const void *W, int64_t i, int wt)
 {
-    v16 acc[TOK_TILE][16];
+    return (const char *)W + i * (wt == WT_BF16 ? 2 : 4);
+}
+
+/* *out = the VL weights at element i of W (type wt, a constant at every call site) as fp32; a
+ * bf16 widens exactly: zero-extend to 32 bits, shift up 16. On x86 that is vpmovzxwd from
+ * memory + vpslld (GCC 12 splits the generic __builtin_convertvector into halves there). */
+static inline __attribute__((always_inline)) void load_w(vw *out, const void *W, int64_t i,
+                                                         const int wt)
+{
+    if (wt != WT_BF16) {
+        *out = *(const vw *)((const float *)W + i);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)W + i;
+#if defined(__AVX512F__)
+    *out = (vw)_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+#elif defined(__AVX2__)
+    *out = (vw)_mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+#else
+    *out = (vw)(__builtin_convertvector(*(const vh *)h, vu) << 16);
+#endif
+}
+
+/* One weight at element i of W (type wt), as fp32. */
+static inline __attribute__((always_inline)) float load1(const void *W, int64_t i, const int wt)
+{
+    if (wt == WT_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)W)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)W)[i];
+}
+
+/* One pass over columns [c, c + VL NV) of W for NT rows and the inputs [k0, k1), the NT x NV
+ * accumulators in registers (NT, NV, wt and pf are constants at every call site, so the loops
+ * unroll): they start from zero at k0 = 0, else from ys, where the pass over [.., k0) left
+ * them. With pf, each W row's columns are prefetched K_CHUNK rows (a chunk) ahead. */
+static inline __attribute__((always_inline)) void reg_pass(const float *const *xs, const int NT,
+                                                           const int NV, const void *W,
+                                                           const int wt, const int pf,
+                                                           int64_t k0, int64_t k1, int64_t ld,
+                                                           int64_t c, float *const *ys)
+{
+    vw acc[TOK_TILE][NV_MAX];
     for (int t = 0; t < NT; t++)
         for (int q = 0; q < NV; q++)
-            acc[t][q] = (v16){0};
-    for (int64_t i = 0; i < K; i++) {
-        const v16 *r = (const v16 *)(W + i * ld + c);
-        v16 row[16];
-        for (int q = 0; q < NV; q++)
-            row[q] = r[q];
-        for (int t = 0; t < NT; t++) {
-            const v16 xv = (v16){0} + xs[t][i];
-            for (int q = 0; q < NV; q++)
-                acc[t][q] += xv * row[q];
+            if (k0 == 0)
+                acc[t][q] = (vw){0};
+            else
+                memcpy(&acc[t][q], ys[t] + c + VL * q, sizeof(vw));
+    for (int64_t i = k0; i < k1; i++) {
+        if (pf) { /* a prefetch never faults: past the end of W is harmless */
+            const char *ahead = welem(W, (i + PF_ROWS) * ld + c, wt);
+            for (int b = 0; b < NV * VL * (wt == WT_BF16 ? 2 : 4); b += 64)
+                __builtin_prefetch(ahead + b, 0, 3);
+        }
+        vw xv[TOK_TILE];
+        for (int t = 0; t < NT; t++)
+            xv[t] = (vw){0} + xs[t][i];
+        for (int q = 0; q < NV; q++) { /* each weight vector used as it is loaded: 1 register */
+            vw row;
+            load_w(&row, W, i * ld + c + VL * q, wt);
+            for (int t = 0; t < NT; t++)
+                acc[t][q] += xv[t] * row;
         }
     }
     for (int t = 0; t < NT; t++)
-        memcpy(ys[t] + c, acc[t], (size_t)NV * sizeof(v16));
+        memcpy(ys[t] + c, acc[t], (size_t)NV * sizeof(vw));
 }
 
-/* Columns [0, n) in passes of 16 NV; the rest in passes of 64 columns, then one by one. */
+/* Columns [0, n) for the inputs [k0, k1) in passes of VL NV; the rest in passes of
+ * VL NV_TAIL, then one by one. */
 static inline __attribute__((always_inline)) void reg_passes(const float *const *xs,
                                                              const int NT, const int NV,
-                                                             const float *W, int64_t K,
-                                                             int64_t ld, int64_t n,
+                                                             const void *W, const int wt,
+                                                             const int pf, int64_t k0,
+                                                             int64_t k1, int64_t ld, int64_t n,
                                                              float *const *ys)
 {
+    const int NVT = NV < NV_TAIL ? NV : NV_TAIL;
     int64_t c = 0;
-    for (; c + 16 * NV <= n; c += 16 * NV)
-        reg_pass(xs, NT, NV, W, K, ld, c, ys);
-    for (; c + 64 <= n; c += 64)
-        reg_pass(xs, NT, NV < 4 ? NV : 4, W, K, ld, c, ys);
+    for (; c + VL * NV <= n; c += VL * NV)
+        reg_pass(xs, NT, NV, W, wt, pf, k0, k1, ld, c, ys);
+    for (; c + VL * NVT <= n; c += VL * NVT)
+        reg_pass(xs, NT, NVT, W, wt, pf, k0, k1, ld, c, ys);
     if (c == n)
         return;
-    float acc[TOK_TILE][64];
+    float acc[TOK_TILE][VL * NV_TAIL];
     for (int t = 0; t < NT; t++)
-        memset(acc[t], 0, sizeof acc[t]);
-    for (int64_t i = 0; i < K; i++) {
-        const float *restrict row = W + i * ld + c;
+        if (k0 == 0)
+            memset(acc[t], 0, sizeof acc[t]);
+        else
+            memcpy(acc[t], ys[t] + c, (size_t)(n - c) * sizeof(float));
+    for (int64_t i = k0; i < k1; i++) {
+        const void *row = welem(W, i * ld + c, wt);
         for (int t = 0; t < NT; t++) {
             const float xi = xs[t][i];
             for (int64_t j = 0; j < n - c; j++)
-                acc[t][j] += xi * row[j];
+                acc[t][j] += xi * load1(row, j, wt);
         }
     }
     for (int t = 0; t < NT; t++)
         memcpy(ys[t] + c, acc[t], (size_t)(n - c) * sizeof(float));
 }
 
-/* ys[t][0:n] = xs[t][0:K] @ W[0:K][0:n] (W row stride ld) for nt <= TOK_TILE rows, with 16
- * accumulator registers: one row reads up to 256 columns per pass (a W of up to 256 columns
- * streams in one sequential pass), four rows 64. Every variant computes
- * acc = fma(x[i], W[i][j], acc) for i = 0, 1, ... from acc = 0, so the result of a row does not
- * depend on how many rows share the pass. */
-static void tile_product(const float *const *xs, int nt, const float *W, int64_t K, int64_t ld,
-                         int64_t n, float *const *ys)
+/* ys[t][0:n] (+)= xs[t][k0:k1] @ W[k0:k1][0:n] (W row stride ld, type wt) for nt <= TOK_TILE
+ * rows, with the accumulators in registers: with AVX-512 one row reads up to 256 columns per
+ * pass, four rows 64. Every variant computes acc = fma(x[i], W[i][j], acc) for i = k0, k0 + 1,
+ * ... from acc = 0 at k0 = 0 (else from ys, exact), a bf16 W[i][j] widened to fp32 first, so
+ * the result of a row does not depend on how many rows share the pass. */
+static inline __attribute__((always_inline)) void tile_product_of(const float *const *xs,
+                                                                  int nt, const void *W,
+                                                                  const int wt, const int pf,
+                                                                  int64_t k0, int64_t k1,
+                                                                  int64_t ld, int64_t n,
+                                                                  float *const *ys)
 {
     switch (nt) {
     case 1:
-        reg_passes(xs, 1, 16, W, K, ld, n, ys);
+        reg_passes(xs, 1, NV_1, W, wt, pf, k0, k1, ld, n, ys);
         break;
     case 2:
-        reg_passes(xs, 2, 8, W, K, ld, n, ys);
+        reg_passes(xs, 2, NV_2, W, wt, pf, k0, k1, ld, n, ys);
         break;
     case 3:
-        reg_passes(xs, 3, 4, W, K, ld, n, ys);
+        reg_passes(xs, 3, NV_3, W, wt, pf, k0, k1, ld, n, ys);
         break;
     default:
-        reg_passes(xs, 4, 4, W, K, ld, n, ys);
+        reg_passes(xs, 4, NV_4, W, wt, pf, k0, k1, ld, n, ys);
         break;
     }
 }
 
-/* y[t][s*n + j] (row stride ldy) = x[T][K] (row stride ldx) @ W, W stored as S column blocks
- * [S][K][n]; units of COL_BLOCK columns shared among the threads. */
-static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, const float *W,
-                         int64_t S, int64_t n, float *y, int64_t ldy)
+/* tile_product_of for each weight type, without and with the software prefetch. */
+#define TILE_PRODUCT(name, wt, pf)                                                              \
+    static void name(const float *const *xs, int nt, const void *W, int64_t k0, int64_t k1,   \
+                     int64_t ld, int64_t n, float *const *ys)                                 \
+    {                                                                                         \
+        tile_product_of(xs, nt, W, wt, pf, k0, k1, ld, n, ys);                                \
+    }
+TILE_PRODUCT(tile_product_f32, WT_F32, 0)
+TILE_PRODUCT(tile_product_bf16, WT_BF16, 0)
+TILE_PRODUCT(tile_product_f32_pf, WT_F32, 1)
+TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
+#undef TILE_PRODUCT
+
+/* y[r][0:n] (row stride ldy) = x_r @ W[0:K][0:n] (W row stride ld, type wt) for R rows; x_r is
+ * x + r ldx, or x + (xrow[r] / xdiv) ldx (rows gathered by index). The rows run in tiles of
+ * TOK_TILE. When the R x n accumulators fit ACC_FLOATS (decode), the inputs run in chunks of
+ * K_CHUNK, every tile's passes over one chunk before the next: each W row's [0, n) is read
+ * once, in one burst, instead of in pieces as far apart as K rows (which costs a TLB miss and a
+ * cold prefetch stream each, whatever the piece's size), and the accumulators wait in y, which
+ * the cache holds; else (prefill) in one chunk, the accumulators only in registers. Rows of
+ * W of up to SHORT_ROW bytes (the experts' matrices: a chunk is a few pages, which the
+ * hardware prefetcher follows poorly) are prefetched in software a chunk ahead. Either way
+ * each output is the same FMA sequence (see tile_product_of). */
+static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv, int64_t R,
+                    const void *W, int wt, int64_t K, int64_t ld, int64_t n, float *y,
+                    int64_t ldy)
 {
-    const int64_t chunks = (n + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < S * chunks; u++) {
-        const int64_t s = u / chunks, c = (u % chunks) * COL_BLOCK;
-        const int64_t w = n - c < COL_BLOCK ? n - c : COL_BLOCK;
-        const float *block = W + s * K * n + c;
-        for (int64_t t0 = 0; t0 < T; t0 += TOK_TILE) {
-            const int nt = T - t0 < TOK_TILE ? (int)(T - t0) : TOK_TILE;
+    const int64_t kc = R * n <= ACC_FLOATS ? K_CHUNK : K;
+    const int pf = kc < K && n * (wt == WT_BF16 ? 2 : 4) <= SHORT_ROW;
+    int64_t k0 = 0;
+    do { /* at least one chunk: K = 0 writes zeros */
+        const int64_t k1 = K - k0 <= kc ? K : k0 + kc;
+        for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
+            const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
             const float *xs[TOK_TILE];
             float *ys[TOK_TILE];
             for (int t = 0; t < nt; t++) {
-                xs[t] = x + (t0 + t) * ldx;
-                ys[t] = y + (t0 + t) * ldy + s * n + c;
+                xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+                ys[t] = y + (r0 + t) * ldy;
             }
-            tile_product(xs, nt, block, K, n, w, ys);
+            if (wt == WT_BF16)
+                (pf ? tile_product_bf16_pf : tile_product_bf16)(xs, nt, W, k0, k1, ld, n, ys);
+            else
+                (pf ? tile_product_f32_pf : tile_product_f32)(xs, nt, W, k0, k1, ld, n, ys);
         }
+        k0 = k1;
+    } while (k0 < K);
+}
+
+/* Columns per unit of linear_units for T rows: units of equal width (multiples of COL_BLOCK),
+ * as wide as the chunked accumulators allow (T x width <= ACC_FLOATS: a decode row reads long
+ * contiguous runs of each W row) while every thread of the team still gets a unit. */
+static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
+{
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t cap = T > 0 && ACC_FLOATS / T > COL_BLOCK ? ACC_FLOATS / T : COL_BLOCK;
+    int64_t per_split = (threads + S - 1) / S;  /* units per column block for every thread */
+    if (per_split < (n + cap - 1) / cap)
+        per_split = (n + cap - 1) / cap;
+    const int64_t width = (n + per_split - 1) / per_split;
+    return (width + COL_BLOCK - 1) / COL_BLOCK * COL_BLOCK;
+}
+
+/* y[t][s*n + j] (row stride ldy) = x[T][K] (row stride ldx) @ W, W (type wt) stored as S
+ * column blocks [S][K][n]; units of unit_columns() columns shared among the threads. */
+static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
+                         int wt, int64_t S, int64_t n, float *y, int64_t ldy)
+{
+    const int64_t width = unit_columns(T, S, n), chunks = (n + width - 1) / width;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < S * chunks; u++) {
+        const int64_t s = u / chunks, c = (u % chunks) * width;
+        const int64_t w = n - c < width ? n - c : width;
+        product(x, ldx, NULL, 1, T, welem(W, s * K * n + c, wt), wt, K, n, w, y + s * n + c,
+                ldy);
     }
 }
 
-void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const float *W, int64_t S,
-                   int64_t n, float *y)
+void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
+                   int64_t wtype, int64_t S, int64_t n, float *y)
 {
 #pragma omp parallel
-    linear_units(x, T, K, ldx, W, S, n, y, S * n);
+    linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
 }
 
 /* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
@@ -273,14 +451,15 @@ void strata_decode_attention(const float *q, int64_t R, int64_t ldq, int64_t H, 
                    work);
 }
 
-/* A softmax top-K router on T rows: logits = x[t] @ Wr (Wr [D][E], pre-transposed; the same
- * products as strata_linear), probabilities = softmax(logits) in fp32, the K most probable
- * experts in descending order (the lower id first on a tie), their probabilities renormalized
- * to sum to 1 when `renormalize`. work: T * E floats. */
-static void router_rows(const float *x, int64_t T, int64_t D, const float *Wr, int64_t E,
-                        int64_t K, int renormalize, int64_t *top_idx, float *top_w, float *work)
+/* A softmax top-K router on T rows: logits = x[t] @ Wr (Wr [D][E] of type wt, pre-transposed;
+ * the same products as strata_linear), probabilities = softmax(logits) in fp32, the K most
+ * probable experts in descending order (the lower id first on a tie), their probabilities
+ * renormalized to sum to 1 when `renormalize`. work: T * E floats. */
+static void router_rows(const float *x, int64_t T, int64_t D, const void *Wr, int wt,
+                        int64_t E, int64_t K, int renormalize, int64_t *top_idx, float *top_w,
+                        float *work)
 {
-    linear_units(x, T, D, D, Wr, 1, E, work, E); /* logits [T][E] */
+    linear_units(x, T, D, D, Wr, wt, 1, E, work, E); /* logits [T][E] */
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *p = work + t * E;
@@ -324,24 +503,27 @@ static void count_experts(const int64_t *top_idx, int64_t A, int64_t E, int64_t 
 }
 
 /* strata_router: router_rows, then counts[e] = rows routed to expert e. */
-void strata_router(const float *x, int64_t T, int64_t D, const float *Wr, int64_t E, int64_t K,
-                   int renormalize, int64_t *top_idx, float *top_w, int64_t *counts, float *work)
+void strata_router(const float *x, int64_t T, int64_t D, const void *Wr, int64_t wtype,
+                   int64_t E, int64_t K, int renormalize, int64_t *top_idx, float *top_w,
+                   int64_t *counts, float *work)
 {
 #pragma omp parallel if (T * D * E >= (1 << 20))
-    router_rows(x, T, D, Wr, E, K, renormalize, top_idx, top_w, work);
+    router_rows(x, T, D, Wr, (int)wtype, E, K, renormalize, top_idx, top_w, work);
     count_experts(top_idx, T * K, E, counts);
 }
 
-/* One decoder layer's weights (fp32; split layouts as in services/engine/cache/layout.py). */
+/* One decoder layer's weights (split layouts as in services/engine/cache/layout.py): wqkv, wo
+ * and router of type wtype; the norm weights and the KV pools fp32. */
 struct strata_layer {
     const float *in_norm, *post_norm; /* [D] */
-    const float *wqkv;                /* [S][D][(H + 2G) Hd / S]: q | k | v */
+    const void *wqkv;                 /* [S][D][(H + 2G) Hd / S]: q | k | v */
     int64_t qkv_splits;
     const float *q_norm, *k_norm;     /* [Hd] per head, or NULL */
-    const float *wo;                  /* [S][H Hd][D / S] */
+    const void *wo;                   /* [S][H Hd][D / S] */
     int64_t o_splits;
     float *k_pool, *v_pool;           /* this layer's [blocks][P][G][Hd] */
-    const float *router;              /* [D][E] */
+    const void *router;               /* [D][E] */
+    int64_t wtype;                    /* WT_F32 or WT_BF16: wqkv's, wo's and router's type */
 };
 
 /* One decode step: T rows, one token each (row t: position positions[t], written at flat KV
@@ -369,10 +551,12 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
 {
     const int64_t T = s->T, D = s->D, Hd = s->Hd, G = s->G;
     const int64_t nqkv = (s->H + 2 * G) * Hd, q_size = s->H * Hd, kv_size = G * Hd;
+    const int wt = (int)L->wtype;
 #pragma omp parallel
     {
         rms_rows(s->x, T, D, D, s->add, L->in_norm, s->eps, s->h, D);
-        linear_units(s->h, T, D, D, L->wqkv, L->qkv_splits, nqkv / L->qkv_splits, s->qkv, nqkv);
+        linear_units(s->h, T, D, D, L->wqkv, wt, L->qkv_splits, nqkv / L->qkv_splits, s->qkv,
+                     nqkv);
         qk_heads(s->qkv, T, nqkv, s->H, G, Hd, L->q_norm, L->k_norm, s->eps, s->cos_table,
                  s->sin_table, s->positions);
 #pragma omp for schedule(static)
@@ -385,9 +569,10 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
         attention_rows(s->qkv, T, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P, s->tables,
                        s->table_stride, s->lengths, s->max_length, s->scale, s->attn,
                        s->scores);
-        linear_units(s->attn, T, q_size, q_size, L->wo, L->o_splits, D / L->o_splits, s->o, D);
+        linear_units(s->attn, T, q_size, q_size, L->wo, wt, L->o_splits, D / L->o_splits, s->o,
+                     D);
         rms_rows(s->x, T, D, D, s->o, L->post_norm, s->eps, s->h, D);
-        router_rows(s->h, T, D, L->router, s->E, s->K, (int)s->renormalize, s->top_idx,
+        router_rows(s->h, T, D, L->router, wt, s->E, s->K, (int)s->renormalize, s->top_idx,
                     s->top_w, s->scores);
     }
     count_experts(s->top_idx, T * s->K, s->E, s->counts);
@@ -407,14 +592,16 @@ int64_t strata_moe_work_ints(int64_t T, int64_t K, int64_t E)
 /* The routed experts of one MoE layer on T rows:
  *   y[t] = sum over k, in ascending expert id, of top_w[t][k] * expert_{top_idx[t][k]}(x[t])
  *   expert_e(v) = down_e(silu(gate_e v) * up_e v)
- * blob_addr[e] is the address of expert e's blob (a slot or a host-store row):
+ * blob_addr[e] is the address of expert e's blob (a slot or a host-store row), elements of
+ * type wtype (offsets below count elements):
  *   [gate_t D x F | up_t D x F | down_t as S column blocks S x F x (D/S)]   (cache/layout.py)
  * Only the experts some row routes to are read. work, iwork: strata_moe_work_* elements. */
 void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int64_t K,
                 const int64_t *top_idx, const float *top_w, int64_t E, const int64_t *blob_addr,
-                float *y, float *work, int64_t *iwork)
+                int64_t wtype, float *y, float *work, int64_t *iwork)
 {
     const int64_t A = T * K, Dc = D / S;
+    const int wt = (int)wtype;
     int64_t *start = iwork;           /* [E + 1] first grouped position of each expert */
     int64_t *cursor = start + E + 1;  /* [E] */
     int64_t *groups = cursor + E;     /* [G] experts with rows, ascending */
@@ -448,18 +635,10 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < 2 * G; u++) {
             const int64_t e = groups[u / 2];
-            const float *W = (const float *)(intptr_t)blob_addr[e] + (u % 2) * D * F;
+            const void *W = welem((const void *)(intptr_t)blob_addr[e], (u % 2) * D * F, wt);
             float *dst = u % 2 ? up : gate;
-            for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += TOK_TILE) {
-                const int nt = start[e + 1] - p0 < TOK_TILE ? (int)(start[e + 1] - p0) : TOK_TILE;
-                const float *xs[TOK_TILE];
-                float *ys[TOK_TILE];
-                for (int t = 0; t < nt; t++) {
-                    xs[t] = x + order[p0 + t] / K * D;
-                    ys[t] = dst + (p0 + t) * F;
-                }
-                tile_product(xs, nt, W, D, F, F, ys);
-            }
+            product(x, D, order + start[e], K, start[e + 1] - start[e], W, wt, D, F, F,
+                    dst + start[e] * F, F);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < A * F; i++)
@@ -468,17 +647,10 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < S * G; u++) {
             const int64_t e = groups[u / S], s = u % S;
-            const float *W = (const float *)(intptr_t)blob_addr[e] + 2 * D * F + s * F * Dc;
-            for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += TOK_TILE) {
-                const int nt = start[e + 1] - p0 < TOK_TILE ? (int)(start[e + 1] - p0) : TOK_TILE;
-                const float *xs[TOK_TILE];
-                float *ys[TOK_TILE];
-                for (int t = 0; t < nt; t++) {
-                    xs[t] = h + (p0 + t) * F;
-                    ys[t] = out + (p0 + t) * D + s * Dc;
-                }
-                tile_product(xs, nt, W, F, Dc, Dc, ys);
-            }
+            const void *W = welem((const void *)(intptr_t)blob_addr[e], 2 * D * F + s * F * Dc,
+                                  wt);
+            product(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, wt, F, Dc, Dc,
+                    out + start[e] * D + s * Dc, D);
         }
         /* weighted sum per row, experts in ascending id */
 #pragma omp for schedule(static)

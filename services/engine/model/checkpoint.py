@@ -6,7 +6,7 @@ Expert weights come in two spellings, both read here:
 (`transformers` 5 holds the fused form in memory and converts to per-expert keys on save.)
 Other families rename the block and the projections (WeightNames: mixtral's
 block_sparse_moe.experts.E.{w1,w3,w2}); the reader is told which names its checkpoint uses.
-Tensors are converted to the compute dtype (bf16/fp16 -> fp32 by default) on the CPU.
+Tensors are converted to the dtype asked for (model/dtypes.py picks it) on the CPU.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
+
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's dtype as the file stores it (safetensors' name: F32, BF16, F16, ...)."""
+        return self._slice(name).get_dtype()
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self._slice(name)  # raises a CheckpointError naming a missing tensor

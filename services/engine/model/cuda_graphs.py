@@ -6,7 +6,7 @@ window's worth), Lm MoE layers, K routed per token, D hidden, V vocab.
 A decode step on the device is hundreds of small kernels; launched one by one from Python the
 host, not the GPU, sets the pace (measured: 12 ms of host time per step for 1.7 ms of device
 work on the bench model). Captured once, a step replays with one launch. What makes it
-capturable (Qwen3MoeModel.decode_graph_body): every input in a static device buffer, attention
+capturable (Decoder.decode_graph_body, the decoder loop over a graphed Step): every input in a static device buffer, attention
 by block table over the paged KV cache with lengths read on the device (a table as wide as the
 context window, so its shape never changes), routing on the device, and each routed expert
 read at its address in the expert cache's device table (ExpertCache.addr_table: its slot, or
@@ -37,23 +37,24 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.cache.expert_cache import ExpertCache
+from services.engine.model.decoder import Decoder
 from services.engine.model.paged_kv import PagedKVCache
-from services.engine.model.qwen3_moe import DecodeRows, Qwen3MoeModel, Span
+from services.engine.model.step import DecodeRows, Span
 
 log = logging.getLogger("strata.engine")
 
 MAX_BATCH = 64  # graphs for T = 1..MAX_BATCH; larger decode steps run eagerly
 
 
-def graph_blocker(model: Qwen3MoeModel, kv: PagedKVCache, cache: ExpertCache) -> str | None:
+def graph_blocker(model: Decoder, kv: PagedKVCache, cache: ExpertCache) -> str | None:
     """Why decode steps of this model and caches cannot be captured, or None."""
-    c = model.config
     if model.device.type != "cuda":
         return "not on a CUDA device"
-    if not cache.device_kernel:
-        return "the Triton expert kernel is not available"
-    if c.kv_lora_rank or c.grouped_routing:
-        return "deepseek_v3 attention/routing is not captured"
+    if not cache.device_kernel or not model.backend.paged_attention:
+        return "the Triton kernels are not available"
+    blocked = [layer.index for layer in model.layers if not layer.capturable]
+    if blocked:
+        return f"layers {blocked[0]}.. (latent attention or grouped routing) are not captured"
     if kv.quantized:
         return "the int8 KV cache's writes are not captured"
     return None
@@ -76,11 +77,11 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen3MoeModel, kv: PagedKVCache, cache: ExpertCache,
+    def __init__(self, model: Decoder, kv: PagedKVCache, cache: ExpertCache,
                  max_batch: int = MAX_BATCH):
         self.model, self.kv, self.cache = model, kv, cache
         self.max_batch = max_batch
-        self.moe_layers = [i for i, w in enumerate(model.layers) if w.router_t is not None]
+        self.moe_layers = model.moe_layers
         self.num_blocks = -(-model.config.context_window // kv.block_size)  # nb
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
         self.graphs: dict[int, _Graph] = {}

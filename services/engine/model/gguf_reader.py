@@ -137,6 +137,10 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensor(self._gguf_name(name)).shape))
 
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's GGUF type name (F32, BF16, Q8_0, ...)."""
+        return self._tensor(self._gguf_name(name)).tensor_type.name
+
     def _gguf_name(self, name: str) -> str:
         if name not in self._hf:
             raise CheckpointError(f"GGUF {self.path.name} has no tensor for {name!r}")

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from services.engine.cache.layout import matmul_split
-from services.engine.model.qwen3_moe import rms_norm
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.mtp_head import MtpHead, load_mtp_config, load_mtp_head
 
@@ -139,7 +137,7 @@ class MtpDraft(DraftSource):
         B = len(active)
         T = min(W, max(len(h) for _, _, h, _ in active))
         D = model.embed.shape[1]
-        h_in = torch.zeros(B, T, D, dtype=model.embed.dtype, device=device)  # [B, T, D]
+        h_in = torch.zeros(B, T, D, dtype=model.dtype, device=device)  # [B, T, D]
         ids = torch.zeros(B, T, dtype=torch.long)
         positions = torch.zeros(B, T, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
@@ -150,9 +148,8 @@ class MtpDraft(DraftSource):
             end = first + len(h)
             positions[j, T - m:] = torch.arange(end - m, end)
             valid[j, T - m:] = True
-        e = model.embed[ids.to(device)]  # [B, T, D]
+        e = model.embed[ids.to(device)].to(model.dtype)  # [B, T, D]
         g = self.head(h_in, e, positions.to(device), valid.to(device))[:, -1]  # [B, D]
-        eps = self.runner.config.rms_norm_eps
-        logits = matmul_split(rms_norm(g, model.final_norm, eps), model.lm_head).float()  # [B, V]
+        logits = model.logits(g)  # [B, V] through the main model's final norm and lm_head
         logits[:, self.runner.num_usable_tokens:] = float("-inf")
         return g, logits

@@ -1,0 +1,213 @@
+"""Backends: how the dense products, norms, RoPE, decode attention and routing run on a device.
+
+Shape legend: T rows, K input features, N output columns, S column splits, H query heads,
+G KV heads, Hd head dim, E experts, P positions per KV block, nb blocks per table.
+
+The runner picks one backend at start (`select_backend`, from the device and the kernels'
+availability) and hands it to the model and the expert formats; model code says *what* is
+computed, the backend *how* on this device. Nothing here is chosen per call by inspecting
+tensors, and there is no process-global kernel state: a backend holds the kernels it uses.
+
+    TorchBackend     torch ops everywhere (the reference path; any device)
+    CpuBackend       the C kernels (services/engine/kernels/cpu_kernels.c) for the products,
+                     norms, q/k norm + RoPE, paged decode attention and the softmax router; a
+                     whole decode layer's attention half and router in one call (`decode_layer`)
+    TritonBackend    CUDA: Triton norms, q/k norm + RoPE and paged decode attention
+                     (kernels/gpu_ops.py); cuBLAS products
+
+Every backend computes the same functions; the C kernels' rows are bit-identical whatever the
+batch (see cpu_kernels.c), torch's and Triton's are close.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.engine import kernels
+from services.engine.cache.layout import matmul_split, split_swiglu
+
+log = logging.getLogger("strata.engine")
+
+
+class TorchBackend:
+    """Torch ops: the reference every other backend matches."""
+
+    name = "torch"
+    cpu: kernels.CpuKernels | None = None  # the C kernels, where this backend runs them
+    paged_attention = False  # decode attention reads the KV pool by block table
+    fused_rope = False  # qk_norm_rope() runs per-head q/k norm and RoPE in place
+    fused_decode_layer = False  # decode_layer(): a layer's attention half + router in one call
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def describe(self) -> str:
+        return f"{self.name} ops on {self.device}"
+
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """What activations, norms and the KV cache hold for weights of `weight_dtype`: the
+        same dtype (torch and Triton products take matching operands)."""
+        return weight_dtype
+
+    # -- products ----------------------------------------------------------------------------
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        """x [T, K] @ an unsplit pre-transposed weight w_t [K, N] -> [T, N] (small products:
+        routers, gates, latent projections)."""
+        return x @ w_t
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, K] @ the split weight w [S, K, N/S] -> [T, N] (one torch.bmm: at decode the
+        S column blocks stream on S cores instead of one)."""
+        return matmul_split(x, w)
+
+    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)): x [T, D], gate_up [2, D, F], down [S, F, D/S] -> [T, D]."""
+        return split_swiglu(x, gate_up, down)
+
+    # -- norms and RoPE ------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim (fp32 statistics), times weight."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                     eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor) -> None:
+        raise NotImplementedError(f"the {self.name} backend has no fused q/k norm + RoPE")
+
+    # -- attention -----------------------------------------------------------------------------
+    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_ids: torch.Tensor, lengths: torch.Tensor,
+                         max_length: int) -> torch.Tensor:
+        """One query token per row over its paged K/V (paged_attention backends): q [R, H, Hd],
+        pools [blocks, P, G, Hd], block_ids [R, nb], lengths [R] -> [R, H, Hd]."""
+        raise NotImplementedError(f"the {self.name} backend reads no paged KV pool")
+
+    # -- routing -------------------------------------------------------------------------------
+    def softmax_topk(self, x: torch.Tensor, router_t: torch.Tensor, k: int, renormalize: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+        """Softmax top-k routing of x [T, D] by router_t [D, E] -> (experts [T, k], weights
+        [T, k] in x's dtype, rows per expert [E] or None where the caller counts)."""
+        probs = torch.softmax((x @ router_t).float(), dim=-1)  # [T, E] fp32
+        top_w, top_idx = torch.topk(probs, k, dim=-1)  # [T, K]
+        if renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_idx, top_w.to(x.dtype), None
+
+    def decode_layer(self, layer: kernels.DecodeLayer, step: kernels.DecodeStep) -> None:
+        raise NotImplementedError(f"the {self.name} backend has no fused decode layer")
+
+
+class CpuBackend(TorchBackend):
+    """The C kernels on the CPU: fp32 activations, fp32 or bf16 weights; anything they do not
+    take falls back to torch."""
+
+    name = "cpu-kernels"
+    paged_attention = True
+    fused_rope = True
+    fused_decode_layer = True
+
+    def __init__(self, device: torch.device, cpu: kernels.CpuKernels):
+        super().__init__(device)
+        self.cpu = cpu
+
+    def describe(self) -> str:
+        return f"CPU kernels ({self.cpu.path.name})" if self.cpu else super().describe()
+
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """fp32: the kernels read bf16 weights widened into fp32 products (fp32 activations,
+        fp32 accumulation), so bf16 weights cost half the bytes and nothing in accuracy."""
+        return torch.float32
+
+    @staticmethod
+    def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+        return (x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16)
+                and x.stride(-1) == 1)
+
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        if w_t.dtype == torch.bfloat16 and self._takes(x, w_t) and w_t.is_contiguous():
+            return self.cpu.linear(x, w_t[None])  # one column block
+        return super().matmul(x, w_t)  # (fp32: torch's product, as the reference computes)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.cpu.linear(x, w) if self._takes(x, w) else super().linear(x, w)
+
+    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        if not self._takes(x, gate_up):
+            return super().swiglu(x, gate_up, down)
+        gu = self.cpu.linear(x, gate_up)  # [T, 2F]: gate | up
+        Fs = gate_up.shape[2]
+        return self.linear(F.silu(gu[:, :Fs]) * gu[:, Fs:], down)  # [T, D]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and self._takes(x, weight) and weight.dtype == torch.float32:
+            return self.cpu.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def qk_norm_rope(self, qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
+                     sin, positions) -> None:
+        self.cpu.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
+                              sin, positions)
+
+    def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length):
+        return self.cpu.decode_attention(q, k_pool, v_pool, block_ids, lengths, max_length)
+
+    def softmax_topk(self, x, router_t, k, renormalize):
+        if not self._takes(x, router_t):
+            return super().softmax_topk(x, router_t, k, renormalize)
+        # one call: logits, softmax, top-K, renormalization and the rows per expert
+        return self.cpu.router(x.contiguous(), router_t, k, renormalize)
+
+    def decode_layer(self, layer: kernels.DecodeLayer, step: kernels.DecodeStep) -> None:
+        self.cpu.decode_layer(layer, step)
+
+
+class TritonBackend(TorchBackend):
+    """CUDA: Triton kernels for the attention half (services/engine/kernels/gpu_ops.py)."""
+
+    name = "triton"
+    paged_attention = True
+    fused_rope = True
+
+    def __init__(self, device: torch.device, gpu_ops: ModuleType):
+        super().__init__(device)
+        self.ops = gpu_ops
+
+    def describe(self) -> str:
+        return f"Triton kernels on {self.device}"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.ops.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def qk_norm_rope(self, qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
+                     sin, positions) -> None:
+        self.ops.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
+                              sin, positions)
+
+    def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length):
+        return self.ops.decode_attention(q, k_pool, v_pool, block_ids, lengths,
+                                         q.shape[-1] ** -0.5)
+
+
+def select_backend(device: torch.device, cpu_kernels: str = "auto") -> TorchBackend:
+    """The backend for `device`: on the CPU the C kernels unless `cpu_kernels` is off (or, in
+    auto, they do not build); on CUDA the Triton kernels when Triton imports; else torch ops."""
+    if device.type == "cuda":
+        try:
+            from services.engine.kernels import gpu_ops
+        except ImportError as e:
+            log.warning("Triton is not importable (%s): the attention half runs as torch ops",
+                        e)
+            return TorchBackend(device)
+        return TritonBackend(device, gpu_ops)
+    cpu = kernels.load(cpu_kernels)
+    return TorchBackend(device) if cpu is None else CpuBackend(device, cpu)

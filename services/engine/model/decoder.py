@@ -1,0 +1,162 @@
+"""The decoder: embeddings, the layer stack, the final norm and lm_head — one loop for every
+family, every backend and every kind of step.
+
+Shape legend: T tokens in this step, D hidden, V vocab, S logit rows, nb block-table columns,
+Lm MoE layers, K routed per token.
+
+    tokens -> embed -> L x DecoderLayer (attention half, then dense MLP or MoE) -> norm -> lm_head
+
+`run_layers` is the loop. An eager step, a decode step whose attention halves run in the fused
+CPU kernel (FusedDecode) and the body of a CUDA-graph capture all run it; they differ only in
+the `Step` they hand the layers. Only non-expert weights live here: the MoE blocks hand each
+expert's tokens to the expert source (the cache), which decides where they run. Linear weights
+are pre-transposed and split into S column blocks ([S, in, out/S], cache/layout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.engine.kernels.backend import TorchBackend
+from services.engine.model.config import ModelConfig
+from services.engine.model.fused_decode import FusedDecode, layer_struct
+from services.engine.model.layers.decoder_layer import DecoderLayer
+from services.engine.model.layers.rope import Rope
+from services.engine.model.paged_kv import PagedKVCache
+from services.engine.model.step import DecodeRows, ExpertSource, Span, Step
+
+if TYPE_CHECKING:
+    from services.engine import kernels
+    from services.engine.cache.expert_cache import ExpertCache
+    from services.engine.model.cuda_graphs import DecodeGraphs
+
+
+class Decoder:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, rope: Rope,
+                 backend: TorchBackend):
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        self.embed = embed  # [V, D]
+        self.layers = layers
+        self.final_norm = final_norm  # [D]
+        self.lm_head = lm_head  # [S, D, V/S]
+        self.rope = rope
+        self.weight_dtype = embed.dtype
+        self.dtype = backend.activation_dtype(embed.dtype)  # activations, norms, KV cache
+        self.moe_layers = [layer.index for layer in layers if layer.moe is not None]
+        self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
+        self._structs: tuple[PagedKVCache, list[kernels.DecodeLayer]] | None = None
+        self.last_hidden: torch.Tensor | None = None  # of the last forward
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode steps as graph replays
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
+                kv: PagedKVCache, experts: ExpertSource, logit_rows: torch.Tensor
+                ) -> torch.Tensor:
+        """One step over several sequences: token_ids, positions [T] (spans say which rows are
+        whose; on the host or the device) -> fp32 logits [S, V] of logit_rows [S]. Linear
+        layers and the MoE run once over all T rows; attention per sequence over its paged
+        K/V. A pure decode step runs as a CUDA graph replay where one is set up."""
+        if (self.graphs is not None and len(logit_rows) == len(token_ids)
+                and all(s.row_end - s.row_start == 1 for s in spans)):
+            logits = self.graphs.run(token_ids, positions, spans)
+            if logits is not None:
+                return logits
+        token_ids, positions = token_ids.to(self.device), positions.to(self.device)
+        slots = torch.cat([
+            kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
+        decode = self.decode_rows(spans, kv, len(token_ids))
+        others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
+        cos, sin = self.rope.rows(positions)
+        step = Step(positions, self.rope, cos, sin, slots, others, decode, kv, experts,
+                    self.backend)
+        x = self.embed[token_ids].to(self.dtype)  # [T, D]
+        if (self.fusable and decode is not None and decode.all_rows
+                and decode.lengths is not None):
+            step.fused = FusedDecode(x, step, self.layers, self._layer_structs(kv))
+        x = self.run_layers(x, step)
+        self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
+        return self.logits(x[logit_rows.to(self.device)])  # [S, V]
+
+    def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """The decoder loop: x [T, D] through every layer -> [T, D] before the final norm.
+        Each layer's MLP output is added at the next layer's start (or here, after the last)."""
+        y = None
+        for layer in self.layers:
+            x, h, routing = layer.attention_half(x, y, step)
+            y = layer.mlp_half(h, step, routing)
+        return x if y is None else x + y
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: hidden [S, D] -> fp32 logits [S, V]."""
+        be = self.backend
+        return be.linear(be.rms_norm(x, self.final_norm, self.config.rms_norm_eps),
+                         self.lm_head).float()
+
+    def decode_graph_body(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                          decode: DecodeRows, kv: PagedKVCache, experts: ExpertCache,
+                          route_top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step with no host work at all, for capture in a CUDA graph (see
+        model/cuda_graphs.py): every input on the device (decode: each row's block ids and
+        length), routing on the device, each routed expert read at its address in the expert
+        cache's table. Each MoE layer's top-K goes to route_top [Lm, T, K], for the cache's
+        lookups after the step. -> (hidden [T, D], fp32 logits [T, V])."""
+        P = kv.block_size
+        block = decode.ids.gather(1, (positions // P)[:, None])[:, 0]  # [T] the new token's
+        slots = block * P + positions % P  # [T] flat KV slot
+        cos, sin = self.rope.rows(positions)
+        step = Step(positions, self.rope, cos, sin, slots, [], decode, kv, experts,
+                    self.backend, route_top=route_top)
+        x = self.run_layers(self.embed[token_ids].to(self.dtype), step)
+        return x, self.logits(x)
+
+    def non_expert_bytes_per_step(self) -> int:
+        """Bytes of the non-expert weights one step reads: every layer's attention, norms,
+        router and dense or shared MLP, the final norm and lm_head, one embedding row."""
+        seen: dict[int, torch.Tensor] = {}
+
+        def collect(value: object) -> None:
+            if isinstance(value, torch.Tensor):
+                seen[id(value)] = value
+            elif isinstance(value, tuple | list):
+                for v in value:
+                    collect(v)
+            elif hasattr(value, "__dataclass_fields__"):
+                for name in value.__dataclass_fields__:
+                    if name != "next_router":  # another layer's block
+                        collect(getattr(value, name))
+
+        collect(self.layers)
+        collect([self.final_norm, self.lm_head])
+        weights = sum(t.numel() * t.element_size() for t in seen.values())
+        return weights + self.embed.shape[1] * self.embed.element_size()
+
+    def _layer_structs(self, kv: PagedKVCache) -> list[kernels.DecodeLayer]:
+        """Each layer's pointers for the fused decode layer (built once per KV cache)."""
+        if self._structs is None or self._structs[0] is not kv:
+            self._structs = (kv, [layer_struct(layer, kv) for layer in self.layers])
+        return self._structs[1]
+
+    def decode_rows(self, spans: Sequence[Span], kv: PagedKVCache, T: int) -> DecodeRows | None:
+        """The single-token spans of a step, for one attention call per layer: any number of
+        them with a paged-attention backend; two or more with SDPA (a lone one takes the
+        per-span path, which reads consecutive KV blocks as views)."""
+        decode = [s for s in spans if s.row_end - s.row_start == 1]
+        kernel = not kv.quantized and self.backend.paged_attention
+        if not decode or (len(decode) == 1 and not kernel):
+            return None
+        tables = [s.block_table for s in decode]
+        lengths = [s.pos_end for s in decode]
+        rows = torch.tensor([s.row_start for s in decode], device=self.device)
+        all_rows = len(decode) == T and all(s.row_start == i for i, s in enumerate(decode))
+        if kernel:
+            return DecodeRows(rows, all_rows, kv.block_ids(tables, lengths),
+                              lengths=torch.tensor(lengths, device=self.device),
+                              max_length=max(lengths))
+        ids, mask = kv.gather_index(tables, lengths)
+        return DecodeRows(rows, all_rows, ids, mask=mask[:, None, None, :])

@@ -1,0 +1,24 @@
+"""Model families, one file each, registered by `model_type`.
+
+    families/qwen3_moe.py  mixtral.py  olmoe.py  qwen2_moe.py  deepseek.py (v2, v3)
+
+A family says how its config.json maps to ModelConfig, where its tensors are (WeightNames)
+and what its layers are (base.Family). A new family is a new file here plus its line in
+FAMILIES; the decoder, the backends, the cache and the planner need nothing else.
+"""
+
+from services.engine.model.families import deepseek, mixtral, olmoe, qwen2_moe, qwen3_moe
+from services.engine.model.families.base import CheckpointError, Family
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    qwen3_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, deepseek.DEEPSEEK_V2,
+    deepseek.DEEPSEEK_V3)}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family(model_type: str | None) -> Family:
+    """The family of a model_type, or a CheckpointError listing the supported ones."""
+    if model_type not in FAMILIES:
+        raise CheckpointError(
+            f"unsupported model_type {model_type!r}: Strata runs {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]

@@ -1,0 +1,158 @@
+"""What a family file declares (`Family`), and the builders it assembles its layers with.
+
+Shape legend: D hidden, F FFN, E experts, S column splits, H / G query / KV heads, Hd head dim.
+
+A family is a `model_type`: how its config.json maps to ModelConfig fields, where its tensors
+live (WeightNames), and its layer list (`build_layer(tensors, config, i)`). The builders here
+read a layer's tensors into the building blocks of model/layers/, pre-transposed and split by
+columns the way the backends take them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.engine.cache.layout import split_columns
+from services.engine.model.layers.attention import Attention
+from services.engine.model.layers.decoder_layer import DecoderLayer
+from services.engine.model.layers.mlp import DenseMlp
+from services.engine.model.layers.moe import GroupedRouting, MoeBlock
+
+if TYPE_CHECKING:
+    from services.engine.model.checkpoint import CheckpointReader
+    from services.engine.model.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is missing something or describes a model Strata cannot run."""
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Where a family keeps its MoE tensors: model.layers.L.{moe}.gate (the router) and
+    model.layers.L.{moe}.experts.E.{gate,up,down}.weight (the routed experts)."""
+
+    moe: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str = "shared_expert"  # the shared expert's block (families that have one)
+    shared_gate: str | None = "shared_expert_gate"  # its sigmoid gate (None: ungated)
+
+
+RawConfig = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    weight_names: WeightNames
+    # config.json -> the ModelConfig fields this family sets beyond the common ones
+    config_fields: Callable[[RawConfig], dict[str, Any]]
+    # (tensors, config, layer index) -> that decoder layer
+    build_layer: Callable[[Tensors, ModelConfig, int], DecoderLayer]
+
+
+def req(raw: RawConfig, key: str) -> Any:
+    """raw[key], or a CheckpointError naming the missing key."""
+    if key not in raw:
+        raise CheckpointError(f"config.json lacks {key!r}")
+    return raw[key]
+
+
+class Tensors:
+    """A checkpoint's tensors as the layers hold them, on the device: matrices in the weight
+    dtype (linear weights pre-transposed and split by columns), vectors (norms, biases) in the
+    activation dtype."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
+                 act_dtype: torch.dtype | None = None):
+        self.reader, self.dtype, self.device = reader, dtype, device
+        self.act_dtype = act_dtype or dtype
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader
+
+    def get(self, name: str) -> torch.Tensor:
+        """A vector (norm weight, bias) in the activation dtype."""
+        return self.reader.get(name, self.act_dtype).to(self.device)
+
+    def matrix(self, name: str) -> torch.Tensor:
+        """A matrix as stored ([out, in], e.g. the embeddings) in the weight dtype."""
+        return self.reader.get(name, self.dtype).to(self.device)
+
+    def get_t(self, name: str) -> torch.Tensor:
+        """A [out, in] weight as a contiguous [in, out] on the device."""
+        return self.reader.get(name, self.dtype).t().contiguous().to(self.device)
+
+    def split(self, *names: str) -> torch.Tensor:
+        """[out_i, in] weights, concatenated along out -> [S, in, sum(out)/S]."""
+        w_t = torch.cat([self.reader.get(n, self.dtype).t() for n in names], dim=1)
+        return split_columns(w_t).to(self.device)
+
+    def swiglu(self, prefix: str, gate: str | None = None) -> DenseMlp:
+        """{prefix}.{gate,up,down}_proj as a DenseMlp (gate: a sigmoid output gate's name)."""
+        gate_up = torch.stack([self.reader.get(f"{prefix}.{p}_proj.weight", self.dtype).t()
+                               for p in ("gate", "up")])  # [2, D, F]
+        return DenseMlp(gate_up.contiguous().to(self.device),
+                        self.split(f"{prefix}.down_proj.weight"),
+                        None if gate is None else self.get_t(f"{gate}.weight"))
+
+
+def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False) -> Attention:
+    """model.layers.i.self_attn's q/k/v/o (+ biases, + q/k norms) as an Attention."""
+    a = f"model.layers.{i}.self_attn"
+    norms = c.qk_norm != "none"
+    return Attention(
+        kv_layer=i, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        qkv=t.split(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+        o=t.split(f"{a}.o_proj.weight"), eps=c.rms_norm_eps, qk_norm=c.qk_norm,
+        q_norm=t.get(f"{a}.q_norm.weight") if norms else None,
+        k_norm=t.get(f"{a}.k_norm.weight") if norms else None,
+        qkv_bias=tuple(t.get(f"{a}.{p}_proj.bias") for p in "qkv") if bias else None,  # type: ignore[arg-type]
+        o_bias=t.get(f"{a}.o_proj.bias") if bias and f"{a}.o_proj.bias" in t else None,
+        clip_qkv=c.clip_qkv)
+
+
+def moe_block(t: Tensors, c: ModelConfig, i: int, names: WeightNames) -> MoeBlock:
+    """Layer i's router (+ correction bias, + shared expert) as a MoeBlock; its routed experts
+    are not loaded here (the host store holds them)."""
+    moe = f"model.layers.{i}.{names.moe}"
+    shared = None
+    if c.shared_expert_intermediate_size:
+        gate = f"{moe}.{names.shared_gate}" if names.shared_gate else None
+        shared = t.swiglu(f"{moe}.{names.shared}", gate)
+    grouped = None
+    if c.grouped_routing:
+        grouped = GroupedRouting(c.router_scoring, c.num_groups, c.topk_groups,
+                                 c.routed_scaling_factor)
+    bias = f"{moe}.gate.e_score_correction_bias"
+    return MoeBlock(
+        layer=i, moe_index=c.moe_layers.index(i), num_experts=c.num_experts,
+        experts_per_token=c.experts_per_token, renormalize=c.norm_topk_prob,
+        router_t=t.get_t(f"{moe}.gate.weight"),
+        router_bias=t.get(bias) if bias in t else None, grouped=grouped, shared=shared)
+
+
+def decoder_layer(t: Tensors, c: ModelConfig, i: int, attn: Any, names: WeightNames
+                  ) -> DecoderLayer:
+    """Layer i with `attn`: a MoE block where the config routes, else a dense SwiGLU MLP."""
+    p = f"model.layers.{i}"
+    mlp = moe_block(t, c, i, names) if c.is_moe_layer(i) else t.swiglu(f"{p}.mlp")
+    return DecoderLayer(i, t.get(f"{p}.input_layernorm.weight"),
+                        t.get(f"{p}.post_attention_layernorm.weight"), attn, mlp,
+                        c.rms_norm_eps)
+
+
+def gqa_family(model_type: str, names: WeightNames,
+               config_fields: Callable[[RawConfig], dict[str, Any]]) -> Family:
+    """A family of GQA layers (biases as its config says) over MoE or dense MLPs."""
+
+    def build_layer(t: Tensors, c: ModelConfig, i: int) -> DecoderLayer:
+        return decoder_layer(t, c, i, gqa_attention(t, c, i, c.attention_bias), names)
+
+    return Family(model_type, names, config_fields, build_layer)

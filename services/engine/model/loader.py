@@ -1,0 +1,45 @@
+"""Build a Decoder from a checkpoint: the family's layers, embeddings, final norm and lm_head
+(every non-expert weight; the host store loads the routed experts)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.engine.cache.layout import split_columns
+from services.engine.kernels.backend import TorchBackend
+from services.engine.model.checkpoint import CheckpointReader
+from services.engine.model.config import ModelConfig
+from services.engine.model.decoder import Decoder
+from services.engine.model.families import family
+from services.engine.model.families.base import Tensors
+from services.engine.model.layers.rope import Rope
+
+log = logging.getLogger("strata.engine")
+
+
+def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBackend,
+               dtype: torch.dtype = torch.float32) -> Decoder:
+    """The non-expert weights of any supported family, on the backend's device, matrices in
+    `dtype` (the activations in the backend's activation dtype for it)."""
+    t0 = time.perf_counter()
+    t = Tensors(reader, dtype, backend.device, backend.activation_dtype(dtype))
+    build = family(config.model_type).build_layer
+    layers = [build(t, config, i) for i in range(config.num_layers)]
+    moes = [layer.moe for layer in layers if layer.moe is not None]
+    for moe, nxt in zip(moes, moes[1:], strict=False):
+        moe.next_router = nxt  # next-layer prefetch applies nxt's router to moe's input
+    embed = t.matrix("model.embed_tokens.weight")
+    if config.tie_word_embeddings or "lm_head.weight" not in t:
+        lm_head = split_columns(embed.t()).to(backend.device)
+    else:
+        lm_head = t.split("lm_head.weight")
+    # MLA rotates only the rope part of a head
+    rope = Rope(config.qk_rope_head_dim or config.head_dim, config.rope_theta,
+                config.context_window, backend.device)
+    model = Decoder(config, embed, layers, t.get("model.norm.weight"), lm_head, rope, backend)
+    log.info("loaded non-expert weights of %d layers in %.1f s", config.num_layers,
+             time.perf_counter() - t0)
+    return model

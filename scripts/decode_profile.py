@@ -1,6 +1,7 @@
 """Where a CPU decode step's time goes: each kernel call timed, the rest is Python.
 
-    python scripts/decode_profile.py [--model DIR] [--batch B] [--gen-tokens G] [--rounds R]
+    python scripts/decode_profile.py [--model DIR] [--dtype auto|bf16|fp32] [--batch B]
+                                     [--gen-tokens G] [--rounds R]
 
 Loads the model like `strata bench engine` (every expert cached, prefetch off), wraps the CPU
 kernels' ctypes calls (routed experts, the fused attention half, linear products) with a timer and
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from services.bench.engine_bench import prompts, run_strata
-from services.engine import kernels
+from services.engine.model.dtypes import DTYPES
 from services.engine.runner import ModelRunner
 
 KERNELS = ("moe", "linear", "decode_layer", "rms_norm", "router", "decode_attention")
@@ -27,15 +28,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     args = p.parse_args()
-    cpu = kernels.active()
-    if cpu is None:
-        raise SystemExit("the CPU kernels are not available here (see the engine's log)")
-    probe = ModelRunner(args.model, device="cpu", device_memory_bytes=0, reserved_bytes=0)
-    budget = probe.total_pairs * probe.slot_bytes
-    del probe
-    runner = ModelRunner(args.model, device="cpu", device_memory_bytes=budget, reserved_bytes=0,
-                         prefetch=False)
+    runner = ModelRunner(args.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
+                         prefetch=False, dtype=args.dtype, cpu_kernels="on")
+    cpu = runner.backend.cpu
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     batch_prompts = prompts(args.batch, 32)
     run_strata(runner, batch_prompts, 8)  # warm-up

@@ -277,9 +277,9 @@ def write_report(out_dir: Path, out: dict[str, Any]) -> dict[str, Any]:
                 f"{r0['active_bytes_per_token'] / 1e6:.1f} MB/token, bound "
                 f"{r0['bandwidth_bound_tok_s']:.0f} tok/s\n")
     report.section("Runs", table(
-        ["prefetch", "coverage", "decode hit rate", "decode spill", "decode tok/s",
+        ["dtype", "prefetch", "coverage", "decode hit rate", "decode spill", "decode tok/s",
          "rounds tok/s", "prefill tok/s", "of the bound", "HF decode tok/s"],
-        [[fmt_flag(r.get("prefetch")), f"{r['coverage']:.0%}",
+        [[r.get("dtype", "fp32"), fmt_flag(r.get("prefetch")), f"{r['coverage']:.0%}",
           f"{r.get('decode_hit_rate', 1.0):.1%}", f"{r.get('decode_spill', 0.0):.1%}",
           r["decode_tok_s"], " / ".join(f"{x:.0f}" for x in r["decode_runs_tok_s"]),
           r["prefill_tok_s"], f"{r['bound_fraction']:.1%}", r.get("hf_decode_tok_s")]
@@ -288,7 +288,18 @@ def write_report(out_dir: Path, out: dict[str, Any]) -> dict[str, Any]:
         report.text(f"Spill penalty, {key.replace('_', ' ')}: "
                     + ("n/a (one spill level)" if value is None else
                        f"{value:.2f} tok/s per point of spill") + "\n")
-    if len(runs) > 1:
+    for key, value in out.get("dtype_ratio", {}).items():
+        report.text(f"Decode {key}: {value:.2f}x (median of back-to-back rounds' ratios)\n")
+    if out.get("dtype_ratio"):
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        for r in runs:
+            ax.plot(range(1, len(r["decode_runs_tok_s"]) + 1), r["decode_runs_tok_s"], "o-",
+                    label=f"{r.get('dtype', 'fp32')}, {r['coverage']:.0%} coverage")
+        ax.set(xlabel="round (the dtypes' rounds interleaved)", ylabel="decode tok/s",
+               title="decode speed by weight dtype", ylim=(0, None))
+        ax.legend()
+        report.figure("dtype", fig, "decode tok/s per round, by weight dtype")
+    if len({r["decode_spill"] for r in runs}) > 1:
         fig, ax = plt.subplots(figsize=(5.5, 3.4))
         for prefetch in dict.fromkeys(r.get("prefetch") for r in runs):
             pts = sorted((100 * r["decode_spill"], r["decode_tok_s"]) for r in runs
@@ -470,16 +481,19 @@ def render_runs(out: dict[str, Any]) -> str:
     lines = [f"model {r0['model']} on {r0['device']}: batch {r0['batch']}, {r0['prompt_tokens']}"
              f" prompt + {r0['gen_tokens']} generated tokens, policy {r0['policy']}, placement "
              f"{r0['placement']}",
-             f"{'prefetch':>8} {'coverage':>8} {'hit rate':>8} {'spill':>7} {'decode tok/s':>12}"
-             f" {'prefill tok/s':>13} {'bound':>6}"]
+             f"{'dtype':>5} {'prefetch':>8} {'coverage':>8} {'hit rate':>8} {'spill':>7} "
+             f"{'decode tok/s':>12} {'prefill tok/s':>13} {'bound':>6}"]
     for r in runs:
-        lines.append(f"{'on' if r['prefetch'] else 'off':>8} {r['coverage']:>8.0%} "
+        lines.append(f"{r.get('dtype', 'fp32'):>5} {'on' if r['prefetch'] else 'off':>8} "
+                     f"{r['coverage']:>8.0%} "
                      f"{r['decode_hit_rate']:>8.1%} {r['decode_spill']:>7.1%} "
                      f"{r['decode_tok_s']:>12.1f} {r['prefill_tok_s']:>13.1f} "
                      f"{r['bound_fraction']:>6.0%}")
     for key, value in out["spill_penalty"].items():
         text = "n/a (one spill level)" if value is None else f"{value:.2f} tok/s per point"
         lines.append(f"spill penalty, {key.replace('_', ' ')}: {text}")
+    for key, value in out.get("dtype_ratio", {}).items():
+        lines.append(f"decode {key}: {value:.2f}x (median of back-to-back rounds)")
     return "\n".join(lines)
 
 

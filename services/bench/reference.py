@@ -1,6 +1,8 @@
-"""`strata bench quality`: record a model's quality set with the fp32 reference path.
+"""`strata bench quality`: record a model's quality set with the fp32 reference path, or
+compare a served dtype against that reference.
 
     strata bench quality [--model DIR] [--count 12] [--max-tokens 24] [--output FILE]
+    strata bench quality --compare-dtype bf16 [--model DIR] [--tokens 2048] [--cpu-kernels M]
 
 The prompts are code snippets of the held-out modules of the default model's corpus (the Python
 standard library; text the trained model never saw). Each expected answer is the greedy
@@ -62,6 +64,58 @@ def record_quality(model_dir: Path, prompts: list[str], max_tokens: int = DEFAUL
                       tuple(ids for _, _, ids in cases))
 
 
+def compare_dtype(model_dir: Path, dtype: str = "bf16", num_tokens: int = 2048,
+                  cpu_kernels: str = "auto", progress=None) -> dict:
+    """Teacher-forced next-token predictions of the held-out split's first num_tokens (windows
+    of the context window), in `dtype` against the fp32 reference: top-1 agreement, both
+    held-out losses and the relative change, the largest logit difference."""
+    import torch
+
+    from services.engine.runner import ChunkWork, ModelRunner
+    from services.training.bpe import split_ids
+
+    ids = split_ids("heldout", Path(model_dir) / "tokenizer.json",
+                    max_bytes=8 * num_tokens)[:num_tokens]
+    runners = {name: ModelRunner(model_dir, device="cpu", device_memory_bytes=2**40,
+                                 reserved_bytes=0, dtype=name, prefix_reuse=False,
+                                 cpu_kernels=cpu_kernels)
+               for name in ("fp32", dtype)}
+    window = next(iter(runners.values())).config.context_window
+    stats = {name: {"nll": 0.0} for name in runners}
+    agree = count = 0
+    max_diff = 0.0
+    for start in range(0, len(ids) - 1, window):
+        chunk = [int(t) for t in ids[start:start + window]]
+        if len(chunk) < 2:
+            break
+        target = torch.tensor(chunk[1:])
+        logits = {}
+        for name, runner in runners.items():
+            seq = runner.start(chunk)
+            runner.blocks.append(seq.table, len(chunk))
+            [(rows, _)] = runner.step([ChunkWork(chunk, 0, seq.table.block_ids, True, True,
+                                                 num_draft=len(chunk) - 1)])
+            runner.release(seq)
+            lg = rows[:-1, :runner.num_usable_tokens]  # [n - 1, V] predicting chunk[1:]
+            logits[name] = lg
+            stats[name]["nll"] += float(torch.nn.functional.cross_entropy(
+                lg, target, reduction="sum"))
+        ref, got = logits["fp32"], logits[dtype]
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        count += len(target)
+        max_diff = max(max_diff, float((ref - got).abs().max()))
+        if progress:
+            progress(f"quality: compared {count}/{len(ids) - 1} predictions")
+    loss = {name: st["nll"] / count for name, st in stats.items()}
+    backend = runners[dtype].backend.describe()
+    return {"model": Path(model_dir).name, "dtype": dtype, "backend": backend,
+            "predictions": count, "top1_agreement": agree / count,
+            "heldout_loss_fp32": loss["fp32"], f"heldout_loss_{dtype}": loss[dtype],
+            "loss_change": (loss[dtype] - loss["fp32"]) / loss["fp32"],
+            "max_abs_logit_diff": max_diff,
+            "activations": str(runners[dtype].dtype).removeprefix("torch.")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata bench quality", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,10 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--output", type=Path, help="quality file (default: the one `strata "
                         "bench run` reads for this model, services/bench/quality/MODEL.json)")
+    parser.add_argument("--compare-dtype", choices=("bf16",), help="instead of recording: "
+                        "this dtype's teacher-forced predictions on held-out text against the "
+                        "fp32 reference (top-1 agreement, held-out loss change)")
+    parser.add_argument("--tokens", type=int, default=2048, help="with --compare-dtype")
+    parser.add_argument("--cpu-kernels", choices=("auto", "on", "off"), default="auto",
+                        help="with --compare-dtype: the engine's --cpu-kernels")
     args = parser.parse_args(argv)
     from services.models import default_model_dir
 
     model_dir = args.model or default_model_dir()
+    if args.compare_dtype:
+        print(json.dumps(compare_dtype(
+            model_dir, args.compare_dtype, args.tokens, args.cpu_kernels,
+            progress=lambda line: print(f"strata bench {line}", file=sys.stderr, flush=True))))
+        return 0
     qset = record_quality(model_dir, quality_prompts(args.count), args.max_tokens,
                           progress=lambda line: print(f"strata bench {line}", file=sys.stderr,
                                                       flush=True))

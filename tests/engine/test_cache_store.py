@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from services.engine.cache.expert_cache import ExpertCache
-from services.engine.cache.host_store import HostStore
 from services.engine.cache.formats import DenseFormat
+from services.engine.cache.host_store import HostStore
 from services.engine.cache.layout import ExpertLayout, swiglu
 from services.engine.cache.policy import StaticResidency
 from services.engine.cache.slot_pool import SlotPool

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from services.bench.prompts import QualitySet, agreement, quality_path
+from services.bench.reference import compare_dtype
+from services.engine import kernels
 from services.engine.cache.policy import PolicySpec
 from services.engine.core import Engine
 from services.engine.runner import ModelRunner
@@ -36,6 +38,20 @@ def test_the_default_model_matches_transformers(cpu_kernels):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     assert_matches_reference(MODEL, ref, steps=8, cpu_kernels=cpu_kernels)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_bf16_serving_agrees_with_the_fp32_reference(cpu_kernels):
+    """The default model is stored in bf16 and served in bf16 (--dtype auto). The CPU kernels
+    widen its weights exactly into fp32 products: the same logits as the fp32 reference. Torch
+    ops run bf16 activations: close, not equal."""
+    r = compare_dtype(MODEL, "bf16", num_tokens=700, cpu_kernels=cpu_kernels)
+    assert r["predictions"] >= 600
+    assert r["top1_agreement"] >= 0.99 and abs(r["loss_change"]) <= 0.005, r
+    if cpu_kernels == "auto" and kernels.load() is not None:
+        assert r["max_abs_logit_diff"] == 0.0, r
+    else:
+        assert r["activations"] == "bfloat16" and r["max_abs_logit_diff"] > 0.0
 
 
 def test_quality_set_is_held_out_code_with_token_ids():

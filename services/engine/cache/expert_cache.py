@@ -27,16 +27,17 @@ hold the same bytes, and the same kernel reads them (bit-identical). Only where 
 CPU computing for a CUDA device (no Triton, quantized experts) can a host placement differ in
 the last bits (see placement.py: the `exact` mode never uses it there).
 
-How apply() computes: one kernel call per layer reads each routed expert's blob where it lies,
+How apply() computes: for a format the kernels take (cache/formats.py: `kernel_weight_dtype`,
+fp32 and bf16 today), one kernel call per layer reads each routed expert's blob where it lies,
 by address — no gather, no per-expert dispatch:
-  CPU, fp32 experts     services.engine.kernels (C): slots, staging copies, the host store
-  CUDA, plain experts   services.engine.kernels.gpu_moe (Triton): slots, staging copies, and the
+  CPU                   services.engine.kernels (C): slots, staging copies, the host store
+  CUDA                  services.engine.kernels.gpu_moe (Triton): slots, staging copies, and the
                         pinned host store read in place over the link (zero-copy); the
                         groups of ready experts launch first, the ones whose copy is still in
                         flight after the compute stream has waited for it
 Otherwise (quantized experts, no C compiler, no Triton) the tokens are grouped by expert with
-one gather, each expert runs on its rows as torch ops (`expert_forward`), and one scatter-add
-sums them.
+one gather, each expert runs on its rows as the format's torch ops (`expert_forward`), and one
+scatter-add sums them.
 """
 
 from __future__ import annotations

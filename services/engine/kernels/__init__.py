@@ -17,8 +17,11 @@ What runs here (decode is bound by the weight bytes it reads; see docs/benchmark
                                       the slots or the host store, weighted sum per row
   rms_norm, qk_norm_rope, decode_attention   the rest of a decode layer (paged K/V read by
                                       block table, no gather)
-Both are fp32 only, and every output row is computed the same way whatever the other rows of
-the call are (see the numerics note in cpu_kernels.c).
+Activations are fp32; the weights of the products (linear's, the experts' blobs, the router's)
+are fp32 or bf16, a bf16 weight widened exactly into the same fp32 products (bit-identical to
+the fp32 kernel on the widened weight, at half the bytes). Every output row is computed the same
+way whatever the other rows of the call are (see the numerics note in cpu_kernels.c). The inner
+loops are tiled for the machine's vector registers (AVX-512, AVX2, or plain vectors).
 
 On a CUDA device the same roles are played by Triton kernels: `gpu_ops` (norms, q/k norm and
 RoPE, paged decode attention) and `gpu_moe` (the routed experts, read by address from slots or

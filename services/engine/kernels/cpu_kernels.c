@@ -39,22 +39,13 @@
 #endif
 
 #define ABI_VERSION 3
-#define WT_F32 0       /* weight types (wtype) */
+#define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
-#ifndef K_CHUNK
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
-#endif
-#ifndef ACC_FLOATS
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
-#endif
-#ifndef PF_ROWS
-#define PF_ROWS K_CHUNK
-#endif
-#ifndef SHORT_ROW
-#define SHORT_ROW 4096    /* bytes of W row up to which a chunked product prefetches */
-#endif
+#define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
 #if TOK_TILE != 4
 #error "tile_product_of's register budget assumes TOK_TILE == 4"
 #endif
@@ -154,7 +145,7 @@ static inline __attribute__((always_inline)) void reg_pass(const float *const *x
                 memcpy(&acc[t][q], ys[t] + c + VL * q, sizeof(vw));
     for (int64_t i = k0; i < k1; i++) {
         if (pf) { /* a prefetch never faults: past the end of W is harmless */
-            const char *ahead = welem(W, (i + PF_ROWS) * ld + c, wt);
+            const char *ahead = welem(W, (i + K_CHUNK) * ld + c, wt);
             for (int b = 0; b < NV * VL * (wt == WT_BF16 ? 2 : 4); b += 64)
                 __builtin_prefetch(ahead + b, 0, 3);
         }
@@ -251,13 +242,14 @@ TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
 /* y[r][0:n] (row stride ldy) = x_r @ W[0:K][0:n] (W row stride ld, type wt) for R rows; x_r is
  * x + r ldx, or x + (xrow[r] / xdiv) ldx (rows gathered by index). The rows run in tiles of
  * TOK_TILE. When the R x n accumulators fit ACC_FLOATS (decode), the inputs run in chunks of
- * K_CHUNK, every tile's passes over one chunk before the next: each W row's [0, n) is read
- * once, in one burst, instead of in pieces as far apart as K rows (which costs a TLB miss and a
- * cold prefetch stream each, whatever the piece's size), and the accumulators wait in y, which
- * the cache holds; else (prefill) in one chunk, the accumulators only in registers. Rows of
- * W of up to SHORT_ROW bytes (the experts' matrices: a chunk is a few pages, which the
- * hardware prefetcher follows poorly) are prefetched in software a chunk ahead. Either way
- * each output is the same FMA sequence (see tile_product_of). */
+ * K_CHUNK, every tile's passes over a chunk before the next chunk, the accumulators waiting in
+ * y (in cache) between chunks: W is then read a few rows' [0, n) at a time, not a pass's few
+ * columns of all K rows, then the next pass's (pieces of a row far apart in time: a TLB miss
+ * and a cold hardware-prefetch stream each, whatever their size, so bf16 would gain nothing).
+ * W rows of up to SHORT_ROW bytes (the experts' matrices, where a chunk spans a few pages the
+ * hardware prefetcher follows poorly) are also prefetched in software, a chunk ahead. Else
+ * (prefill) one chunk: the accumulators stay in registers. Either way each output is the same
+ * FMA sequence (see tile_product_of). */
 static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv, int64_t R,
                     const void *W, int wt, int64_t K, int64_t ld, int64_t n, float *y,
                     int64_t ldy)

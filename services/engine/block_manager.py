@@ -2,7 +2,8 @@
 
 The runner owns a KV tensor of `num_blocks` blocks of `block_size` token positions; this module
 decides which block holds which positions of which sequence. A block whose tokens are all computed
-gets a *prefix hash* (a hash of every token from the start of the sequence up to the block's end),
+gets a *prefix hash* (a hash of every token from the start of the sequence up to the block's end,
+computed as a chain: the block's tokens hashed with the previous block's hash),
 so a later prompt that starts with the same tokens reuses it instead of recomputing it.
 
 Free blocks wait in LRU order; a freed block keeps its hash (and its K/V) until it is handed out
@@ -32,15 +33,18 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     num_reused_tokens: int = 0
     num_hashed_blocks: int = 0  # leading blocks whose prefix hash is registered
+    last_hash: int | None = None  # the prefix hash of block num_hashed_blocks - 1 (the chain)
 
 
 class NoFreeBlocks(RuntimeError):
     pass
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hash of each full block, chained so equal hashes mean equal tokens from position 0."""
-    hashes, prev = [], b""
+def prefix_hashes(token_ids: Sequence[int], block_size: int, prev_hash: int | None = None
+                  ) -> list[int]:
+    """Hash of each full block of token_ids, chained from the hash of the block before them
+    (None: they start at position 0), so equal hashes mean equal tokens from position 0."""
+    hashes, prev = [], b"" if prev_hash is None else prev_hash.to_bytes(16, "little")
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = array.array("q", token_ids[start:start + block_size]).tobytes()
         prev = hashlib.blake2b(prev + block, digest_size=16).digest()
@@ -79,7 +83,7 @@ class BlockManager:
         reused = self._reusable(token_ids)
         fresh = self.blocks_needed(len(token_ids)) - len(reused)
         # Reused blocks that sit in the free list are taken out of it too.
-        return fresh + sum(1 for b in reused if b in self._free) <= self.num_free_blocks
+        return fresh + sum(1 for b, _ in reused if b in self._free) <= self.num_free_blocks
 
     def allocate(self, token_ids: Sequence[int]) -> BlockTable:
         """Blocks for a prompt: reused full blocks of an equal prefix, then fresh ones.
@@ -90,9 +94,11 @@ class BlockManager:
             raise NoFreeBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
                                f"{self.num_free_blocks} free")
         table = BlockTable()
-        for block_id in self._reusable(token_ids):
+        reused = self._reusable(token_ids)
+        for block_id, _ in reused:
             table.block_ids.append(self._take_reused(block_id))
         table.num_hashed_blocks = len(table.block_ids)
+        table.last_hash = reused[-1][1] if reused else None
         table.num_reused_tokens = table.num_hashed_blocks * self.block_size
         while len(table.block_ids) < self.blocks_needed(len(token_ids)):
             table.block_ids.append(self._take_fresh())
@@ -128,13 +134,14 @@ class BlockManager:
         full = num_computed // self.block_size
         if full <= table.num_hashed_blocks:
             return
-        hashes = prefix_hashes(token_ids[:full * self.block_size], self.block_size)
-        for index in range(table.num_hashed_blocks, full):
+        P, done = self.block_size, table.num_hashed_blocks
+        hashes = prefix_hashes(token_ids[done * P:full * P], P, table.last_hash)  # new blocks'
+        for index, h in zip(range(done, full), hashes, strict=True):
             block = self.blocks[table.block_ids[index]]
-            if hashes[index] not in self._by_hash:
-                block.prefix_hash = hashes[index]
-                self._by_hash[hashes[index]] = block.block_id
-        table.num_hashed_blocks = full
+            if h not in self._by_hash:
+                block.prefix_hash = h
+                self._by_hash[h] = block.block_id
+        table.num_hashed_blocks, table.last_hash = full, hashes[-1]
 
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks; the last blocks go to the free list's LRU end last, so a
@@ -148,7 +155,8 @@ class BlockManager:
         table.block_ids.clear()
 
     # -- internals -----------------------------------------------------------------------------
-    def _reusable(self, token_ids: Sequence[int]) -> list[int]:
+    def _reusable(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(block id, prefix hash) of the cached leading blocks of a prompt."""
         if not self.enable_prefix_reuse:
             return []
         # Never reuse the block holding the last token: its logits must be computed.
@@ -158,7 +166,7 @@ class BlockManager:
             block_id = self._by_hash.get(h)
             if block_id is None:
                 break
-            reused.append(block_id)
+            reused.append((block_id, h))
         return reused
 
     def _take_reused(self, block_id: int) -> int:

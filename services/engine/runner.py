@@ -25,17 +25,14 @@ import torch
 
 from services.common.sizing import CacheSize, size_cache
 from services.engine.block_manager import BlockManager, BlockTable
-from services.engine.cache.expert_cache import ExpertCache, device_kernel
-from services.engine.cache.formats import ExpertFormat, expert_format
+from services.engine.cache.expert_cache import ExpertCache
+from services.engine.cache.formats import device_kernel, expert_format
 from services.engine.cache.host_store import HostStore
-from services.engine.cache.layout import num_splits
 from services.engine.cache.placement import (
     DEFAULT_PLACEMENT,
-    CostModel,
-    LinkProbe,
     Placer,
+    measure_cost_model,
     probe_link,
-    time_expert,
 )
 from services.engine.cache.policy import DEFAULT_PREFETCH, PolicySpec, Residency
 from services.engine.cache.slot_pool import FillReport, SlotPool
@@ -229,7 +226,8 @@ class ModelRunner:
         )
         self.link = probe_link(self.device)
         log.info(self.link.log_line())
-        cost = self._cost_model(fmt, host, self.link) if host.pairs else None
+        cost = (measure_cost_model(fmt, host, self.link, self.device, self.dtype)
+                if host.pairs else None)
         host_exact = fmt.exact_on(self.device, device_kernel(fmt, self.device) is not None)
         placer = Placer(placement if cost else "host", cost, host_exact)
         log.info(placer.describe())
@@ -284,47 +282,6 @@ class ModelRunner:
                  "int8" if kv_dtype == "int8" else dtype_name(self.dtype),
                  num_blocks * per_block / 2**20, num_blocks * block_size,
                  num_blocks / window_blocks, "on" if prefix_reuse else "off")
-
-    def _cost_model(self, fmt: ExpertFormat, host: HostStore, link: LinkProbe) -> CostModel:
-        """Measured host and device expert speeds (the same on CPU) for miss placement. On
-        CUDA with the device kernel, "host" is that kernel reading the pinned host blob in place
-        over the link; without it, the CPU computing (and the activations' round trip)."""
-        pair = host.pairs[0]
-        gpu = device_kernel(fmt, self.device)
-        if gpu is not None:
-            splits = num_splits(fmt.hidden_size)
-
-            def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-                return gpu.expert_forward(x, blob, fmt.ffn_size, splits)
-
-            host_timing = time_expert(fmt, host.blob(pair), dtype=self.dtype,
-                                      device=self.device, forward=forward)
-            device_timing = time_expert(fmt, host.blob(pair).to(self.device),
-                                        dtype=self.dtype, forward=forward)
-            log.info("device kernel on one expert: %.3f ms from a slot, %.3f ms read in place "
-                     "from the host store (1 token)", device_timing.seconds(1) * 1e3,
-                     host_timing.seconds(1) * 1e3)
-            return CostModel(self.slot_bytes, link.bytes_per_s, host_timing, device_timing)
-        host_timing = time_expert(fmt, host.blob(pair), dtype=self.dtype)
-        device_timing, activation_s = host_timing, 0.0
-        if self.device.type == "cuda":
-            device_timing = time_expert(fmt, host.blob(pair).to(self.device), dtype=self.dtype)
-            x = torch.zeros(1, fmt.hidden_size, dtype=self.dtype, device=self.device)
-            torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                x = x.cpu().to(self.device)
-            torch.cuda.synchronize(self.device)
-            activation_s = (time.perf_counter() - t0) / 5
-        log.info(
-            "host expert throughput: %.0f tokens/s for one expert at 1 token (%.3f ms), "
-            "%.0f tokens/s at 16 tokens",
-            host_timing.tokens_per_s,
-            host_timing.seconds(1) * 1e3,
-            16 / host_timing.seconds(16),
-        )
-        return CostModel(self.slot_bytes, link.bytes_per_s, host_timing, device_timing,
-                         activation_s)
 
     def trace_meta(self, prefetch: bool) -> dict:
         """The metadata a routing trace of this runner carries."""

@@ -45,12 +45,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from services.engine.cache.formats import device_kernel
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.layout import num_splits
 from services.engine.cache.link_meter import LinkMeter
@@ -61,27 +61,12 @@ from services.engine.cache.stats import CacheCounters, PredictionTracker, count_
 from services.engine.cache.trace import DECODE, PREDICT, PREFILL, TraceWriter
 
 if TYPE_CHECKING:
-    from services.engine.cache.formats import ExpertFormat
     from services.engine.kernels import CpuKernels
 
 log = logging.getLogger("strata.engine")
 
 _SLOT, _STAGING, _HOST = 0, 1, 2
 NUM_STAGING = 8  # CUDA ring of staging buffers for copied misses that take no slot
-
-
-def device_kernel(fmt: ExpertFormat, device: torch.device) -> ModuleType | None:
-    """The Triton MoE kernels when they run these experts (a format they take, on a CUDA
-    device, Triton installed), else None."""
-    if device.type != "cuda" or fmt.kernel_weight_dtype is None:
-        return None
-    try:
-        from services.engine.kernels import gpu_moe
-    except ImportError as e:
-        log.warning("Triton is not importable (%s): routed experts run as torch ops per expert "
-                    "and host-placed misses on the CPU; install triton for the device kernel", e)
-        return None
-    return gpu_moe
 
 
 class ExpertCache:

@@ -25,6 +25,8 @@ A new format (a GGUF block type, FP8 with block scales) is one more class with t
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -32,6 +34,8 @@ import torch
 from services.engine.cache.layout import ExpertLayout
 from services.engine.model.dtypes import dtype_name
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
+
+log = logging.getLogger("strata.engine")
 
 
 class ExpertFormat(Protocol):
@@ -65,11 +69,25 @@ class ExpertFormat(Protocol):
 
 
 class _Common:
+    """What every format shares: its byte layout (`layout`) packs, computes and unpacks."""
+
     name: str
     hidden_size: int
     ffn_size: int
     dtype: torch.dtype
     numel: int
+    layout: ExpertLayout | QuantExpertLayout
+
+    def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+             out: torch.Tensor) -> None:
+        self.layout.pack(gate, up, down, out)
+
+    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        return self.layout.forward(x, blob)
+
+    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logical weights (gate_up_t [D, 2F], down_t [F, D]) of a blob, as copies."""
+        return self.layout.views(blob)
 
     @property
     def blob_bytes(self) -> int:
@@ -103,15 +121,6 @@ class DenseFormat(_Common):
     def describe(self) -> str:
         return f"{self.name} (unquantized)"
 
-    def pack(self, gate, up, down, out) -> None:
-        self.layout.pack(gate, up, down, out)
-
-    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        return self.layout.forward(x, blob)
-
-    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logical weights (gate_up_t [D, 2F], down_t [F, D]) of a blob, as copies."""
-        return self.layout.views(blob)
 
 
 class QuantFormat(_Common):
@@ -127,14 +136,6 @@ class QuantFormat(_Common):
     def describe(self) -> str:
         return self.layout.describe()
 
-    def pack(self, gate, up, down, out) -> None:
-        self.layout.pack(gate, up, down, out)
-
-    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        return self.layout.forward(x, blob)
-
-    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layout.views(blob)
 
 
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
@@ -146,3 +147,17 @@ def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
     if expert_dtype not in QUANT_SPECS:
         raise ValueError(f"unknown expert dtype {expert_dtype!r} (choose from {EXPERT_DTYPES})")
     return QuantFormat(hidden_size, ffn_size, expert_dtype)
+
+
+def device_kernel(fmt: ExpertFormat, device: torch.device) -> ModuleType | None:
+    """The Triton MoE kernels when they run these experts (a format they take, on a CUDA
+    device, Triton installed), else None."""
+    if device.type != "cuda" or fmt.kernel_weight_dtype is None:
+        return None
+    try:
+        from services.engine.kernels import gpu_moe
+    except ImportError as e:
+        log.warning("Triton is not importable (%s): routed experts run as torch ops per expert "
+                    "and host-placed misses on the CPU; install triton for the device kernel", e)
+        return None
+    return gpu_moe

@@ -31,8 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.cache.formats import device_kernel
+from services.engine.cache.layout import num_splits
+
 if TYPE_CHECKING:
     from services.engine.cache.formats import ExpertFormat
+    from services.engine.cache.host_store import HostStore
 
 log = logging.getLogger("strata.engine")
 
@@ -179,3 +183,46 @@ class Placer:
         if self._fixed is not None:
             return f"{text} -> every miss {self._fixed[0]} ({self._fixed[1]})"
         return f"{text} -> host below {c.host_below_tokens:.1f} tokens per expert, else copy"
+
+
+def measure_cost_model(fmt: ExpertFormat, host: HostStore, link: LinkProbe,
+                       device: torch.device, dtype: torch.dtype) -> CostModel:
+    """Measured host and device expert speeds (the same on CPU) for miss placement. On
+    CUDA with the device kernel, "host" is that kernel reading the pinned host blob in place
+    over the link; without it, the CPU computing (and the activations' round trip)."""
+    pair = host.pairs[0]
+    gpu = device_kernel(fmt, device)
+    if gpu is not None:
+        splits = num_splits(fmt.hidden_size)
+
+        def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+            return gpu.expert_forward(x, blob, fmt.ffn_size, splits)
+
+        host_timing = time_expert(fmt, host.blob(pair), dtype=dtype,
+                                  device=device, forward=forward)
+        device_timing = time_expert(fmt, host.blob(pair).to(device),
+                                    dtype=dtype, forward=forward)
+        log.info("device kernel on one expert: %.3f ms from a slot, %.3f ms read in place "
+                 "from the host store (1 token)", device_timing.seconds(1) * 1e3,
+                 host_timing.seconds(1) * 1e3)
+        return CostModel(fmt.blob_bytes, link.bytes_per_s, host_timing, device_timing)
+    host_timing = time_expert(fmt, host.blob(pair), dtype=dtype)
+    device_timing, activation_s = host_timing, 0.0
+    if device.type == "cuda":
+        device_timing = time_expert(fmt, host.blob(pair).to(device), dtype=dtype)
+        x = torch.zeros(1, fmt.hidden_size, dtype=dtype, device=device)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            x = x.cpu().to(device)
+        torch.cuda.synchronize(device)
+        activation_s = (time.perf_counter() - t0) / 5
+    log.info(
+        "host expert throughput: %.0f tokens/s for one expert at 1 token (%.3f ms), "
+        "%.0f tokens/s at 16 tokens",
+        host_timing.tokens_per_s,
+        host_timing.seconds(1) * 1e3,
+        16 / host_timing.seconds(16),
+    )
+    return CostModel(fmt.blob_bytes, link.bytes_per_s, host_timing, device_timing,
+                     activation_s)

@@ -335,7 +335,7 @@ def prepare(args: argparse.Namespace, model_dir: Path, device: torch.device,
             batch_prompts: list[list[int]], coverage: float, prefetch: bool, dtype: str
             ) -> Bench:
     """Step 1 of the module docstring for one coverage, prefetch and dtype setting."""
-    from services.engine.model.config import load_model_config
+    from services.engine.model.checkpoint import load_model_config
     from services.engine.runner import ModelRunner, slot_bytes_of
 
     config = load_model_config(model_dir)

@@ -64,7 +64,7 @@ def _hardware(a: argparse.Namespace, fit: dict | None) -> Hardware:
         raise ValueError(f"--expert-dtype {a.expert_dtype} needs --model DIR (the slot size "
                          "follows the expert shape) and no --slot-mib/--slot-bytes")
     if a.model is not None:
-        from services.engine.model.config import load_model_config
+        from services.engine.model.checkpoint import load_model_config
         from services.engine.runner import slot_bytes_of
 
         c = load_model_config(a.model)

@@ -145,7 +145,7 @@ def score(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from services.engine.model.config import load_model_config
+    from services.engine.model.checkpoint import load_model_config
     from services.models import default_model_dir
     from services.training.bpe import split_ids
     from services.training.evaluate import eval_windows

@@ -142,7 +142,8 @@ def run_config(
     runner: Any, prompts: Sequence[str], k: int, method: str, gen_tokens: int, batch: int
 ) -> dict[str, Any]:
     """Every prompt through a fresh engine at K = k; figures of the decode phase."""
-    from services.engine.core import Engine, EngineRequest, Finished, GenerateParams
+    from services.engine.core import Engine
+    from services.engine.requests import EngineRequest, Finished, GenerateParams
     from services.engine.spec import make_draft_source
 
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")

@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -30,146 +29,28 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.cache.stats import CacheCounters
 from services.engine.detokenize import TextStream
+from services.engine.requests import (
+    Delta,
+    EngineRequest,
+    EngineTotals,
+    Finished,
+    InvalidRequest,
+    PromptTooLong,
+    RequestHandle,
+    RequestStats,
+    Sink,
+    Started,
+    TokenLogprob,
+    TopLogprob,
+)
 from services.engine.runner import ChunkWork
-from services.engine.sampling import Sampler, SamplingConfig
+from services.engine.sampling import Sampler
 from services.engine.scheduler import Chunk, Scheduler, SeqState, Step
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.verify import accept_tokens
 
 log = logging.getLogger("strata.engine")
 serve_log = logging.getLogger("strata.serve")
-
-
-class InvalidRequest(ValueError):
-    """The request cannot be served as asked (the client must change it)."""
-
-
-class PromptTooLong(InvalidRequest):
-    def __init__(self, prompt_tokens: int, context_window: int):
-        super().__init__(
-            f"prompt is {prompt_tokens} tokens but the model's context window is "
-            f"{context_window} tokens; shorten the prompt by at least "
-            f"{prompt_tokens - context_window + 1} tokens")
-        self.prompt_tokens = prompt_tokens
-        self.context_window = context_window
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    max_tokens: int = 0  # 0: up to the context window
-    stop: tuple[str, ...] = ()
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    logprobs: bool = False  # report the sampled token's log-probability
-    top_logprobs: int = 0  # and this many most likely alternatives
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    request_id: str
-    params: GenerateParams
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), chat-templated
-    prompt: str | None = None  # raw completion prompt
-
-
-class _DraftFigures:
-    """The acceptance rate of the speculation counters a stats class declares."""
-
-    drafts_proposed: int
-    drafts_accepted: int
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        p = self.drafts_proposed
-        return self.drafts_accepted / p if p else 0.0
-
-
-@dataclass(frozen=True)
-class RequestStats(_DraftFigures):
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0
-    completion_tokens: int = 0
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    decode_tok_s: float = 0.0
-    # Decode-phase expert cache figures (see services/engine/cache/stats.py).
-    lookups: int = 0
-    hits: int = 0
-    spilled: int = 0
-    misses_host: int = 0  # missed tokens run from host memory (see cache/placement.py)
-    misses_copied: int = 0  # missed tokens whose expert was copied over the link first
-    prefetch_predicted: int = 0  # distinct pairs predicted for the next layer
-    prefetch_predicted_routed: int = 0  # ... that the layer then routed to
-    prefetch_routed: int = 0  # distinct pairs routed in layers that had a prediction
-    prefill_lookups: int = 0
-    prefill_hits: int = 0
-    # Speculative decoding: draft tokens proposed / accepted, verification steps, decode
-    # lookups spent on rejected draft positions, lookups by the draft source's own forward.
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
-    verify_steps: int = 0
-    rejected_lookups: int = 0
-    draft_lookups: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    @property
-    def spill_ratio(self) -> float:
-        return self.spilled / self.lookups if self.lookups else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        p = self.prefetch_predicted
-        return self.prefetch_predicted_routed / p if p else 0.0
-
-    @property
-    def prefetch_recall(self) -> float:
-        r = self.prefetch_routed
-        return self.prefetch_predicted_routed / r if r else 0.0
-
-
-@dataclass(frozen=True)
-class Started:
-    prompt_tokens: int
-    context_window: int
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    token_bytes: bytes
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    token_bytes: bytes
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" | "length" | "abort"
-    stats: RequestStats
-    error: str = ""
-
-
-Event = Started | Delta | Finished
-Sink = Callable[[Event], None]
 
 
 class Runner(Protocol):
@@ -181,34 +62,6 @@ class Runner(Protocol):
 
     def step(self, chunks: Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
                                                               CacheCounters]]: ...
-
-
-@dataclass
-class RequestHandle:
-    request: EngineRequest
-    prompt_ids: list[int]
-    sink: Sink
-    submitted_at: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-@dataclass
-class EngineTotals(_DraftFigures):
-    """Lifetime figures, written by the loop thread only."""
-
-    requests_finished: int = 0
-    tokens_generated: int = 0
-    lookups: int = 0
-    hits: int = 0
-    spilled: int = 0
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
-    verify_steps: int = 0
-    rejected_lookups: int = 0
-    draft_lookups: int = 0
 
 
 class _Live:

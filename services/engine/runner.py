@@ -39,10 +39,11 @@ from services.engine.cache.slot_pool import FillReport, SlotPool
 from services.engine.cache.stats import CacheCounters
 from services.engine.cache.trace import TraceWriter
 from services.engine.kernels.backend import select_backend
-from services.engine.model.checkpoint import open_checkpoint
-from services.engine.model.config import ModelConfig, load_model_config
+from services.engine.model.checkpoint import load_model_config, open_checkpoint
+from services.engine.model.config import ModelConfig
 from services.engine.model.cuda_graphs import DecodeGraphs, graph_blocker
 from services.engine.model.dtypes import dtype_name, resolve_dtype
+from services.engine.model.families import weight_names
 from services.engine.model.loader import load_model
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.step import Span
@@ -58,7 +59,7 @@ def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     """Bytes of one cache slot (one pair's blob) for a checkpoint served with these settings,
     without loading it: what the runner's start-up log line states."""
     config = load_model_config(Path(model_dir))
-    weight_dtype = resolve_dtype(dtype, open_checkpoint(Path(model_dir), config.weight_names))
+    weight_dtype = resolve_dtype(dtype, open_checkpoint(Path(model_dir), weight_names(config)))
     return expert_format(config.hidden_size, config.moe_intermediate_size, weight_dtype,
                          expert_dtype).blob_bytes
 
@@ -170,7 +171,7 @@ class ModelRunner:
         # MTP draft head (services/engine/spec/mtp.py) sees the main model's hidden states.
         self.hidden_sink: abc.Callable[[abc.Sequence[ChunkWork], torch.Tensor], None] | None = None
         self.tokenizer = Tokenizer(model_dir)
-        reader = open_checkpoint(model_dir, self.config.weight_names)
+        reader = open_checkpoint(model_dir, weight_names(self.config))
         self.fingerprint = reader.fingerprint(self.config)
         c = self.config
         log.info(

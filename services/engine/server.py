@@ -26,9 +26,9 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from services.common.genai_metrics import GenAIMetrics
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.common.telemetry import extract_context
-from services.engine.core import (
+from services.engine.core import Engine
+from services.engine.requests import (
     Delta,
-    Engine,
     EngineRequest,
     Event,
     Finished,

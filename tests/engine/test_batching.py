@@ -8,14 +8,8 @@ import time
 
 import pytest
 
-from services.engine.core import (
-    Delta,
-    Engine,
-    EngineRequest,
-    Finished,
-    GenerateParams,
-    PromptTooLong,
-)
+from services.engine.core import Engine
+from services.engine.requests import Delta, EngineRequest, Finished, GenerateParams, PromptTooLong
 from services.engine.runner import ModelRunner
 from services.engine.sampling import SamplingConfig
 

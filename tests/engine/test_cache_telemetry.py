@@ -7,7 +7,8 @@ import logging
 import re
 import threading
 
-from services.engine.core import Engine, EngineRequest, Finished, GenerateParams
+from services.engine.core import Engine
+from services.engine.requests import EngineRequest, Finished, GenerateParams
 from services.engine.sampling import SamplingConfig
 from services.engine.server import StatusSource, stats_to_proto
 from tests.engine.test_runner import runner_with_slots

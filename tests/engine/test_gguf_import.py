@@ -15,8 +15,9 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
-from services.engine.model.checkpoint import CheckpointReader  # noqa: E402
-from services.engine.model.config import CheckpointError, load_model_config  # noqa: E402
+from services.engine.model.checkpoint import CheckpointReader, load_model_config  # noqa: E402
+from services.engine.model.config import CheckpointError  # noqa: E402
+from services.engine.model.families import weight_names  # noqa: E402
 from services.engine.model.tokenizer import Tokenizer  # noqa: E402
 from services.engine.runner import ModelRunner  # noqa: E402
 from tests.engine.conftest import TOKENIZER_VOCAB, make_hf_checkpoint  # noqa: E402
@@ -45,7 +46,7 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 def source_tensors(ckpt: Path) -> dict[str, np.ndarray]:
     """GGUF name -> fp32 array (torch order) of an HF checkpoint, experts stacked [E, ...]."""
     config = load_model_config(ckpt)
-    reader = CheckpointReader(ckpt, config.weight_names)
+    reader = CheckpointReader(ckpt, weight_names(config))
     out = {}
     for name in reader.names:
         if ".experts." in name or name.endswith(("gate_up_proj", "experts.down_proj")):

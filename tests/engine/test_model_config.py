@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.model.checkpoint import CheckpointReader
-from services.engine.model.config import CheckpointError, ModelConfig, load_model_config
+from services.engine.model.checkpoint import CheckpointReader, load_model_config
+from services.engine.model.config import CheckpointError
 from services.engine.model.demo import DEMO_CONFIG, write_demo_checkpoint
+from services.engine.model.families import parse_config
 from services.engine.runner import ModelRunner
 
 NEW_STYLE = {
@@ -23,7 +24,7 @@ for _key in ("num_experts", "rope_theta"):
 
 
 def test_both_spellings_give_the_same_config():
-    old, new = ModelConfig.from_hf(DEMO_CONFIG), ModelConfig.from_hf(NEW_STYLE)
+    old, new = parse_config(DEMO_CONFIG), parse_config(NEW_STYLE)
     assert old == new
     assert old.num_experts == 32 and old.rope_theta == 1e6 and old.context_window == 4096
     assert old.num_layers == 8 and old.experts_per_token == 4 and old.head_dim == 64
@@ -33,7 +34,7 @@ def test_both_spellings_give_the_same_config():
 def test_dense_layers_and_head_dim_default():
     raw = {**DEMO_CONFIG, "mlp_only_layers": [0, 5], "decoder_sparse_step": 2}
     raw.pop("head_dim")
-    cfg = ModelConfig.from_hf(raw)
+    cfg = parse_config(raw)
     assert cfg.head_dim == 256 // 4
     assert cfg.moe_layers == (1, 3, 7)
     assert cfg.total_pairs == 3 * 32
@@ -49,7 +50,7 @@ def test_dense_layers_and_head_dim_default():
 )
 def test_unsupported_configs_are_named(patch, message):
     with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_hf({**DEMO_CONFIG, **patch})
+        parse_config({**DEMO_CONFIG, **patch})
 
 
 def test_missing_files_are_clear_errors(tmp_path):

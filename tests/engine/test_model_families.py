@@ -111,18 +111,19 @@ def test_family_engine_at_partial_coverage_matches_full(tmp_path, family):
 
 
 def test_family_flags_leave_qwen3_fingerprints_alone():
-    from services.engine.model.config import ModelConfig
+    from services.engine.model.families import parse_config
     from tests.engine.conftest import TINY
 
-    config = ModelConfig.from_hf({**TINY, "model_type": "qwen3_moe"})
+    config = parse_config({**TINY, "model_type": "qwen3_moe"})
     assert config.qk_norm == "head" and config.shared_expert_intermediate_size == 0
     assert "qk_norm" not in config.canonical_json()  # fields at their defaults are left out
 
 
 def test_mixtral_sliding_window_is_refused():
-    from services.engine.model.config import CheckpointError, ModelConfig
+    from services.engine.model.config import CheckpointError
+    from services.engine.model.families import parse_config
 
     raw = {**BASE, "model_type": "mixtral", "num_local_experts": 4, "sliding_window": 128}
     with pytest.raises(CheckpointError, match="sliding_window"):
-        ModelConfig.from_hf(raw)
-    assert ModelConfig.from_hf({**raw, "sliding_window": None}).norm_topk_prob
+        parse_config(raw)
+    assert parse_config({**raw, "sliding_window": None}).norm_topk_prob

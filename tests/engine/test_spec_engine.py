@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.common.telemetry import setup_metrics
-from services.engine.core import Engine, EngineRequest, GenerateParams
+from services.engine.core import Engine
+from services.engine.requests import EngineRequest, GenerateParams
 from services.engine.runner import ModelRunner
 from services.engine.sampling import Sampler, SamplingConfig
 from services.engine.server import StatusSource, set_serving, start_server

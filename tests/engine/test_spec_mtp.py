@@ -13,8 +13,7 @@ import torch
 from services.engine.block_manager import BlockTable
 from services.engine.cache.layout import matmul_split
 from services.engine.kernels.backend import TorchBackend
-from services.engine.model.checkpoint import CheckpointReader
-from services.engine.model.config import load_model_config
+from services.engine.model.checkpoint import CheckpointReader, load_model_config
 from services.engine.runner import ChunkWork
 from services.engine.spec import draft_memory_bytes, make_draft_source
 from services.engine.spec.base import DraftRequest

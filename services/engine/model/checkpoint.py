@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, find_gguf
+from services.engine.model.families import parse_config
+from services.engine.model.gguf_reader import GGUFCheckpoint, load_gguf_config
 
 EXPERTS = "model.layers.{layer}.{moe}.experts"
 
@@ -27,10 +29,18 @@ def open_checkpoint(model_dir: Path, names: WeightNames | None = None) -> Checkp
     """A safetensors checkpoint directory, or a GGUF file (or a directory holding one) read
     under the same Hugging Face names (model/gguf_reader.py)."""
     if (gguf_path := find_gguf(model_dir)) is not None:
-        from services.engine.model.gguf_reader import GGUFCheckpoint
-
         return GGUFCheckpoint(gguf_path, names)  # type: ignore[return-value]  # same interface
     return CheckpointReader(model_dir, names)
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """config.json of a checkpoint directory, or a GGUF file's metadata (model/gguf_reader.py)."""
+    if (gguf_path := find_gguf(model_dir)) is not None:
+        return load_gguf_config(gguf_path)
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json")
+    return parse_config(json.loads(path.read_text()))
 
 
 class CheckpointReader:

@@ -1,8 +1,9 @@
 """ModelConfig: a Hugging Face MoE config.json parsed into native types.
 
-The fields every family shares are read here; what a family adds or overrides (q/k norm kind,
-biases, shared experts, latent attention, grouped routing) comes from its file in
-model/families/. Checkpoint writers disagree on spellings (transformers 5 writes
+The fields every family shares are read here (common_fields); what a family adds or overrides
+(q/k norm kind, biases, shared experts, latent attention, grouped routing) comes from its file
+in model/families/, and families.parse_config puts the two together. This module imports
+nothing else of the model package. Checkpoint writers disagree on spellings (transformers 5 writes
 `num_local_experts` and a `rope_parameters` dict; older Qwen3-MoE checkpoints have
 `num_experts` and `rope_theta`): both are read here, once, so nothing downstream ever looks at
 the raw JSON.
@@ -15,11 +16,29 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from services.engine.model.families import SUPPORTED_MODEL_TYPES, family
-from services.engine.model.families.base import CheckpointError, WeightNames, req
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "CheckpointError", "ModelConfig", "WeightNames",
-           "find_gguf", "load_model_config"]
+class CheckpointError(ValueError):
+    """The checkpoint directory is missing something or describes a model Strata cannot run."""
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Where a family keeps its MoE tensors: model.layers.L.{moe}.gate (the router) and
+    model.layers.L.{moe}.experts.E.{gate,up,down}.weight (the routed experts)."""
+
+    moe: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str = "shared_expert"  # the shared expert's block (families that have one)
+    shared_gate: str | None = "shared_expert_gate"  # its sigmoid gate (None: ungated)
+
+
+def req(raw: dict[str, Any], key: str) -> Any:
+    """raw[key], or a CheckpointError naming the missing key."""
+    if key not in raw:
+        raise CheckpointError(f"config.json lacks {key!r}")
+    return raw[key]
 
 
 @dataclass(frozen=True)
@@ -63,10 +82,6 @@ class ModelConfig:
     rope_interleave: bool = False
 
     @property
-    def weight_names(self) -> WeightNames:
-        return family(self.model_type).weight_names
-
-    @property
     def moe_layers(self) -> tuple[int, ...]:
         """Layers with a sparse MoE block (the others run a dense SwiGLU MLP)."""
         return tuple(layer for layer in range(self.num_layers) if self.is_moe_layer(layer))
@@ -88,17 +103,8 @@ class ModelConfig:
         d = {k: v for k, v in asdict(self).items() if k not in defaults or v != defaults[k]}
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        fam = family(raw.get("model_type"))
-        if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-        if raw.get("use_sliding_window"):
-            raise CheckpointError("use_sliding_window=true is not supported")
-        return cls(**{**_common_fields(raw), **fam.config_fields(raw)})
-
-
-def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way (families/ add their own)."""
     hidden = req(raw, "hidden_size")
     heads = req(raw, "num_attention_heads")
     num_experts = next((raw[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
@@ -152,15 +158,3 @@ def find_gguf(path: str | Path) -> Path | None:
     if len(files) > 1:
         raise CheckpointError(f"{path} holds {len(files)} .gguf files; name one of them")
     return files[0] if files else None
-
-
-def load_model_config(model_dir: Path) -> ModelConfig:
-    """config.json of a checkpoint directory, or a GGUF file's metadata (model/gguf_reader.py)."""
-    if (gguf_path := find_gguf(model_dir)) is not None:
-        from services.engine.model.gguf_reader import load_gguf_config
-
-        return load_gguf_config(gguf_path)
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{model_dir} has no config.json")
-    return ModelConfig.from_hf(json.loads(path.read_text()))

@@ -16,7 +16,7 @@ are pre-transposed and split into S column blocks ([S, in, out/S], cache/layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,7 +31,15 @@ from services.engine.model.step import DecodeRows, ExpertSource, Span, Step
 if TYPE_CHECKING:
     from services.engine import kernels
     from services.engine.cache.expert_cache import ExpertCache
-    from services.engine.model.cuda_graphs import DecodeGraphs
+
+
+class GraphedSteps(Protocol):
+    """Decode steps replayed from CUDA graphs (model/cuda_graphs.py's DecodeGraphs)."""
+
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span]
+            ) -> torch.Tensor | None:
+        """fp32 logits [T, V] of a pure decode step, or None: run it eagerly."""
+        ...
 
 
 class Decoder:
@@ -52,7 +60,7 @@ class Decoder:
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
         self._structs: tuple[PagedKVCache, list[kernels.DecodeLayer]] | None = None
         self.last_hidden: torch.Tensor | None = None  # of the last forward
-        self.graphs: DecodeGraphs | None = None  # CUDA: decode steps as graph replays
+        self.graphs: GraphedSteps | None = None  # CUDA: decode steps as graph replays
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],

@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file as if it were a Hugging Face checkpoint.
 
-    model.gguf ─┬─ metadata {arch}.* ──> an HF-style config dict ──> ModelConfig.from_hf
+    model.gguf ─┬─ metadata {arch}.* ──> an HF-style config dict ──> families.parse_config
                 ├─ tensors blk.N.* ────> HF names (model.layers.N.*), dequantized to fp32 by
                 │                        gguf.quants.dequantize (F32/F16/BF16, Q8_0, K-quants,
                 │                        i-quants: whatever gguf-py decodes) as the loader reads it
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames
+from services.engine.model.families import parse_config
 
 try:
     import gguf
@@ -188,7 +189,7 @@ class GGUFCheckpoint:
         return h.hexdigest()[:16]
 
     def hf_config(self) -> dict[str, Any]:
-        """The metadata as a config.json dict for ModelConfig.from_hf."""
+        """The metadata as a config.json dict for families.parse_config."""
         a = self.arch_field
         num_experts = int(a("expert_count", 0) or 0)
         if num_experts == 0:
@@ -258,7 +259,7 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def load_gguf_config(path: Path) -> ModelConfig:
-    return ModelConfig.from_hf(GGUFCheckpoint(path).hf_config())
+    return parse_config(GGUFCheckpoint(path).hf_config())
 
 
 def gguf_tokenizer(path: Path) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from services.engine.block_manager import BlockTable, NoFreeBlocks
-from services.engine.model.checkpoint import open_checkpoint
-from services.engine.model.config import load_model_config
+from services.engine.model.checkpoint import load_model_config, open_checkpoint
+from services.engine.model.families import weight_names
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.spec.base import DraftRequest, DraftSource
 
@@ -39,7 +39,7 @@ def draft_model_bytes(
     """Device bytes of a draft model: every weight (all experts resident; counted from the
     checkpoint's tensor shapes, whatever the family) plus its KV pool."""
     c = load_model_config(model_dir)
-    reader = open_checkpoint(model_dir, c.weight_names)
+    reader = open_checkpoint(model_dir, weight_names(c))
     params = sum(math.prod(reader.shape(name)) for name in reader.names)
     element = torch.empty((), dtype=dtype).element_size()
     block_size = 16

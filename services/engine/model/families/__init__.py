@@ -7,8 +7,16 @@ and what its layers are (base.Family). A new family is a new file here plus its 
 FAMILIES; the decoder, the backends, the cache and the planner need nothing else.
 """
 
+from typing import Any
+
+from services.engine.model.config import (
+    CheckpointError,
+    ModelConfig,
+    WeightNames,
+    common_fields,
+)
 from services.engine.model.families import deepseek, mixtral, olmoe, qwen2_moe, qwen3_moe
-from services.engine.model.families.base import CheckpointError, Family
+from services.engine.model.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     qwen3_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, deepseek.DEEPSEEK_V2,
@@ -22,3 +30,19 @@ def family(model_type: str | None) -> Family:
         raise CheckpointError(
             f"unsupported model_type {model_type!r}: Strata runs {', '.join(FAMILIES)}")
     return FAMILIES[model_type]
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """A config.json dict (or a GGUF file's metadata as one) -> ModelConfig: the common fields,
+    then the family's own."""
+    fam = family(raw.get("model_type"))
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window=true is not supported")
+    return ModelConfig(**{**common_fields(raw), **fam.config_fields(raw)})
+
+
+def weight_names(config: ModelConfig) -> WeightNames:
+    """Where the config's family keeps its MoE tensors."""
+    return family(config.model_type).weight_names

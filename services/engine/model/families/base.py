@@ -12,37 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from services.engine.cache.layout import split_columns
+from services.engine.model.config import ModelConfig, WeightNames
 from services.engine.model.layers.attention import Attention
 from services.engine.model.layers.decoder_layer import DecoderLayer
 from services.engine.model.layers.mlp import DenseMlp
 from services.engine.model.layers.moe import GroupedRouting, MoeBlock
-
-if TYPE_CHECKING:
-    from services.engine.model.checkpoint import CheckpointReader
-    from services.engine.model.config import ModelConfig
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing something or describes a model Strata cannot run."""
-
-
-@dataclass(frozen=True)
-class WeightNames:
-    """Where a family keeps its MoE tensors: model.layers.L.{moe}.gate (the router) and
-    model.layers.L.{moe}.experts.E.{gate,up,down}.weight (the routed experts)."""
-
-    moe: str = "mlp"
-    gate: str = "gate_proj"
-    up: str = "up_proj"
-    down: str = "down_proj"
-    shared: str = "shared_expert"  # the shared expert's block (families that have one)
-    shared_gate: str | None = "shared_expert_gate"  # its sigmoid gate (None: ungated)
-
 
 RawConfig = dict[str, Any]
 
@@ -57,11 +36,12 @@ class Family:
     build_layer: Callable[[Tensors, ModelConfig, int], DecoderLayer]
 
 
-def req(raw: RawConfig, key: str) -> Any:
-    """raw[key], or a CheckpointError naming the missing key."""
-    if key not in raw:
-        raise CheckpointError(f"config.json lacks {key!r}")
-    return raw[key]
+class TensorReader(Protocol):
+    """What the builders read tensors through (model/checkpoint.py, model/gguf_reader.py)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
 
 class Tensors:
@@ -69,7 +49,7 @@ class Tensors:
     dtype (linear weights pre-transposed and split by columns), vectors (norms, biases) in the
     activation dtype."""
 
-    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
+    def __init__(self, reader: TensorReader, dtype: torch.dtype, device: torch.device,
                  act_dtype: torch.dtype | None = None):
         self.reader, self.dtype, self.device = reader, dtype, device
         self.act_dtype = act_dtype or dtype

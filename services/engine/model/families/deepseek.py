@@ -6,15 +6,8 @@ score-correction bias) with a scaling factor, ungated shared experts, the first
 `first_k_dense_replace` layers dense.
 """
 
-from services.engine.model.families.base import (
-    CheckpointError,
-    Family,
-    RawConfig,
-    Tensors,
-    WeightNames,
-    decoder_layer,
-    req,
-)
+from services.engine.model.config import CheckpointError, WeightNames, req
+from services.engine.model.families.base import Family, RawConfig, Tensors, decoder_layer
 from services.engine.model.layers.mla import LatentAttention
 from services.engine.model.layers.rope import interleave_perm
 

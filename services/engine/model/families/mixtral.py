@@ -5,13 +5,8 @@ block_sparse_moe.experts.E.{w1 (gate), w3 (up), w2 (down)}. A sliding window sho
 context is refused (no windowed attention yet).
 """
 
-from services.engine.model.families.base import (
-    CheckpointError,
-    RawConfig,
-    WeightNames,
-    gqa_family,
-    req,
-)
+from services.engine.model.config import CheckpointError, WeightNames, req
+from services.engine.model.families.base import RawConfig, gqa_family
 
 
 def config_fields(raw: RawConfig) -> dict:

@@ -4,7 +4,8 @@ GQA with one q/k RMSNorm over the whole projection (not per head), an optional c
 (`clip_qkv`), softmax top-K; Qwen's tensor names.
 """
 
-from services.engine.model.families.base import RawConfig, WeightNames, gqa_family
+from services.engine.model.config import WeightNames
+from services.engine.model.families.base import RawConfig, gqa_family
 
 
 def config_fields(raw: RawConfig) -> dict:

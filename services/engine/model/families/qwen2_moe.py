@@ -4,7 +4,8 @@ GQA with q/k/v biases (spelled `qkv_bias`, on in checkpoints that predate the ke
 norm, softmax top-K, and a resident shared expert scaled by sigmoid(shared_expert_gate(h)).
 """
 
-from services.engine.model.families.base import RawConfig, WeightNames, gqa_family
+from services.engine.model.config import WeightNames
+from services.engine.model.families.base import RawConfig, gqa_family
 
 
 def config_fields(raw: RawConfig) -> dict:

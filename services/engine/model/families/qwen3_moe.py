@@ -5,7 +5,8 @@ MoE on every `decoder_sparse_step`-th layer except `mlp_only_layers`; experts un
 mlp.experts.E.{gate,up,down}_proj.
 """
 
-from services.engine.model.families.base import RawConfig, WeightNames, gqa_family
+from services.engine.model.config import WeightNames
+from services.engine.model.families.base import RawConfig, gqa_family
 
 
 def config_fields(raw: RawConfig) -> dict:

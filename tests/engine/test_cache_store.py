@@ -89,13 +89,14 @@ def test_lookups_counted_per_routed_token(host):
     # 4 tokens: expert 0 (resident) for all of them, expert 1 (not resident) for 3
     top_idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 2]])
     cache.route(0, top_idx, [4, 3, 1, 0, 0, 0, 0, 0])
-    hit = cache.expert_forward(0, 0, x)
-    miss = cache.expert_forward(0, 1, x[:3])
+    top_w = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # hit rows | miss
+    y = cache.apply(0, x, top_idx, top_w)
+    hit, miss = y[:3], y[3:]
     assert cache.step_token_hits.tolist() == [1, 1, 1, 1]
     assert (cache.lookups, cache.hits, cache.spilled) == (8, 4, 4)
     assert cache.decode.misses_host == 4 and cache.prefill.lookups == 0
-    assert torch.equal(hit, host.format.forward(x, host.blob((0, 0))))
-    assert torch.equal(miss, host.format.forward(x[:3], host.blob((0, 1))))
+    torch.testing.assert_close(hit, host.format.forward(x[:3], host.blob((0, 0))))
+    torch.testing.assert_close(miss, host.format.forward(x[3:], host.blob((0, 2))))
     counts = cache.take_routing_counts()
     assert counts.dtype.name == "int64" and counts.shape == (3, 8)
     assert counts[0, 0] == 4 and counts[0, 1] == 3 and counts[0, 2] == 1 and counts.sum() == 8

@@ -208,6 +208,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     directly (a stand-in CUDAGraph whose replay calls it), the kernels in the interpreter.
     Tokens, lookups, hits and fills equal the eager steps', and the address table agrees with
     the residency after every fill."""
+    from services.engine.cache.moe_compute import TritonMoe
     from services.engine.cache.policy import PolicySpec
     from services.engine.kernels import gpu_ops
     from services.engine.kernels.backend import TritonBackend
@@ -238,7 +239,8 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
                              reserved_bytes=0, policy=PolicySpec(policy, 0.25),
                              prefetch=False)
         if graphed:
-            runner.cache._gpu = gpu_moe
+            runner.cache.compute = TritonMoe(gpu_moe, runner.cache.format,
+                                             runner.config.num_experts, runner.device)
             runner.model.fusable = False  # not the fused CPU decode
             runner.model.backend = TritonBackend(runner.device, gpu_ops)  # the graph's ops
             runner.model.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)

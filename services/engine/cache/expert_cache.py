@@ -27,17 +27,11 @@ hold the same bytes, and the same kernel reads them (bit-identical). Only where 
 CPU computing for a CUDA device (no Triton, quantized experts) can a host placement differ in
 the last bits (see placement.py: the `exact` mode never uses it there).
 
-How apply() computes: for a format the kernels take (cache/formats.py: `kernel_weight_dtype`,
-fp32 and bf16 today), one kernel call per layer reads each routed expert's blob where it lies,
-by address — no gather, no per-expert dispatch:
-  CPU                   services.engine.kernels (C): slots, staging copies, the host store
-  CUDA                  services.engine.kernels.gpu_moe (Triton): slots, staging copies, and the
-                        pinned host store read in place over the link (zero-copy); the
-                        groups of ready experts launch first, the ones whose copy is still in
-                        flight after the compute stream has waited for it
-Otherwise (quantized experts, no C compiler, no Triton) the tokens are grouped by expert with
-one gather, each expert runs on its rows as the format's torch ops (`expert_forward`), and one
-scatter-add sums them.
+apply() moves the bytes each routed expert needs (`_place`: its slot, a staging copy of a host
+blob, or the host blob itself read in place; on CUDA the copies it must wait for) and hands
+them to the layer's compute, chosen once from the format and the device
+(cache/moe_compute.py): the C kernel or the Triton kernel reading every blob by address in one
+call, or the format's torch ops per expert.
 """
 
 from __future__ import annotations
@@ -50,10 +44,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.engine.cache.formats import device_kernel
 from services.engine.cache.host_store import HostStore
-from services.engine.cache.layout import num_splits
 from services.engine.cache.link_meter import LinkMeter
+from services.engine.cache.moe_compute import Placed, TritonMoe, moe_compute
 from services.engine.cache.placement import Placer
 from services.engine.cache.policy import Residency
 from services.engine.cache.slot_pool import SlotPool
@@ -103,13 +96,8 @@ class ExpertCache:
         num_staging = NUM_STAGING if self.on_cuda else 1
         self._staging = [torch.empty(self.format.numel, dtype=host.dtype, device=pool.device)
                          for _ in range(num_staging)]
-        self._staging_next = 0
-        takes = self.format.kernel_weight_dtype is not None
-        self._cpu = cpu_kernels if takes and not self.on_cuda else None
-        self._gpu = device_kernel(self.format, pool.device)
-        # blob addresses for the kernels: slot i at slots_base + i * blob_bytes
-        self._blob_addr = np.zeros(num_experts, dtype=np.int64)  # [E] this layer's
-        self._blob_bytes = self.format.blob_bytes
+        self.compute = moe_compute(self.format, pool.device, num_experts, cpu_kernels)
+        self._blob_bytes = self.format.blob_bytes  # slot i at slots.data_ptr() + i * this
         # CUDA graphs: every pair's blob address [L, E] on the device (its slot once filled,
         # else the pinned host store), kept current by every fill; and each slot's pair
         self.addr_table: torch.Tensor | None = None
@@ -118,24 +106,23 @@ class ExpertCache:
         if self.on_cuda:
             self._copy_stream = torch.cuda.Stream(pool.device)
             self._slot_ready: dict[int, torch.cuda.Event] = {}
-            self._staging_free: list[torch.cuda.Event | None] = [None] * num_staging
             self._reads_done: torch.cuda.Event | None = None
 
     @property
     def cpu_kernels(self) -> bool:
         """Whether apply() runs the CPU kernels."""
-        return self._cpu is not None
+        return self.compute.kind == "cpu-kernel"
 
     @property
     def device_kernel(self) -> bool:
         """Whether apply() runs the Triton kernel (CUDA)."""
-        return self._gpu is not None
+        return self.compute.kind == "triton"
 
     @property
     def host_exact(self) -> bool:
         """Whether a miss placed on the host gives the bits of a hit (the same kernel reads it
         there: always on CPU; on CUDA with the device kernel)."""
-        return self.format.exact_on(self.pool.device, self._gpu is not None)
+        return self.format.exact_on(self.pool.device, self.device_kernel)
 
     @property
     def residency(self) -> Residency:
@@ -261,85 +248,31 @@ class ExpertCache:
               top_w: torch.Tensor) -> torch.Tensor:
         """This step's routed experts of `layer` on x [T, D] (top_idx [T, K] on the host,
         top_w [T, K]) where route() placed them -> [T, D]: per token the sum of its experts'
-        outputs times their weights, in ascending expert id."""
-        if self._cpu is not None:
-            return self._apply_kernel(layer, x, top_idx, top_w)
-        if self._gpu is not None:
-            return self._apply_gpu(layer, x, top_idx, top_w)
-        K = top_idx.shape[1]
-        order = torch.argsort(top_idx.flatten(), stable=True).to(x.device)  # [T*K], grouped by expert
-        token_of = order // K  # [T*K]
-        weight_of = top_w.flatten()[order]  # [T*K]
-        xs = x[token_of]  # [T*K, D], rows grouped by expert: one gather in
-        ys = torch.empty_like(xs)  # [T*K, D]
-        start = 0
-        for expert, n in enumerate(self._counts):
-            if n:
-                ys[start : start + n] = self.expert_forward(layer, expert, xs[start : start + n])
-                start += n
-        self._layer_done()
-        # One scatter-add out: index_add_ walks the rows in order, so each token still sums
-        # its experts by ascending id.
-        return torch.zeros_like(x).index_add_(0, token_of, ys * weight_of[:, None])  # [T, D]
-
-    def _apply_kernel(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
-                      top_w: torch.Tensor) -> torch.Tensor:
-        assert self._cpu is not None
-        addr = self._blob_addr
-        slots_base = self.pool.slots.data_ptr()
-        staged = 0
-        for expert, (where, slot) in self._plan.items():
-            if where == _SLOT:
-                addr[expert] = slots_base + slot * self._blob_bytes
-                continue
-            blob = self.host.blob((layer, expert))
-            if where == _STAGING:  # a copied miss without a slot: through a staging buffer
-                blob = self._stage_cpu(staged, blob)
-                staged += 1
-            addr[expert] = blob.data_ptr()
-        return self._cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), addr,
-                             self.format.ffn_size, num_splits(self.format.hidden_size),
-                             weight_dtype=self.host.dtype)
-
-    def _apply_gpu(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
-                   top_w: torch.Tensor) -> torch.Tensor:
-        """apply() on CUDA with the Triton kernel: hits, and misses read in place from the pinned
-        host store, launch at once; slots still being filled and staged copies after the compute
-        stream has waited for their copies."""
-        gpu = self._gpu
-        assert gpu is not None
-        addr = self._blob_addr
-        slots_base = self.pool.slots.data_ptr()
-        pending = np.zeros(self.num_experts, dtype=bool)  # [E] waits for a copy
-        waits: list[torch.cuda.Event] = []
-        staged = 0
-        for expert, (where, slot) in self._plan.items():
-            ready = None
-            if where == _SLOT:
-                addr[expert] = slots_base + slot * self._blob_bytes
-                ready = self._slot_ready.pop(slot, None)
-            elif where == _HOST:  # the device reads the pinned host blob over the link
-                addr[expert] = self.host.blob((layer, expert)).data_ptr()
-            else:
-                buf, ready = self._stage_device(staged, self.host.blob((layer, expert)))
-                addr[expert] = buf.data_ptr()
-                staged += 1
-            if ready is not None:
-                pending[expert] = True
-                waits.append(ready)
-        groups = gpu.group_rows(top_idx.numpy(), ~pending if waits else None)
-        compute = torch.cuda.current_stream(self.pool.device)
-
-        def wait_for_copies() -> None:
-            for ready in waits:
-                compute.wait_event(ready)
-
-        y = gpu.moe(x, top_w, groups, addr, self.format.ffn_size,
-                    num_splits(self.format.hidden_size),
-                    split=int((~pending[groups.expert]).sum()) if waits else None,
-                    between=wait_for_copies if waits else None)
+        outputs times their weights, in ascending expert id (cache/moe_compute.py)."""
+        y = self.compute(x, top_idx, top_w, self._place(layer))
         self._layer_done()
         return y
+
+    def _place(self, layer: int) -> Placed:
+        """Each routed expert's bytes as route() placed them: its slot (waiting for the slot's
+        fill if it is in flight), a staging copy of its host blob (one buffer per staged expert
+        of the layer), or the host blob itself, read in place."""
+        placed = Placed({}, {}, self._counts)
+        staged = 0
+        for expert, (where, slot) in self._plan.items():
+            if where == _SLOT:
+                assert slot is not None
+                placed.blobs[expert] = self.pool.slots[slot]
+                ready = self._slot_ready.pop(slot, None) if self.on_cuda else None
+            else:
+                blob, ready = self.host.blob((layer, expert)), None
+                if where == _STAGING:  # a copied miss without a slot
+                    blob, ready = self._stage(staged, blob)
+                    staged += 1
+                placed.blobs[expert] = blob
+            if ready is not None:
+                placed.ready[expert] = ready
+        return placed
 
     # -- decode steps captured in a CUDA graph ------------------------------------------------
     def enable_address_table(self, num_layers: int) -> None:
@@ -371,9 +304,8 @@ class ExpertCache:
                       top_w: torch.Tensor) -> torch.Tensor:
         """apply() inside a CUDA graph: top_idx, top_w [T, K] on the device; each expert read
         at its address in the table — its slot, or in place from the host store."""
-        assert self._gpu is not None and self.addr_table is not None
-        return self._gpu.moe_device(x, top_idx, top_w, self.addr_table[layer],
-                                    self.format.ffn_size, num_splits(self.format.hidden_size))
+        assert isinstance(self.compute, TritonMoe) and self.addr_table is not None
+        return self.compute.graphed(x, top_idx, top_w, self.addr_table[layer])
 
     def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
         """The lookups of a step that ran in a CUDA graph, after it: top_idx [Lm, T, K], one
@@ -386,43 +318,28 @@ class ExpertCache:
             self.route(layer, top, np.bincount(top.ravel(), minlength=self.num_experts),
                        graphed=True)
 
-    def _stage_device(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Copy a host blob into device staging buffer i on the copy stream (after the last
-        layer's reads of the buffer); -> (buffer, its "ready" event)."""
+    def _stage(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy a host blob into staging buffer i (each staged expert of a layer has its own:
+        the kernels read a layer's experts at once) -> (buffer, its "ready" event on CUDA).
+        On CUDA the copy runs on the copy stream after the last layer's reads of the buffer."""
         while len(self._staging) <= i:
             self._staging.append(torch.empty_like(self._staging[0]))
+        buf = self._staging[i]
+        if not self.on_cuda:
+            t0 = time.perf_counter()
+            buf.copy_(blob)
+            self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
+            return buf, None
         with torch.cuda.stream(self._copy_stream):
             if self._reads_done is not None:
                 self._copy_stream.wait_event(self._reads_done)
             start = torch.cuda.Event(enable_timing=True)
             start.record(self._copy_stream)
-            self._staging[i].copy_(blob, non_blocking=True)
+            buf.copy_(blob, non_blocking=True)
             ready = torch.cuda.Event(enable_timing=True)
             ready.record(self._copy_stream)
         self.link.add_timed(self.host.slot_bytes, start, ready)
-        return self._staging[i], ready
-
-    def _stage_cpu(self, i: int, blob: torch.Tensor) -> torch.Tensor:
-        """Copy a blob into CPU staging buffer i (the kernel reads a layer's experts at once,
-        so each staged one of the layer needs its own)."""
-        while len(self._staging) <= i:
-            self._staging.append(torch.empty_like(self._staging[0]))
-        t0 = time.perf_counter()
-        self._staging[i].copy_(blob)
-        self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
-        return self._staging[i]
-
-    def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert` of `layer` on x [n, D] -> [n, D] on x's device, where route() put it."""
-        where, slot = self._plan[expert]
-        if where == _SLOT:
-            return self.format.forward(x, self._slot_blob(slot))  # type: ignore[arg-type]
-        host_blob = self.host.blob((layer, expert))
-        if where == _STAGING:
-            return self._forward_staged(x, host_blob)
-        if not self.on_cuda:
-            return self.format.forward(x, host_blob)
-        return self.format.forward(x.cpu(), host_blob).to(x.device, non_blocking=True)
+        return buf, ready
 
     def _layer_done(self) -> None:
         """CUDA: mark this layer's slot reads as enqueued (fills of their slots wait on it)."""
@@ -436,7 +353,6 @@ class ExpertCache:
             self._copy_stream.synchronize()
             torch.cuda.current_stream(self.pool.device).synchronize()
             self._slot_ready.clear()
-            self._staging_free = [None] * len(self._staging)
             self._reads_done = None
 
     def take_routing_counts(self) -> np.ndarray:
@@ -517,37 +433,3 @@ class ExpertCache:
         if ready is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(ready)
         self.addr_table[pair].fill_(self.host.blob(pair).data_ptr())
-
-    def _slot_blob(self, slot: int) -> torch.Tensor:
-        if self.on_cuda:
-            ready = self._slot_ready.pop(slot, None)
-            if ready is not None:
-                torch.cuda.current_stream(self.pool.device).wait_event(ready)
-        return self.pool.slots[slot]
-
-    def _forward_staged(self, x: torch.Tensor, host_blob: torch.Tensor) -> torch.Tensor:
-        i = self._staging_next
-        self._staging_next = (i + 1) % len(self._staging)
-        buf = self._staging[i]
-        if not self.on_cuda:
-            t0 = time.perf_counter()
-            buf.copy_(host_blob)
-            self.link.add(self.host.slot_bytes, time.perf_counter() - t0)
-            return self.format.forward(x, buf)
-        compute = torch.cuda.current_stream(self.pool.device)
-        with torch.cuda.stream(self._copy_stream):
-            free = self._staging_free[i]
-            if free is not None:
-                self._copy_stream.wait_event(free)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self._copy_stream)
-            buf.copy_(host_blob, non_blocking=True)
-            ready = torch.cuda.Event(enable_timing=True)
-            ready.record(self._copy_stream)
-        self.link.add_timed(self.host.slot_bytes, start, ready)
-        compute.wait_event(ready)
-        y = self.format.forward(x, buf)
-        used = torch.cuda.Event()
-        used.record(compute)
-        self._staging_free[i] = used
-        return y

@@ -44,11 +44,12 @@ async def _burst(bases, servicer):
         tasks = [asyncio.create_task(_post(http, bases[i % len(bases)])) for i in range(BURST)]
         await _wait_for(lambda: sum(t.done() for t in tasks) >= BURST - INFLIGHT - QUEUE,
                         timeout_s=20)
+        answered_while_held = sum(t.done() for t in tasks)
         servicer.hold.set()
-        return await asyncio.gather(*tasks), _p99(baseline)
+        return await asyncio.gather(*tasks), _p99(baseline), answered_while_held
 
 
-def _check_burst(results, baseline_p99, servicer, label):
+def _check_burst(results, baseline_p99, answered_while_held, servicer, label):
     served = [r for r in results if r[0] == 200]
     rejected = [r for r in results if r[0] == 429]
     assert (len(served), len(rejected)) == (INFLIGHT + QUEUE, BURST - INFLIGHT - QUEUE), \
@@ -63,12 +64,10 @@ def _check_burst(results, baseline_p99, servicer, label):
           f"429 + Retry-After; rejection p99 {reject_p99 * 1e3:.1f} ms = "
           f"{reject_p99 / served_p50:.3f} x served p50 = {reject_p99 / baseline_p99:.2f} x the "
           f"p99 of {BURST} simultaneous /livez ({baseline_p99 * 1e3:.1f} ms)")
-    # Client, gateway and engine share one event loop here, so absolute times measure the
-    # machine as much as the gateway (on an idle machine: ~30 ms local, ~70 ms shared). The
-    # bounds are loose so a busy CI box passes, tight enough to catch a rejection that waited
-    # (for the queue, an engine, or a connection per request to Redis).
-    assert reject_p99 < 10 * baseline_p99 + 0.05
-    assert reject_p99 < 0.5 * served_p50
+    # Every rejection came back while the engine still held every admitted request's first
+    # token: none of them waited for the queue or the engine, whatever the machine's speed (the
+    # times above are printed, not asserted: they measure the machine as much as the gateway).
+    assert answered_while_held == BURST - INFLIGHT - QUEUE
 
 
 async def test_burst_exact_caps(make_gateway, engine):

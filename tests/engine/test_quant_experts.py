@@ -12,6 +12,7 @@ import torch
 from services.bench import engine_bench, plan_cli
 from services.bench.quant_bench import position_logits
 from services.common.settings import ConfigError, resolve
+from services.engine.cache.formats import DenseFormat, expert_format
 from services.engine.cache.layout import ExpertLayout, swiglu
 from services.engine.cache.policy import PolicySpec
 from services.engine.config import SETTINGS
@@ -20,7 +21,6 @@ from services.engine.model.quant import (
     QUANT_SPECS,
     QuantExpertLayout,
     QuantMatrices,
-    expert_layout,
     pack_int4,
     quantize,
     unpack_int4,
@@ -96,22 +96,22 @@ def test_quantized_matmul_matches_its_dequantized_weights(spec):
 def test_slot_sizes_follow_the_dtype():
     D, F = 512, 256  # the bench preset's expert
     fp32, bf16 = ExpertLayout(D, F).blob_bytes(torch.float32), 3 * D * F * 2
-    int8 = expert_layout(D, F, "int8").blob_bytes(torch.float32)
-    int4 = expert_layout(D, F, "int4").blob_bytes(torch.float32)
+    int8 = expert_format(D, F, torch.float32, "int8").blob_bytes
+    int4 = expert_format(D, F, torch.float32, "int4").blob_bytes
     assert fp32 == 3 * D * F * 4
     assert int8 == 3 * D * F + 4 * (2 * F + D)  # one fp32 scale per output column
     assert int4 == 3 * D * F // 2 + 2 * (2 * (D // 32) * F + (F // 32) * D)  # fp16 per 32
     assert 0.5 < int8 / bf16 < 0.51 and 0.28 < int4 / bf16 < 0.29
-    assert expert_layout(D, F, "int4").blob_bytes(torch.bfloat16) == int4  # not the compute dtype
-    assert isinstance(expert_layout(D, F), ExpertLayout)
+    assert expert_format(D, F, torch.bfloat16, "int4").blob_bytes == int4  # not the compute dtype
+    assert expert_format(D, F, torch.bfloat16).blob_bytes == bf16
+    assert isinstance(expert_format(D, F, torch.float32), DenseFormat)
     with pytest.raises(ValueError, match="int3"):
-        expert_layout(D, F, "int3")
+        expert_format(D, F, torch.float32, "int3")
 
 
 @pytest.mark.parametrize("expert_dtype", ["int8", "int4"])
 def test_layout_packs_checkpoint_weights_and_runs_them(tiny_dir, expert_dtype):
-    layout = expert_layout(64, 32, expert_dtype)
-    assert isinstance(layout, QuantExpertLayout)
+    layout = QuantExpertLayout(64, 32, QUANT_SPECS[expert_dtype])
     gate, up, down = CheckpointReader(tiny_dir).expert_weights(1, 3, 64, 32)
     blob = torch.zeros(layout.numel, dtype=torch.uint8)
     layout.pack(gate, up, down, blob)
@@ -132,7 +132,7 @@ def test_layout_packs_checkpoint_weights_and_runs_them(tiny_dir, expert_dtype):
 
 @pytest.mark.parametrize("expert_dtype", ["int8", "int4"])
 def test_a_stack_of_experts_dequantizes_in_one_go(tiny_dir, expert_dtype):
-    layout = expert_layout(64, 32, expert_dtype)
+    layout = QuantExpertLayout(64, 32, QUANT_SPECS[expert_dtype])
     reader = CheckpointReader(tiny_dir)
     blobs = torch.zeros(5, layout.numel, dtype=torch.uint8)
     for e in range(5):
@@ -147,7 +147,7 @@ def test_a_stack_of_experts_dequantizes_in_one_go(tiny_dir, expert_dtype):
 
 
 def runner(model_dir, slots: int, expert_dtype: str, **kwargs) -> ModelRunner:
-    slot_bytes = expert_layout(64, 32, expert_dtype).blob_bytes(torch.float32)
+    slot_bytes = expert_format(64, 32, torch.float32, expert_dtype).blob_bytes
     return ModelRunner(
         model_dir,
         device_memory_bytes=slots * slot_bytes + 100,
@@ -211,7 +211,7 @@ def test_auto_sizer_counts_slots_of_the_quantized_size(tiny_dir):
         r = ModelRunner(
             tiny_dir, device_memory_bytes=budget // 4, reserved_bytes=0, expert_dtype=expert_dtype
         )
-        assert r.slot_bytes == expert_layout(64, 32, expert_dtype).blob_bytes(torch.float32)
+        assert r.slot_bytes == expert_format(64, 32, torch.float32, expert_dtype).blob_bytes
         assert r.slots == min(24, (budget // 4) // r.slot_bytes)
         assert r.cache.host.slot_bytes == r.slot_bytes
         assert r.cache.host.total_bytes == 24 * r.slot_bytes
@@ -237,7 +237,7 @@ def test_plan_uses_the_slot_size_of_the_expert_dtype(tiny_dir, capsys, monkeypat
         ]
         assert plan_cli.plan_main(argv) == 0
         out = json.loads(capsys.readouterr().out)
-        slot_bytes = expert_layout(64, 32, expert_dtype).blob_bytes(torch.float32)
+        slot_bytes = expert_format(64, 32, torch.float32, expert_dtype).blob_bytes
         assert out["inputs"]["slot_bytes"] == slot_bytes
         assert out["inputs"]["expert_dtype"] == expert_dtype
         [row] = out["rows"]
@@ -268,7 +268,7 @@ def test_bench_engine_reads_quantized_expert_bytes(tiny_dir, capsys, monkeypatch
     assert engine_bench.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["expert_dtype"] == "int4" and r["coverage"] == 1.0
-    assert r["expert_bytes"] == expert_layout(64, 32, "int4").blob_bytes(torch.float32)
+    assert r["expert_bytes"] == expert_format(64, 32, torch.float32, "int4").blob_bytes
     assert r["decode_tok_s"] > 0
 
 
@@ -282,7 +282,7 @@ def test_expert_dtype_setting():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_int4_on_cuda_matches_the_host_and_is_exact_across_sizes(tiny_dir):
-    layout = expert_layout(64, 32, "int4")
+    layout = QuantExpertLayout(64, 32, QUANT_SPECS["int4"])
     gate, up, down = CheckpointReader(tiny_dir).expert_weights(0, 1, 64, 32)
     blob = torch.zeros(layout.numel, dtype=torch.uint8)
     layout.pack(gate, up, down, blob)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.cache.layout import ExpertLayout, join_columns, num_splits, split_columns
+from services.engine.cache.layout import join_columns, num_splits, split_columns
 
 EXPERT_DTYPES = ("auto", "int8", "int4")  # auto: the engine's compute dtype, not quantized
 ALIGN_BYTES = 64
@@ -297,14 +297,3 @@ class QuantExpertLayout:
         """(gate_up bytes, down bytes) of blob [..., numel]."""
         assert blob.dtype == torch.uint8 and blob.shape[-1] == self.numel, (blob.dtype, blob.shape)
         return blob[..., : self.gate_up.nbytes], blob[..., self.gate_up.nbytes :]
-
-
-def expert_layout(
-    hidden_size: int, ffn_size: int, expert_dtype: str = "auto"
-) -> ExpertLayout | QuantExpertLayout:
-    """The blob layout of `--expert-dtype`: auto keeps the compute dtype (no quantization)."""
-    if expert_dtype == "auto":
-        return ExpertLayout(hidden_size, ffn_size)
-    if expert_dtype not in QUANT_SPECS:
-        raise ValueError(f"unknown expert dtype {expert_dtype!r} (choose from {EXPERT_DTYPES})")
-    return QuantExpertLayout(hidden_size, ffn_size, QUANT_SPECS[expert_dtype])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (see docs/benchmarks.md, "GPU"): the CUDA tests, the Triton kernel's tests,
 # a profile of a decode step and `strata bench engine --device cuda` at 100/50/25% coverage with
-# prefetch off and on. Writes logs and JSON under $OUT (default ./gpu-out). Wheels for packages
+# prefetch off and on, and bf16 against fp32 weights. Writes logs and JSON under $OUT (default ./gpu-out). Wheels for packages
 # the machine lacks may sit in .whl/ (installed into /tmp/site first).
 set -u
 OUT=${OUT:-gpu-out}
@@ -38,6 +38,9 @@ fi
 step "bench: crf, prefetch off and on"
 timeout 110 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.5 0.25 \
   --prefetch off on > "$OUT/crf.json" 2>> "$LOG"; grep round "$LOG" | tail -6
+step "bench: bf16 against fp32 weights, interleaved (100% and 25% coverage)"
+timeout 120 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.25 \
+  --dtype fp32 bf16 > "$OUT/dtype.json" 2>> "$LOG"; grep round "$LOG" | tail -4
 step "bench: batch 8 (and prefill 512)"
 timeout 40 $BENCH --prompt-tokens 32 --gen-tokens 64 --batch 8 > "$OUT/batch8.json" 2>> "$LOG"
 [ -z "${QUICK:-}" ] && timeout 40 $BENCH --prompt-tokens 512 --gen-tokens 8 > "$OUT/prefill512.json" 2>> "$LOG"
@@ -45,7 +48,7 @@ step "summary"
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for name in ("static", "static_eager", "crf", "batch8", "prefill512"):
+for name in ("static", "static_eager", "crf", "dtype", "batch8", "prefill512"):
     try:
         d = json.loads((out / f"{name}.json").read_text())
     except Exception as e:
@@ -55,7 +58,9 @@ for name in ("static", "static_eager", "crf", "batch8", "prefill512"):
               f"hit {r['decode_hit_rate']:.1%} spill {r['decode_spill']:.1%} decode "
               f"{r['decode_tok_s']:.0f} tok/s prefill {r['prefill_tok_s']:.0f} bound "
               f"{r['bound_fraction']:.1%} hf {r.get('hf_decode_tok_s', 0):.0f} "
-              f"graphs {r.get('cuda_graphs')}")
+              f"graphs {r.get('cuda_graphs')} {r.get('dtype', 'fp32')}")
     if "spill_penalty" in d:
         print(name, "spill penalty", d["spill_penalty"])
+    if "dtype_ratio" in d:
+        print(name, "dtype ratio", d["dtype_ratio"])
 PY

@@ -75,3 +75,17 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "strata-demo-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_dir(tiny_dir, tmp_path_factory) -> Path:
+    """tiny_dir's weights stored in bf16 (served in bf16 under --dtype auto)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-demo-bf16"
+    shutil.copytree(tiny_dir, out)
+    weights = {k: v.to(torch.bfloat16) for k, v in load_file(out / "model.safetensors").items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -143,3 +143,17 @@ def test_graphed_decode_steps_do_not_prefetch(tiny_dir):
                         cuda_graphs=False)
     eager.fill_cache(eager.layer_order_pairs())
     assert greedy(eager, PROMPT, n=8)[1] == tokens and eager.cache.decode.predicted > 0
+
+
+def test_bf16_is_exact_across_cache_sizes_on_cuda(tiny_bf16_dir):
+    """bf16 weights and activations on the device: the Triton kernel reads the same bf16 bytes
+    from a slot or in place from the host store, so every cache size gives the same logits."""
+    results = []
+    for slots in (0, 6, 24):
+        runner = ModelRunner(tiny_bf16_dir, device="cuda", device_memory_bytes=slots * 3 * 64
+                             * 32 * 2, reserved_bytes=0, placement="exact")
+        assert runner.weight_dtype == runner.dtype == torch.bfloat16 and runner.slots == slots
+        runner.fill_cache(runner.layer_order_pairs()[::-1])
+        _, tokens, logits = greedy(runner, PROMPT, n=12)
+        results.append((tokens, logits.cpu()))
+    assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.engine.cache.policy import PolicySpec
 from services.engine.runner import ContextWindowError, ModelRunner, PromptError
 
 PROMPT = "<|im_start|>user\nHow many experts fit in the cache?<|im_end|>\n<|im_start|>assistant\n"
@@ -210,3 +211,23 @@ def test_cuda_cache_paths(tiny_dir, placement):
     if placement != "host" or runner.cache.host_exact:  # the device computes every miss too
         # (the kernel reads host-placed blobs in place): bit-identical at any coverage
         assert all(torch.equal(logits, results[0][1]) for _, logits in results)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+@pytest.mark.parametrize("placement", ["host", "copy"])
+def test_bf16_greedy_output_is_identical_across_cache_sizes_and_placements(tiny_bf16_dir,
+                                                                            placement,
+                                                                            cpu_kernels):
+    """Served in bf16 (as stored): every cache size, policy and placement gives the same
+    logits bit for bit, and the runner holds bf16 in the host store and the slots."""
+    results = []
+    for slots, policy in ((0, "static"), (6, "lru"), (12, "crf"), (24, "static")):
+        runner = ModelRunner(tiny_bf16_dir, device_memory_bytes=slots * 3 * 64 * 32 * 2,
+                             reserved_bytes=0, policy=PolicySpec(policy, 0.25),
+                             placement=placement, prefetch=True, cpu_kernels=cpu_kernels)
+        assert runner.weight_dtype == torch.bfloat16 and runner.slots == slots
+        assert runner.cache.host.blobs.dtype == runner.cache.pool.slots.dtype == torch.bfloat16
+        runner.fill_cache(runner.layer_order_pairs()[::-1])
+        _, tokens, logits = greedy(runner, PROMPT, n=12)
+        results.append((tokens, logits))
+    assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)

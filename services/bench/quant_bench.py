@@ -88,7 +88,8 @@ def position_logits(runner: Any, token_ids: list[int]) -> torch.Tensor:
     return logits.cpu()
 
 
-def load_runner(model_dir: Path, expert_dtype: str, device: str = "cpu") -> Any:
+def load_runner(model_dir: Path, expert_dtype: str, device: str = "cpu", dtype: str = "auto",
+                cpu_kernels: str = "auto") -> Any:
     """A runner with every pair resident."""
     from services.engine.runner import ModelRunner
 
@@ -98,6 +99,8 @@ def load_runner(model_dir: Path, expert_dtype: str, device: str = "cpu") -> Any:
         device_memory_bytes=2**50,
         reserved_bytes=0,
         expert_dtype=expert_dtype,
+        dtype=dtype,
+        cpu_kernels=cpu_kernels,
     )
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     return runner

@@ -66,51 +66,42 @@ def record_quality(model_dir: Path, prompts: list[str], max_tokens: int = DEFAUL
 
 def compare_dtype(model_dir: Path, dtype: str = "bf16", num_tokens: int = 2048,
                   cpu_kernels: str = "auto", progress=None) -> dict:
-    """Teacher-forced next-token predictions of the held-out split's first num_tokens (windows
-    of the context window), in `dtype` against the fp32 reference: top-1 agreement, both
-    held-out losses and the relative change, the largest logit difference."""
-    import torch
+    """Teacher-forced next-token predictions on the held-out split's first windows (the ones
+    `strata bench quant` and the model card score, about num_tokens targets), in `dtype`
+    against the fp32 reference: top-1 agreement, both held-out losses and the relative change,
+    the largest logit difference."""
+    import torch.nn.functional as F
 
-    from services.engine.runner import ChunkWork, ModelRunner
+    from services.bench.quant_bench import load_runner, position_logits
     from services.training.bpe import split_ids
+    from services.training.evaluate import eval_windows
 
-    ids = split_ids("heldout", Path(model_dir) / "tokenizer.json",
-                    max_bytes=8 * num_tokens)[:num_tokens]
-    runners = {name: ModelRunner(model_dir, device="cpu", device_memory_bytes=2**40,
-                                 reserved_bytes=0, dtype=name, prefix_reuse=False,
-                                 cpu_kernels=cpu_kernels)
+    runners = {name: load_runner(model_dir, "auto", dtype=name, cpu_kernels=cpu_kernels)
                for name in ("fp32", dtype)}
-    window = next(iter(runners.values())).config.context_window
-    stats = {name: {"nll": 0.0} for name in runners}
+    context = next(iter(runners.values())).config.context_window
+    ids = split_ids("heldout", Path(model_dir) / "tokenizer.json",
+                    max_bytes=8 * num_tokens)[:num_tokens + num_tokens // context + 1]
+    windows = eval_windows(ids, context, num_tokens)  # [W, T+1]
+    nll = {name: 0.0 for name in runners}
     agree = count = 0
     max_diff = 0.0
-    for start in range(0, len(ids) - 1, window):
-        chunk = [int(t) for t in ids[start:start + window]]
-        if len(chunk) < 2:
-            break
-        target = torch.tensor(chunk[1:])
-        logits = {}
-        for name, runner in runners.items():
-            seq = runner.start(chunk)
-            runner.blocks.append(seq.table, len(chunk))
-            [(rows, _)] = runner.step([ChunkWork(chunk, 0, seq.table.block_ids, True, True,
-                                                 num_draft=len(chunk) - 1)])
-            runner.release(seq)
-            lg = rows[:-1, :runner.num_usable_tokens]  # [n - 1, V] predicting chunk[1:]
-            logits[name] = lg
-            stats[name]["nll"] += float(torch.nn.functional.cross_entropy(
-                lg, target, reduction="sum"))
+    for window in windows:
+        targets = window[1:]  # [T]
+        logits = {name: position_logits(r, window[:-1].tolist())[:, :r.num_usable_tokens]
+                  for name, r in runners.items()}  # [T, V] each
+        for name, lg in logits.items():
+            nll[name] += float(F.cross_entropy(lg, targets, reduction="sum"))
         ref, got = logits["fp32"], logits[dtype]
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        count += len(target)
+        count += len(targets)
         max_diff = max(max_diff, float((ref - got).abs().max()))
         if progress:
-            progress(f"quality: compared {count}/{len(ids) - 1} predictions")
-    loss = {name: st["nll"] / count for name, st in stats.items()}
-    backend = runners[dtype].backend.describe()
-    return {"model": Path(model_dir).name, "dtype": dtype, "backend": backend,
-            "predictions": count, "top1_agreement": agree / count,
-            "heldout_loss_fp32": loss["fp32"], f"heldout_loss_{dtype}": loss[dtype],
+            progress(f"quality: compared {count} predictions")
+    loss = {name: total / count for name, total in nll.items()}
+    return {"model": Path(model_dir).name, "dtype": dtype,
+            "backend": runners[dtype].backend.describe(), "predictions": count,
+            "top1_agreement": agree / count, "heldout_loss_fp32": loss["fp32"],
+            f"heldout_loss_{dtype}": loss[dtype],
             "loss_change": (loss[dtype] - loss["fp32"]) / loss["fp32"],
             "max_abs_logit_diff": max_diff,
             "activations": str(runners[dtype].dtype).removeprefix("torch.")}

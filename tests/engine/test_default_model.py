@@ -46,7 +46,7 @@ def test_bf16_serving_agrees_with_the_fp32_reference(cpu_kernels):
     widen its weights exactly into fp32 products: the fp32 reference's logits, bit for bit.
     Torch ops round each product's input to bf16: close, not equal (this flat model's near
     ties flip in about 2% of positions; the held-out loss barely moves)."""
-    r = compare_dtype(MODEL, "bf16", num_tokens=700, cpu_kernels=cpu_kernels)
+    r = compare_dtype(MODEL, "bf16", num_tokens=1100, cpu_kernels=cpu_kernels)
     assert r["predictions"] >= 600 and abs(r["loss_change"]) <= 0.005, r
     if cpu_kernels == "auto" and kernels.load() is not None:
         assert r["top1_agreement"] == 1.0 and r["max_abs_logit_diff"] == 0.0, r

@@ -8,9 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.common.settings import ConfigError, resolve
+from services.engine.config import SETTINGS
 from services.engine.model.checkpoint import CheckpointReader, load_model_config
 from services.engine.model.config import CheckpointError
 from services.engine.model.demo import DEMO_CONFIG, write_demo_checkpoint
+from services.engine.model.dtypes import resolve_dtype
 from services.engine.model.families import parse_config
 from services.engine.runner import ModelRunner
 
@@ -135,3 +138,32 @@ def test_bf16_weights_are_served_in_bf16_and_widened_on_request(tmp_path):
     assert runner.cache.host.blobs.dtype == torch.float32
     seq = runner.start([1, 2, 3])
     assert runner.prefill(seq).dtype == torch.float32
+
+class _StoredAs:
+    """A reader that says what dtype its embedding is stored in (safetensors or GGUF names)."""
+
+    def __init__(self, stored: str):
+        self.stored = stored
+
+    def stored_dtype(self, name: str) -> str:
+        assert name == "model.embed_tokens.weight"
+        return self.stored
+
+
+@pytest.mark.parametrize(("stored", "served"), [
+    ("BF16", torch.bfloat16), ("F32", torch.float32), ("F16", torch.float32),
+    ("Q8_0", torch.bfloat16), ("Q4_K", torch.bfloat16)])
+def test_dtype_auto_serves_as_stored(stored, served):
+    assert resolve_dtype("auto", _StoredAs(stored)) == served
+    assert resolve_dtype("fp32", _StoredAs(stored)) == torch.float32
+    assert resolve_dtype("bf16", _StoredAs(stored)) == torch.bfloat16
+
+
+def test_other_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match="fp16"):
+        resolve_dtype("fp16", _StoredAs("F32"))
+    with pytest.raises(ValueError, match="float16"):
+        resolve_dtype(torch.float16, _StoredAs("F32"))
+    assert resolve(SETTINGS, environ={"STRATA_DTYPE": "bf16"})["dtype"] == "bf16"
+    with pytest.raises(ConfigError, match="STRATA_DTYPE"):
+        resolve(SETTINGS, environ={"STRATA_DTYPE": "fp16"})

@@ -15,7 +15,6 @@ what it may do with them:
                                   None: the cache runs forward() per expert
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
-      graph_capturable(...)       whether a CUDA-graphed step can read them
 
     DenseFormat     fp32 or bf16 weights in cache/layout.py's split layout
     QuantFormat     int8 / int4 weight-only quantization (model/quant.py), bytes
@@ -100,10 +99,6 @@ class _Common:
         reads the same bytes wherever they lie; on CUDA only when the device kernel reads a
         miss in place (otherwise the CPU computes it, in other kernels)."""
         return device.type != "cuda" or kernel
-
-    def graph_capturable(self, kernel: bool) -> bool:
-        """A graphed step reads every routed expert by address in the device kernel."""
-        return kernel and self.kernel_weight_dtype is not None
 
 
 class DenseFormat(_Common):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ class TorchBackend:
 
     name = "torch"
     cpu: kernels.CpuKernels | None = None  # the C kernels, where this backend runs them
+    ops: Any = None  # the kernels' module or library (CpuKernels, gpu_ops), where there are any
     paged_attention = False  # decode attention reads the KV pool by block table
     fused_rope = False  # qk_norm_rope() runs per-head q/k norm and RoPE in place
     fused_decode_layer = False  # decode_layer(): a layer's attention half + router in one call
@@ -82,7 +84,12 @@ class TorchBackend:
                      head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                      eps: float, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor) -> None:
-        raise NotImplementedError(f"the {self.name} backend has no fused q/k norm + RoPE")
+        """In place on qkv [T, (H + 2G) * Hd]: per-head q/k RMSNorm (or none), then RoPE at
+        `positions` (fused_rope backends: their kernels' `ops.qk_norm_rope`)."""
+        if self.ops is None:
+            raise NotImplementedError(f"the {self.name} backend has no fused q/k norm + RoPE")
+        self.ops.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
+                              sin, positions)
 
     # -- attention -----------------------------------------------------------------------------
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -118,7 +125,7 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, device: torch.device, cpu: kernels.CpuKernels):
         super().__init__(device)
-        self.cpu = cpu
+        self.cpu = self.ops = cpu
 
     def describe(self) -> str:
         return f"CPU kernels ({self.cpu.path.name})"
@@ -152,11 +159,6 @@ class CpuBackend(TorchBackend):
         if x.dim() == 2 and self._takes(x, weight) and weight.dtype == torch.float32:
             return self.cpu.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
-
-    def qk_norm_rope(self, qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
-                     sin, positions) -> None:
-        self.cpu.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
-                              sin, positions)
 
     def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length):
         return self.cpu.decode_attention(q, k_pool, v_pool, block_ids, lengths, max_length)
@@ -194,11 +196,6 @@ class TritonBackend(TorchBackend):
         if x.dim() == 2:
             return self.ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
-
-    def qk_norm_rope(self, qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
-                     sin, positions) -> None:
-        self.ops.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos,
-                              sin, positions)
 
     def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length):
         return self.ops.decode_attention(q, k_pool, v_pool, block_ids, lengths,

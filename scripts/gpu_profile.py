@@ -32,7 +32,8 @@ def main() -> None:
     config = load_model_config(args.model)
     slot_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 4  # fp32 blob
     runner = ModelRunner(args.model, device="cuda", reserved_bytes=0, prefetch=False,
-                         device_memory_bytes=round(args.coverage * config.total_pairs) * slot_bytes)
+                         device_memory_bytes=round(args.coverage * config.total_pairs) * slot_bytes,
+                         graph_batches=(args.batch,))
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     batch_prompts = prompts(args.batch, 32)
     run_strata(runner, batch_prompts, 8)  # warm-up: Triton compiles, allocator settles

@@ -145,31 +145,25 @@ def run_strata(runner: Any, batch_prompts: list[list[int]], gen_tokens: int
     """One batched prefill step and gen_tokens - 1 batched greedy decode steps on fresh
     sequences; (prefill_s, decode_s, generated ids per sequence, distinct experts per MoE layer
     per decode step)."""
-    from services.engine.runner import ChunkWork
+    from services.engine.driver import SequenceDriver
 
-    seqs = [runner.start(p, max_num_tokens=len(p) + gen_tokens) for p in batch_prompts]
-    for s in seqs:
-        runner.blocks.append(s.table, s.num_tokens)
-    chunks = [ChunkWork(s.token_ids, 0, s.table.block_ids, True, True) for s in seqs]
+    drive = SequenceDriver(runner)
+    seqs = [drive.start(p, max_num_tokens=len(p) + gen_tokens) for p in batch_prompts]
     t0 = time.perf_counter()
-    results = runner.step(chunks)
-    out = [[int(logits.argmax())] for logits, _ in results]
+    out = [[int(logits.argmax())] for logits in drive.run([(s, s.num_tokens) for s in seqs])]
     prefill_s = time.perf_counter() - t0
     pairs0, steps0 = runner.cache.distinct_pairs_routed, runner.cache.layer_steps
     t0 = time.perf_counter()
     for _ in range(gen_tokens - 1):
-        chunks = []
-        for s, toks in zip(seqs, out, strict=True):
-            s.token_ids.append(toks[-1])
-            runner.blocks.append(s.table, s.num_tokens)
-            chunks.append(ChunkWork([toks[-1]], s.num_tokens - 1, s.table.block_ids, False, True))
-        for toks, (logits, _) in zip(out, runner.step(chunks), strict=True):
-            toks.append(int(logits.argmax()))
+        logits = drive.decode_batch(seqs, [toks[-1] for toks in out])
+        for toks, row in zip(out, logits, strict=True):
+            toks.append(int(row.argmax()))
     decode_s = time.perf_counter() - t0
     distinct = (runner.cache.distinct_pairs_routed - pairs0) / max(
         1, runner.cache.layer_steps - steps0)
     for s in seqs:
-        runner.release(s)
+        drive.release(s)
+    drive.close()
     return prefill_s, decode_s, out, distinct
 
 
@@ -344,7 +338,8 @@ def prepare(args: argparse.Namespace, model_dir: Path, device: torch.device,
     runner = ModelRunner(model_dir, device=str(device), device_memory_bytes=slots * slot_bytes,
                          reserved_bytes=0, prefetch=prefetch, expert_dtype=args.expert_dtype,
                          dtype=dtype, policy=PolicySpec(args.policy), placement=args.placement,
-                         cuda_graphs=args.cuda_graphs == "on", cpu_kernels=args.cpu_kernels)
+                         cuda_graphs=args.cuda_graphs == "on", cpu_kernels=args.cpu_kernels,
+                         graph_batches=(args.batch,))
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     on_cuda = device.type == "cuda"
     progress(f"{model_dir.name} on {device}: batch {args.batch}, {args.prompt_tokens} prompt + "
@@ -352,7 +347,7 @@ def prepare(args: argparse.Namespace, model_dir: Path, device: torch.device,
              f"{slots}/{config.total_pairs} pairs cached, policy "
              f"{args.policy}, prefetch {'on' if prefetch else 'off'}, "
              + (f"device kernel {'on' if runner.cache.device_kernel else 'off'}, CUDA graphs "
-                f"{'on' if runner.model.graphs is not None else 'off'}" if on_cuda
+                f"{'on' if runner.graphs is not None else 'off'}" if on_cuda
                 else f"{torch.get_num_threads()} threads, CPU kernels "
                      f"{'on' if runner.backend.cpu else 'off'}") + "; warm-up")
     run_strata(runner, batch_prompts, min(args.gen_tokens, 4))
@@ -408,7 +403,7 @@ def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, 
         "dtype": dtype_name(runner.weight_dtype),
         "cpu_kernels": runner.backend.cpu is not None,
         "device_kernel": runner.cache.device_kernel,
-        "cuda_graphs": runner.model.graphs is not None,
+        "cuda_graphs": runner.graphs is not None,
         "coverage": b.slots / total_pairs if total_pairs else 1.0,
         "policy": args.policy,
         "placement": args.placement,

@@ -68,24 +68,13 @@ def _parser() -> argparse.ArgumentParser:
 @torch.no_grad()
 def position_logits(runner: Any, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits [T, V] at every position of one fresh sequence (one prefill step)."""
-    from services.engine.model.step import Span
+    from services.engine.driver import SequenceDriver
 
-    seq = runner.start(token_ids)
-    runner.blocks.append(seq.table, len(token_ids))
-    T, dev = len(token_ids), runner.device
-    rows = torch.arange(T, device=dev)  # [T]
-    runner.cache.begin_step(T, True)
-    logits = runner.model.forward(
-        torch.tensor(token_ids, device=dev),
-        rows,
-        [Span(0, T, 0, seq.table.block_ids)],
-        runner.kv,
-        runner.cache,
-        rows,
-    )  # [T, V]
-    runner.release(seq)
-    logits[:, runner.num_usable_tokens :] = float("-inf")
-    return logits.cpu()
+    drive = SequenceDriver(runner)
+    try:
+        return drive.score(token_ids).cpu()
+    finally:
+        drive.close()
 
 
 def load_runner(model_dir: Path, expert_dtype: str, device: str = "cpu", dtype: str = "auto",

@@ -37,16 +37,18 @@ def record_quality(model_dir: Path, prompts: list[str], max_tokens: int = DEFAUL
     """Greedy continuations of `prompts` from the reference path."""
     import torch
 
+    from services.engine.driver import SequenceDriver
     from services.engine.runner import ModelRunner
 
     runner = ModelRunner(model_dir, device="cpu", device_memory_bytes=2**40, reserved_bytes=0,
-                         dtype=torch.float32, kv_dtype="auto", prefix_reuse=False)
+                         dtype=torch.float32, kv_dtype="auto")
+    drive = SequenceDriver(runner)
     assert runner.slots == runner.total_pairs, "the reference path keeps every expert resident"
     eos = runner.tokenizer.eos_token_ids
     cases = []
     for i, prompt in enumerate(prompts):
-        seq = runner.start(runner.tokenizer.encode(prompt))
-        logits = runner.prefill(seq)
+        seq = drive.start(runner.tokenizer.encode(prompt))
+        logits = drive.prefill(seq)
         ids: list[int] = []
         while len(ids) < max_tokens:
             token = int(torch.argmax(logits[:runner.num_usable_tokens]))
@@ -54,8 +56,8 @@ def record_quality(model_dir: Path, prompts: list[str], max_tokens: int = DEFAUL
                 break
             ids.append(token)
             if len(ids) < max_tokens:
-                logits = runner.decode(seq, token)
-        runner.release(seq)
+                logits = drive.decode(seq, token)
+        drive.release(seq)
         cases.append((prompt, runner.tokenizer.decode(ids), tuple(ids)))
         if progress:
             progress(f"quality: recorded {i + 1}/{len(prompts)}")

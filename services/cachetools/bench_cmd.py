@@ -86,8 +86,10 @@ def decode_prompts(runner, prompts: list[str], max_tokens: int, temperature: flo
                    label: str, chat: bool) -> tuple[int, float]:
     """Sample up to max_tokens per prompt (a user message in the chat template, or raw text to
     continue); (tokens decoded, seconds spent in decode steps)."""
+    from services.engine.driver import SequenceDriver
     from services.engine.sampling import Sampler, SamplingConfig
 
+    drive = SequenceDriver(runner)
     t0, total, decode_s = time.perf_counter(), 0, 0.0
     eos = set(runner.tokenizer.eos_token_ids)
     for i, text in enumerate(prompts):
@@ -96,23 +98,24 @@ def decode_prompts(runner, prompts: list[str], max_tokens: int, temperature: flo
                 [{"role": "user", "content": text}], add_generation_prompt=True)
         ids = runner.tokenizer.encode(text)
         sampler = Sampler(SamplingConfig(temperature=temperature, seed=seed + i))
-        seq = runner.start(ids)
-        logits = runner.prefill(seq)
+        seq = drive.start(ids)
+        logits = drive.prefill(seq)
         started = time.perf_counter()
         for _ in range(max_tokens):
             token = sampler.sample(logits)
             if token in eos or seq.num_tokens >= seq.max_num_tokens:
                 break
-            logits = runner.decode(seq, token)
+            logits = drive.decode(seq, token)
             total += 1
         if runner.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(runner.device)
         decode_s += time.perf_counter() - started
-        runner.release(seq)
+        drive.release(seq)
         print(f"bench cache: {label} set {i + 1}/{len(prompts)} prompts, {total} tokens "
               f"decoded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    drive.close()
     return total, decode_s
 
 

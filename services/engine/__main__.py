@@ -39,6 +39,7 @@ def device_budget(config: EngineConfig, device: str) -> int | None:
 
 async def serve(config: EngineConfig) -> None:
     from services.engine.core import Engine
+    from services.engine.model.cuda_graphs import MAX_BATCH
     from services.engine.planning import CacheManagerLink, local_plan
     from services.engine.runner import ModelRunner
     from services.engine.server import StatusSource, set_serving, start_server
@@ -58,11 +59,12 @@ async def serve(config: EngineConfig) -> None:
                          draft_head_bytes=draft_bytes,
                          kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
                          dtype=config.dtype, kv_dtype=config.kv_dtype,
-                         prefix_reuse=config.prefix_reuse, expert_dtype=config.expert_dtype, cpu_kernels=config.cpu_kernels)
+                         expert_dtype=config.expert_dtype, cpu_kernels=config.cpu_kernels,
+                         graph_batches=range(1, min(config.max_running, MAX_BATCH) + 1))
     draft_source = _draft_source(config, runner, device)  # in the room reserved above
     engine = Engine(runner, max_running=config.max_running,
                     max_step_tokens=config.prefill_chunk, draft_source=draft_source,
-                    spec_tokens=config.spec_tokens)
+                    spec_tokens=config.spec_tokens, prefix_reuse=config.prefix_reuse)
     status = StatusSource(engine, "", runner.model_name, device)
     meter_provider, tracer_provider = _telemetry(config)
     server, port, health = await start_server(engine, status, config.host, config.port,

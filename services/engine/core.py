@@ -27,8 +27,9 @@ from typing import Any, Protocol
 import torch
 
 from services.engine.block_manager import BlockManager
-from services.engine.cache.stats import CacheCounters
+from services.engine.cache.stats import CacheCounters, PhaseCounters
 from services.engine.detokenize import TextStream
+from services.engine.driver import chunk_work
 from services.engine.requests import (
     Delta,
     EngineRequest,
@@ -58,10 +59,12 @@ class Runner(Protocol):
 
     tokenizer: Any
     config: Any
-    blocks: BlockManager
+    kv: Any  # PagedKVCache: num_blocks, block_size, claim()
 
     def step(self, chunks: Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
                                                               CacheCounters]]: ...
+
+    def release(self, seq_id: int) -> None: ...
 
 
 class _Live:
@@ -75,8 +78,7 @@ class _Live:
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
         self.generated = 0
-        self.decode = CacheCounters()
-        self.prefill = CacheCounters()
+        self.cache = PhaseCounters()
         self.first_token_at: float | None = None
         self.drafts_proposed = self.drafts_accepted = self.verify_steps = 0
         self.rejected_lookups = self.draft_lookups = 0
@@ -86,7 +88,7 @@ class _Live:
         admitted = seq.admitted_at if seq.admitted_at is not None else finished_at
         first = self.first_token_at if self.first_token_at is not None else finished_at
         decode_s = finished_at - first
-        d, p = self.decode, self.prefill
+        d, p = self.cache.decode, self.cache.prefill
         return RequestStats(
             prompt_tokens=len(h.prompt_ids), reused_prompt_tokens=seq.num_reused,
             completion_tokens=self.generated,
@@ -111,15 +113,20 @@ class Engine:
     decode tokens of all running sequences plus chunks of pending prefills (see scheduler.py)."""
 
     def __init__(self, runner: Runner, *, max_running: int = 8, max_step_tokens: int = 512,
-                 draft_source: DraftSource | None = None, spec_tokens: int = 0):
+                 draft_source: DraftSource | None = None, spec_tokens: int = 0,
+                 prefix_reuse: bool = True):
         self.runner = runner
         # Speculative decoding: up to spec_tokens drafts per decoding sequence and step.
         self.draft_source = draft_source if spec_tokens > 0 else None
         self.spec_tokens = spec_tokens if draft_source is not None else 0
         self.context_window: int = runner.config.context_window  # type: ignore[attr-defined]
         self.totals = EngineTotals()
-        self.scheduler = Scheduler(runner.blocks, max_running,  # type: ignore[attr-defined]
-                                   max(max_step_tokens, max_running), clock=time.perf_counter)
+        runner.kv.claim(self)  # the scheduler's block manager hands out the KV pool's blocks
+        self.scheduler = Scheduler(
+            BlockManager(runner.kv.num_blocks, runner.kv.block_size, prefix_reuse), max_running,
+            max(max_step_tokens, max_running), clock=time.perf_counter)
+        log.info("scheduler: up to %d running sequences, %d tokens per step, prefix reuse %s",
+                 max_running, self.scheduler.max_step_tokens, "on" if prefix_reuse else "off")
         self._intake: collections.deque[SeqState] = collections.deque()
         self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
         self._seq_ids = itertools.count()
@@ -128,6 +135,8 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="strata-engine-loop", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
+    holds_kv = True  # until stop() hands the pool back
+
     def start(self) -> None:
         self._thread.start()
 
@@ -141,6 +150,8 @@ class Engine:
         self._intake.clear()
         for seq in pending:
             self._finish(seq, "abort", "engine shutting down")
+        if not self._thread.is_alive():
+            self.runner.kv.claim(None)  # another engine or driver may take the pool now
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread, which owns the runner, before the next step (a new plan's
@@ -226,16 +237,11 @@ class Engine:
         step = self.scheduler.schedule()
         for seq in step.dropped:
             self._finish(seq, "abort", "cancelled by the client")
-        if self.draft_source is not None:
-            for seq in step.preempted:  # recomputed later from its tokens alone
-                self.draft_source.release(seq.seq_id)
+        for seq in step.preempted:  # recomputed later from its tokens alone
+            self._release(seq)
         if not step.chunks:
             return
-        work = [ChunkWork([*c.seq.token_ids[c.start:c.end], *c.draft], c.start,
-                          c.seq.table.block_ids,  # type: ignore[union-attr]
-                          prefill=not (c.end - c.start == 1 and c.start >= c.seq.prompt_len),
-                          wants_logits=c.samples, num_draft=len(c.draft), seq_id=c.seq.seq_id)
-                for c in step.chunks]
+        work = [chunk_work(c) for c in step.chunks]
         try:
             results: list = self.runner.step(work)  # type: ignore[attr-defined]
         except Exception as exc:
@@ -250,7 +256,7 @@ class Engine:
                 continue
             logits, counters = result
             live: _Live = seq.payload
-            (live.prefill if w.prefill else live.decode).add(counters)
+            live.cache.add(counters, prefill=w.prefill)
             if chunk.samples:
                 try:
                     if chunk.draft:
@@ -357,14 +363,19 @@ class Engine:
     def _finish(self, seq: SeqState, reason: str, error: str = "") -> None:
         """The request's one terminal event: free its blocks, log, account, tell the client."""
         self.scheduler.finish(seq)
-        if self.draft_source is not None:
-            self.draft_source.release(seq.seq_id)
+        self._release(seq)
         live: _Live = seq.payload
         stats = live.stats(seq, time.perf_counter())
         if seq.admitted_at is not None:
             self._log_request(stats)
         self._account(stats)
         live.handle.sink(Finished(reason, stats, error))
+
+    def _release(self, seq: SeqState) -> None:
+        """What the runner and the draft source keep for a sequence beyond its KV blocks."""
+        self.runner.release(seq.seq_id)
+        if self.draft_source is not None:
+            self.draft_source.release(seq.seq_id)
 
     @staticmethod
     def _emit(handle: RequestHandle, text: str, token_ids: tuple[int, ...],

@@ -13,18 +13,16 @@ Logits of ids the tokenizer does not know (vocab padding) are masked to -inf.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from services.common.sizing import CacheSize, size_cache
-from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.formats import device_kernel, expert_format
 from services.engine.cache.host_store import HostStore
@@ -46,12 +44,13 @@ from services.engine.model.dtypes import dtype_name, resolve_dtype
 from services.engine.model.families import weight_names
 from services.engine.model.loader import load_model
 from services.engine.model.paged_kv import PagedKVCache
-from services.engine.model.step import Span
+from services.engine.model.step import ExpertSource, Span
 from services.engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.engine")
 
 DEFAULT_KV_WINDOWS = 4  # default KV pool: this many full context windows
+DEFAULT_GRAPH_BATCHES = range(1, 9)  # decode batch sizes captured as CUDA graphs at start
 
 
 def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
@@ -83,60 +82,15 @@ class ChunkWork:
     wants_logits: bool  # the chunk ends at the sequence's last token
     num_draft: int = 0  # the last num_draft token_ids are drafts to verify (speculation)
     seq_id: int | None = None  # whose chunk (for a hidden-state sink; None: no one asks)
+    every_position: bool = False  # logits at every position (scoring a text), not just the last
 
     @property
     def num_logits(self) -> int:
-        """Rows whose logits the chunk wants: its last token's, plus one per draft."""
-        return 1 + self.num_draft if self.wants_logits else 0
-
-
-@dataclass
-class RoutingStats:
-    """Expert-cache figures of one sequence, per phase; the unprefixed ones are the decode's."""
-
-    decode: CacheCounters = field(default_factory=CacheCounters)
-    prefill: CacheCounters = field(default_factory=CacheCounters)
-
-    @property
-    def lookups(self) -> int:
-        return self.decode.lookups
-
-    @property
-    def hits(self) -> int:
-        return self.decode.hits
-
-    @property
-    def spilled(self) -> int:
-        return self.decode.spilled
-
-    @property
-    def prefill_lookups(self) -> int:
-        return self.prefill.lookups
-
-    @property
-    def prefill_hits(self) -> int:
-        return self.prefill.hits
-
-    @property
-    def hit_rate(self) -> float:
-        return self.decode.hit_rate
-
-
-@dataclass
-class Sequence:
-    """One sequence driven through the single-sequence API (start/prefill/decode/release)."""
-
-    seq_id: int
-    token_ids: list[int]
-    prompt_len: int
-    max_num_tokens: int  # KV capacity
-    table: BlockTable | None
-    num_cached: int = 0  # tokens whose K/V are in the cache
-    stats: RoutingStats = field(default_factory=RoutingStats)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Rows whose logits the chunk wants: its last token's, plus one per draft (or every
+        position's)."""
+        if not self.wants_logits:
+            return 0
+        return len(self.token_ids) if self.every_position else 1 + self.num_draft
 
 
 class ModelRunner:
@@ -156,9 +110,9 @@ class ModelRunner:
         kv_memory_bytes: int | None = None,
         kv_block_size: int = 16,
         kv_dtype: str = "auto",
-        prefix_reuse: bool = True,
         expert_dtype: str = "auto",
         cuda_graphs: bool = True,
+        graph_batches: abc.Sequence[int] = DEFAULT_GRAPH_BATCHES,
         cpu_kernels: str = "auto",
     ):
         t0 = time.perf_counter()
@@ -196,7 +150,7 @@ class ModelRunner:
         log.info("weights in %s, activations and KV cache in %s", dtype_name(self.weight_dtype),
                  dtype_name(self.dtype))
         self.num_usable_tokens = min(c.vocab_size, self.tokenizer.vocab_size)
-        self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype, prefix_reuse)
+        self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype)
 
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
                             expert_dtype)
@@ -239,17 +193,9 @@ class ModelRunner:
         self.cache = ExpertCache(
             host, pool, c.num_layers, c.num_experts, placer, prefetch=prefetch, recorder=recorder,
             cpu_kernels=self.backend.cpu)
+        self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            blocker = graph_blocker(self.model, self.kv, self.cache)
-            if blocker is None:
-                self.model.graphs = DecodeGraphs(self.model, self.kv, self.cache)
-            log.info("decode steps as CUDA graphs: %s",
-                     "on" if blocker is None else f"off ({blocker})")
-            if blocker is None and prefetch:
-                log.info("next-layer prefetch runs in eager steps only (prefill, mixed "
-                         "batches): a graphed decode step has no point where a fill could "
-                         "start before the layer that needs it")
-        self._seq_ids = itertools.count()
+            self._capture_graphs(graph_batches, prefetch)
         log.info(
             "model %s ready on %s in %.1f s (host store %.0f MiB)",
             self.model_name,
@@ -258,8 +204,7 @@ class ModelRunner:
             host.total_bytes / 2**20,
         )
 
-    def _setup_kv(self, kv_memory_bytes: int | None, block_size: int, kv_dtype: str,
-                  prefix_reuse: bool) -> None:
+    def _setup_kv(self, kv_memory_bytes: int | None, block_size: int, kv_dtype: str) -> None:
         """The paged KV pool, allocated before the expert cache is sized (on CUDA the cache gets
         what is free after it). Default: room for DEFAULT_KV_WINDOWS full context windows."""
         c = self.config
@@ -277,12 +222,31 @@ class ModelRunner:
                     f"{c.context_window}; give at least {window_blocks * per_block / 2**20:.0f} MiB")
         self.kv = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                                self.dtype, self.device, kv_dtype)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_reuse)
         log.info("KV cache: %d blocks of %d positions (%s, %.0f MiB) = %d tokens, %.1f context "
-                 "windows; prefix reuse %s", num_blocks, block_size,
+                 "windows", num_blocks, block_size,
                  "int8" if kv_dtype == "int8" else dtype_name(self.dtype),
                  num_blocks * per_block / 2**20, num_blocks * block_size,
-                 num_blocks / window_blocks, "on" if prefix_reuse else "off")
+                 num_blocks / window_blocks)
+
+    def _capture_graphs(self, batches: abc.Sequence[int], prefetch: bool) -> None:
+        """Capture the decode step of each batch size as a CUDA graph, now, before serving;
+        or say why this model or cache cannot be captured."""
+        blocker = graph_blocker(self.model, self.kv, self.cache)
+        if blocker is not None:
+            log.info("decode steps as CUDA graphs: off (%s)", blocker)
+            return
+        t0 = time.perf_counter()
+        self.graphs = DecodeGraphs(self.model, self.kv, self.cache)
+        self.graphs.capture(batches)
+        sizes = sorted(self.graphs.graphs)
+        log.info("decode steps as CUDA graphs: captured batch sizes %s in %.1f s; other "
+                 "sizes and steps that are not pure decode run eagerly",
+                 f"{sizes[0]}-{sizes[-1]}" if sizes == list(range(sizes[0], sizes[-1] + 1))
+                 else ",".join(map(str, sizes)), time.perf_counter() - t0)
+        if prefetch:
+            log.info("next-layer prefetch runs in eager steps only (prefill, mixed batches): "
+                     "a graphed decode step has no point where a fill could start before the "
+                     "layer that needs it")
 
     def trace_meta(self, prefetch: bool) -> dict:
         """The metadata a routing trace of this runner carries."""
@@ -334,13 +298,15 @@ class ModelRunner:
 
     # -- one step over many sequences (continuous batching) ---------------------------------
     @torch.no_grad()
-    def step(self, chunks: abc.Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
-                                                                  CacheCounters]]:
+    def step(self, chunks: abc.Sequence[ChunkWork], experts: ExpertSource | None = None
+             ) -> list[tuple[torch.Tensor | None, CacheCounters]]:
         """One forward pass over every chunk; per chunk: fp32 logits (for chunks that want
         them, else None) and its expert-cache figures. Logits are [V] for a plain chunk and
         [1 + num_draft, V] for a verification chunk (row i: the distribution after its i-th
-        draft; row 0: after its last real token). Lookups, hits and misses by placement are
-        exact per chunk; prefetch figures are the step's, shared by its decode chunks."""
+        draft; row 0: after its last real token), [T, V] for an every-position one. Lookups, hits and misses by placement are
+        exact per chunk; prefetch figures are the step's, shared by its decode chunks.
+        `experts` stands in for the expert cache as the MoE blocks' source (a routing tap
+        that wraps it, say)."""
         ids, positions, spans, prefill_rows, logit_rows = [], [], [], [], []
         for chunk in chunks:
             row = len(ids)
@@ -352,11 +318,15 @@ class ModelRunner:
             logit_rows.extend(range(row + n - chunk.num_logits, row + n))
         self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
         before = self.cache.decode.copy()
-        logits = self.model.forward(  # (inputs on the host: the model moves what it needs)
-            torch.tensor(ids, dtype=torch.long),  # [T]
-            torch.tensor(positions, dtype=torch.long),  # [T]
-            spans, self.kv, self.cache,
-            torch.tensor(logit_rows, dtype=torch.long))  # [S, V]
+        token_ids = torch.tensor(ids, dtype=torch.long)  # [T] (the model moves what it needs)
+        pos = torch.tensor(positions, dtype=torch.long)  # [T]
+        logits = None
+        if (self.graphs is not None and experts is None
+                and len(logit_rows) == len(ids) == len(spans)):
+            logits = self.graphs.run(token_ids, pos, spans)  # pure decode: a replay, if captured
+        if logits is None:
+            logits = self.model.forward(token_ids, pos, spans, self.kv, experts or self.cache,
+                                        torch.tensor(logit_rows, dtype=torch.long))  # [S, V]
         logits[:, self.num_usable_tokens:] = float("-inf")
         if self.hidden_sink is not None:
             self.hidden_sink(chunks, self.model.last_hidden)
@@ -377,75 +347,30 @@ class ModelRunner:
                 counters.routed_with_prediction = step_decode.routed_with_prediction
             rows_logits = None
             if chunk.wants_logits:
-                rows_logits = logits[next_row:next_row + chunk.num_logits]  # [1 + drafts, V]
-                rows_logits = rows_logits if chunk.num_draft else rows_logits[0]  # or [V]
+                rows_logits = logits[next_row:next_row + chunk.num_logits]  # [num_logits, V]
+                if not (chunk.num_draft or chunk.every_position):
+                    rows_logits = rows_logits[0]  # [V]
                 next_row += chunk.num_logits
             results.append((rows_logits, counters))
         return results
 
-    # -- one sequence at a time (tools and tests) ---------------------------------------------
-    def start(self, prompt_ids: list[int], max_num_tokens: int | None = None) -> Sequence:
-        """A new sequence with KV room for max_num_tokens (default: the context window)."""
+    def check_prompt(self, prompt_ids: abc.Sequence[int], capacity: int) -> None:
+        """Raise PromptError for a prompt the model cannot take within `capacity` positions."""
         window = self.config.context_window
-        capacity = window if max_num_tokens is None else min(max_num_tokens, window)
         if not prompt_ids:
             raise PromptError("the prompt is empty")
         if len(prompt_ids) > capacity:
-            raise ContextWindowError(
-                f"prompt of {len(prompt_ids)} tokens exceeds the "
-                f"{capacity}-token limit (context window {window})"
-            )
+            raise ContextWindowError(f"prompt of {len(prompt_ids)} tokens exceeds the "
+                                     f"{capacity}-token limit (context window {window})")
         bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise PromptError(
-                f"token id {bad[0]} outside the vocabulary of {self.config.vocab_size}"
-            )
-        return Sequence(
-            seq_id=next(self._seq_ids),
-            token_ids=list(prompt_ids),
-            prompt_len=len(prompt_ids),
-            max_num_tokens=capacity,
-            table=BlockTable(),
-        )
+                f"token id {bad[0]} outside the vocabulary of {self.config.vocab_size}")
 
-    def prefill(self, seq: Sequence, max_tokens: int | None = None) -> torch.Tensor:
-        """Run the not-yet-cached tokens (at most max_tokens of them: chunked prefill; call
-        again until seq.num_cached == seq.num_tokens); fp32 logits [V] of the last one run."""
-        assert seq.num_cached < seq.num_tokens, "nothing to prefill"
-        end = (
-            seq.num_tokens
-            if max_tokens is None
-            else min(seq.num_tokens, seq.num_cached + max_tokens)
-        )
-        logits, counters = self._run_one(seq, end, prefill=True)
-        seq.stats.prefill.add(counters)
-        return logits
-
-    def decode(self, seq: Sequence, token_id: int) -> torch.Tensor:
-        """Append token_id and run it; fp32 logits [V] of the next position."""
-        assert seq.num_cached == seq.num_tokens, "decode() before prefill() finished the prompt"
-        if seq.num_tokens >= seq.max_num_tokens:
-            raise ContextWindowError(f"sequence reached its {seq.max_num_tokens}-token limit")
-        seq.token_ids.append(int(token_id))
-        logits, counters = self._run_one(seq, seq.num_tokens, prefill=False)
-        seq.stats.decode.add(counters)
-        return logits
-
-    def _run_one(self, seq: Sequence, end: int, prefill: bool
-                 ) -> tuple[torch.Tensor, CacheCounters]:
-        assert seq.table is not None, f"sequence {seq.seq_id} was released"
-        self.blocks.append(seq.table, end)
-        chunk = ChunkWork(seq.token_ids[seq.num_cached:end], seq.num_cached,
-                          seq.table.block_ids, prefill, wants_logits=True)
-        [(logits, counters)] = self.step([chunk])
-        seq.num_cached = end
-        assert logits is not None
-        return logits, counters
-
-    def release(self, seq: Sequence) -> None:
-        if seq.table is not None:
-            self.blocks.free(seq.table)
-            seq.table = None
+    def release(self, seq_id: int) -> None:
+        """The sequence finished or was preempted: layers that keep per-sequence state (beyond
+        the paged KV, which its block manager frees) drop it; the routing trace is flushed."""
+        self.model.release(seq_id)
         if self.cache.recorder is not None:
             self.cache.recorder.flush()
 

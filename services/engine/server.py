@@ -123,7 +123,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         meter = (meter_provider or MeterProvider()).get_meter("strata.engine")
         self.metrics = GenAIMetrics(meter)
         self.metrics.set_load_source(
-            lambda: (engine.num_running, engine.num_waiting, kv_usage(engine.runner)))
+            lambda: (engine.num_running, engine.num_waiting, kv_usage(engine)))
         _spec_instruments(meter, engine)
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
@@ -247,11 +247,9 @@ def _error_type(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def kv_usage(runner: object) -> float | None:
-    """Share of the paged KV cache's blocks in use (None for a runner without one)."""
-    blocks = getattr(runner, "blocks", None)
-    if blocks is None or not getattr(blocks, "num_blocks", 0):
-        return None
+def kv_usage(engine: Engine) -> float:
+    """Share of the paged KV cache's blocks the engine's scheduler has handed out."""
+    blocks = engine.scheduler.blocks
     return 1.0 - blocks.num_free_blocks / blocks.num_blocks
 
 
@@ -275,8 +273,8 @@ class StatusSource:
             running=engine.num_running, waiting=engine.num_waiting,
             context_window=engine.context_window, device=self.device,
             requests_finished=totals.requests_finished, tokens_generated=totals.tokens_generated,
-            kv_blocks_total=runner.blocks.num_blocks,  # type: ignore[attr-defined]
-            kv_blocks_free=runner.blocks.num_free_blocks,  # type: ignore[attr-defined]
+            kv_blocks_total=engine.scheduler.blocks.num_blocks,
+            kv_blocks_free=engine.scheduler.blocks.num_free_blocks,
             max_running=engine.scheduler.max_running,
             spec=engine_pb2.SpecStatus(
                 method=engine.draft_source.method if engine.draft_source else "",

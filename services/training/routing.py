@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from services.engine.model.step import ExpertSource, Span
+from services.engine.model.step import ExpertSource
 from services.training.bpe import split_ids
 from services.training.evaluate import routing_stats
 from services.training.loop import Log, stderr_log
@@ -236,24 +236,20 @@ class RoutingTap:
 
 def route_windows(runner: ModelRunner, windows: Sequence[np.ndarray]) -> Iterator[np.ndarray]:
     """Routing [T, L, K] of each window, run as one prefill step of the runner's model."""
+    from services.engine.driver import SequenceDriver
+
     tap = RoutingTap(runner.cache, runner.config.moe_layers)
-    for ids in windows:
-        T = len(ids)
-        seq = runner.start(ids.tolist())
-        try:
-            runner.blocks.append(seq.table, T)
-            runner.cache.begin_step(T, True)
-            runner.model.forward(
-                torch.from_numpy(ids).to(runner.device),  # [T]
-                torch.arange(T, device=runner.device),  # [T]
-                [Span(0, T, 0, seq.table.block_ids)],
-                runner.kv,
-                tap,
-                torch.tensor([T - 1], device=runner.device),
-            )
-        finally:
-            runner.release(seq)
-        yield tap.take()
+    drive = SequenceDriver(runner)
+    try:
+        for ids in windows:
+            seq = drive.start(ids.tolist())
+            try:
+                drive.run([(seq, seq.num_tokens)], experts=tap)
+            finally:
+                drive.release(seq)
+            yield tap.take()
+    finally:
+        drive.close()
 
 
 def routing_report(

@@ -21,6 +21,7 @@ def tools_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def live_trace(tools_model, tmp_path_factory):
     """(trace path, runner) after two sampled requests at 6 slots, default policy."""
+    from services.engine.driver import SequenceDriver
     from services.engine.runner import ModelRunner
     from services.engine.sampling import Sampler, SamplingConfig
 
@@ -28,13 +29,14 @@ def live_trace(tools_model, tmp_path_factory):
     slot_bytes = 3 * 64 * 32 * 4
     runner = ModelRunner(tools_model, device_memory_bytes=6 * slot_bytes, reserved_bytes=0,
                          record_routing=path)
+    drive = SequenceDriver(runner)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     for seed, prompt in enumerate(("Tell me about caches.", "Something else: tides.")):
         sampler = Sampler(SamplingConfig(temperature=0.8, seed=seed))
-        seq = runner.start(runner.tokenizer.encode(prompt))
-        logits = runner.prefill(seq)
+        seq = drive.start(runner.tokenizer.encode(prompt))
+        logits = drive.prefill(seq)
         for _ in range(24):
-            logits = runner.decode(seq, sampler.sample(logits))
-        runner.release(seq)
+            logits = drive.decode(seq, sampler.sample(logits))
+        drive.release(seq)
     runner.close()
     return path, runner

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.engine.core import Engine
+from services.engine.driver import SequenceDriver
 from services.engine.requests import Delta, EngineRequest, Finished, GenerateParams, PromptTooLong
 from services.engine.runner import ModelRunner
 from services.engine.sampling import SamplingConfig
@@ -73,9 +74,9 @@ def run_all(engine: Engine, requests: list[EngineRequest]) -> list[Client]:
 def engine_factory(tiny_dir):
     engines = []
 
-    def make(max_running=8, max_step_tokens=64, **runner_kwargs) -> Engine:
+    def make(max_running=8, max_step_tokens=64, prefix_reuse=True, **runner_kwargs) -> Engine:
         engine = Engine(make_runner(tiny_dir, **runner_kwargs), max_running=max_running,
-                        max_step_tokens=max_step_tokens)
+                        max_step_tokens=max_step_tokens, prefix_reuse=prefix_reuse)
         engine.start()
         engines.append(engine)
         return engine
@@ -112,11 +113,12 @@ def test_prefix_reuse_gives_identical_output_and_reports_the_reused_tokens(engin
 
 
 def test_int8_kv_agrees_with_fp32(tiny_dir):
-    fp32, int8 = make_runner(tiny_dir), make_runner(tiny_dir, kv_dtype="int8")
+    fp32, int8 = (SequenceDriver(make_runner(tiny_dir)),
+                  SequenceDriver(make_runner(tiny_dir, kv_dtype="int8")))
     agree = total = 0
     worst = 0.0
     for prompt in PROMPTS:
-        ids = fp32.tokenizer.encode(prompt)
+        ids = fp32.runner.tokenizer.encode(prompt)
         a, b = fp32.start(ids), int8.start(ids)
         la, lb = fp32.prefill(a), int8.prefill(b)
         for _ in range(12):  # follow fp32's greedy path, compare logits at each position
@@ -133,7 +135,7 @@ def test_int8_kv_agrees_with_fp32(tiny_dir):
 
 def test_cancellation_frees_the_sequences_blocks_within_a_step(engine_factory):
     engine = engine_factory()
-    blocks = engine.runner.blocks
+    blocks = engine.scheduler.blocks
     client = Client()
     handle = engine.submit(request(PROMPTS[1], max_tokens=400, temperature=0.8, seed=1), client)
     while not any(isinstance(e, Delta) for e in list(client.events.queue)):
@@ -162,7 +164,7 @@ def test_an_error_in_one_sequence_ends_only_that_request(engine_factory):
     assert [c.finished.reason for c in clients][1] == "abort"
     assert "engine error" in clients[1].finished.error
     assert all(c.finished.reason in {"stop", "length"} for c in (clients[0], clients[2]))
-    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
 
 
 def test_window_is_enforced_before_admission_and_max_tokens_is_clamped(engine_factory):
@@ -189,7 +191,7 @@ def test_concurrent_submits_from_many_threads_all_end_once(engine_factory):
     for c in clients:
         c.wait()
     assert engine.totals.requests_finished == 12
-    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
 
 
 def test_kv_memory_below_one_window_is_refused(tiny_dir):

@@ -88,9 +88,9 @@ def test_graphed_decode_steps_equal_eager_ones(tiny_dir, policy):
                                  prefetch=False, cuda_graphs=graphs)
             runner.fill_cache(runner.layer_order_pairs()[::-1])
             seq, tokens, logits = greedy(runner, PROMPT, n=24)
-            assert (runner.model.graphs is not None) == graphs
-            if graphs:
-                assert runner.model.graphs.replays == 24 and len(runner.model.graphs.graphs) == 1
+            assert (runner.graphs is not None) == graphs
+            if graphs:  # captured at start, each batch size of the default list
+                assert runner.graphs.replays == 24 and sorted(runner.graphs.graphs) == [*range(1, 9)]
                 d = runner.cache.decode
                 assert "host:graph" in d.reasons or d.spilled == 0
             runs[graphs] = (tokens, logits.cpu(), runner.cache.decode, runner)
@@ -106,29 +106,27 @@ def test_graphed_decode_steps_equal_eager_ones(tiny_dir, policy):
 
 
 def test_graphs_per_batch_size_match_eager_batched_steps(tiny_dir):
-    from services.engine.runner import ChunkWork
+    """Batch sizes 1 and 3 captured at start replay; batch 2, not captured, runs eagerly;
+    every step gives the eager steps' tokens."""
+    from services.engine.driver import SequenceDriver
 
     prompts = [list(b"first prompt"), list(b"second"), list(b"the third one")]
     outs = {}
     for graphs in (False, True):
-        runner = cuda_runner(tiny_dir, 12, cuda_graphs=graphs)
+        runner = cuda_runner(tiny_dir, 12, cuda_graphs=graphs, graph_batches=(1, 3))
         runner.fill_cache(runner.layer_order_pairs())
-        seqs = [runner.start(p) for p in prompts]
-        tokens = [[int(runner.prefill(s).argmax())] for s in seqs]
+        drive = SequenceDriver(runner)
+        seqs = [drive.start(p) for p in prompts]
+        tokens = [[int(drive.prefill(s).argmax())] for s in seqs]
         for step in range(8):
             live = seqs[: 1 + step % 3]  # batches of 1, 2, 3 sequences in turn
-            chunks = []
-            for s, toks in zip(live, tokens, strict=False):
-                s.token_ids.append(toks[-1])
-                runner.blocks.append(s.table, s.num_tokens)
-                chunks.append(ChunkWork([toks[-1]], s.num_tokens - 1, s.table.block_ids,
-                                        False, True))
-                s.num_cached = s.num_tokens
-            for toks, (logits, _) in zip(tokens, runner.step(chunks), strict=False):
-                toks.append(int(logits.argmax()))
+            logits = drive.decode_batch(live, [toks[-1] for toks in tokens[:len(live)]])
+            for toks, row in zip(tokens, logits, strict=False):
+                toks.append(int(row.argmax()))
         outs[graphs] = tokens
         if graphs:
-            assert sorted(runner.model.graphs.graphs) == [1, 2, 3]
+            assert sorted(runner.graphs.graphs) == [1, 3]
+            assert runner.graphs.replays == 5  # the steps of 1 and 3 sequences
     assert outs[True] == outs[False]
 
 
@@ -137,7 +135,7 @@ def test_graphed_decode_steps_do_not_prefetch(tiny_dir):
     runner.fill_cache(runner.layer_order_pairs())
     _, tokens, _ = greedy(runner, PROMPT, n=8)
     d = runner.cache.decode
-    assert runner.model.graphs.replays == 8
+    assert runner.graphs.replays == 8
     assert d.predicted == 0 and d.prefetch_fills == 0
     eager = cuda_runner(tiny_dir, 6, policy=PolicySpec("crf", 0.25), prefetch=True,
                         cuda_graphs=False)

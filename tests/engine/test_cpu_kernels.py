@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from services.engine import kernels
 from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
+from services.engine.driver import SequenceDriver
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.layers.rope import apply_rope
-from services.engine.runner import ChunkWork, ModelRunner
+from services.engine.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler here")
 rms_norm = TorchBackend(torch.device("cpu")).rms_norm
@@ -136,23 +137,15 @@ def test_decode_attention_reads_scattered_blocks_like_sdpa(cpu):
 
 def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     """Logits of `steps` batched greedy decode steps after one prefill step."""
-    seqs = [runner.start(p, max_num_tokens=len(p) + steps + 1) for p in prompts]
-    for s in seqs:
-        runner.blocks.append(s.table, s.num_tokens)
-    out = [lg for lg, _ in runner.step([ChunkWork(s.token_ids, 0, s.table.block_ids, True, True)
-                                        for s in seqs])]
+    drive = SequenceDriver(runner)
+    seqs = [drive.start(p, max_num_tokens=len(p) + steps + 1) for p in prompts]
+    out = drive.run([(s, s.num_tokens) for s in seqs])
     history = []
     for _ in range(steps):
-        chunks = []
-        for s, lg in zip(seqs, out, strict=True):
-            s.token_ids.append(int(lg.argmax()))
-            runner.blocks.append(s.table, s.num_tokens)
-            chunks.append(ChunkWork([s.token_ids[-1]], s.num_tokens - 1, s.table.block_ids,
-                                    False, True))
-        out = [lg for lg, _ in runner.step(chunks)]
+        out = drive.decode_batch(seqs, [int(lg.argmax()) for lg in out])
         history.append(torch.stack(out))
     for s in seqs:
-        runner.release(s)
+        drive.release(s)
     return history
 
 

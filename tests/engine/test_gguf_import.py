@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
+from services.engine.driver import SequenceDriver  # noqa: E402
 from services.engine.model.checkpoint import CheckpointReader, load_model_config  # noqa: E402
 from services.engine.model.config import CheckpointError  # noqa: E402
 from services.engine.model.families import weight_names  # noqa: E402
@@ -135,10 +136,11 @@ def greedy_logits(model_dir: Path, ids: list[int], steps: int, **kwargs) -> torc
     """Teacher-forced logits [steps+1, V] along `ids`' continuation (ids grows greedily from
     the reference when it is a list to extend)."""
     runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0, **kwargs)
-    seq = runner.start(list(ids[:-steps]) if steps else list(ids))
-    rows = [runner.prefill(seq)]
+    drive = SequenceDriver(runner)
+    seq = drive.start(list(ids[:-steps]) if steps else list(ids))
+    rows = [drive.prefill(seq)]
     for token in ids[len(ids) - steps:]:
-        rows.append(runner.decode(seq, token))
+        rows.append(drive.decode(seq, token))
     return torch.stack(rows)[:, :TOKENIZER_VOCAB]
 
 

@@ -243,12 +243,13 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
                                              runner.config.num_experts, runner.device)
             runner.model.fusable = False  # not the fused CPU decode
             runner.model.backend = TritonBackend(runner.device, gpu_ops)  # the graph's ops
-            runner.model.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)
+            runner.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)
+            runner.graphs.capture([1])
         runner.fill_cache(runner.layer_order_pairs()[::-1])
         _, tokens, _ = greedy(runner, "The expert cache keeps", n=10)
         runs.append((tokens, runner.cache.decode, runner))
     (t0, d0, _), (t1, d1, runner) = runs
-    assert runner.model.graphs.replays == 10
+    assert runner.graphs.replays == 10
     assert t1 == t0
     assert (d1.lookups, d1.hits, d1.fills) == (d0.lookups, d0.hits, d0.fills)
     assert d1.fills > 0 or policy == "static"  # lru refills its slots every step

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from services.common.settings import ConfigError, resolve
 from services.engine.config import SETTINGS
+from services.engine.driver import SequenceDriver
 from services.engine.model.checkpoint import CheckpointReader, load_model_config
 from services.engine.model.config import CheckpointError
 from services.engine.model.demo import DEMO_CONFIG, write_demo_checkpoint
@@ -92,11 +93,12 @@ def _tiny(path, **overrides):
 
 def _greedy(model_dir, n=8):
     runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0)
-    seq = runner.start(runner.tokenizer.encode("fused or not"))
-    logits, out = runner.prefill(seq), []
+    drive = SequenceDriver(runner)
+    seq = drive.start(runner.tokenizer.encode("fused or not"))
+    logits, out = drive.prefill(seq), []
     for _ in range(n):
         out.append(int(logits.argmax()))
-        logits = runner.decode(seq, out[-1])
+        logits = drive.decode(seq, out[-1])
     return out, logits
 
 
@@ -130,14 +132,16 @@ def test_bf16_weights_are_served_in_bf16_and_widened_on_request(tmp_path):
     weights = {k: v.to(torch.bfloat16) for k, v in load_file(d / "model.safetensors").items()}
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
     runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0)  # --dtype auto
+    drive = SequenceDriver(runner)
     assert runner.model.embed.dtype == torch.bfloat16
     assert runner.cache.host.blobs.dtype == torch.bfloat16
-    assert runner.prefill(runner.start([1, 2, 3])).dtype == torch.float32  # logits stay fp32
+    assert drive.prefill(drive.start([1, 2, 3])).dtype == torch.float32  # logits stay fp32
     runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0, dtype="fp32")
+    drive = SequenceDriver(runner)
     assert runner.model.embed.dtype == torch.float32
     assert runner.cache.host.blobs.dtype == torch.float32
-    seq = runner.start([1, 2, 3])
-    assert runner.prefill(seq).dtype == torch.float32
+    seq = drive.start([1, 2, 3])
+    assert drive.prefill(seq).dtype == torch.float32
 
 class _StoredAs:
     """A reader that says what dtype its embedding is stored in (safetensors or GGUF names)."""

@@ -6,6 +6,7 @@ import json
 
 from safetensors.torch import load_file
 
+from services.engine.driver import SequenceDriver
 from services.engine.model import demo
 from services.engine.runner import ModelRunner
 
@@ -43,11 +44,12 @@ def test_strata_model_demo_writes_presets_under_strata_home(tmp_path, monkeypatc
 
 def test_demo_runs_in_strata(demo_dir):
     runner = ModelRunner(demo_dir, device_memory_bytes=64 * 3 * 256 * 128 * 4, reserved_bytes=0)
+    drive = SequenceDriver(runner)
     assert (runner.slots, runner.total_pairs) == (64, 256)
     assert runner.model_name == "strata-demo-moe"
     tok = runner.tokenizer
     assert tok.eos_token_ids == {256, 258}
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
-    seq = runner.start(ids)
-    logits = runner.prefill(seq)
+    seq = drive.start(ids)
+    logits = drive.prefill(seq)
     assert logits.shape == (512,) and logits[:259].std() > 0.05  # not degenerate

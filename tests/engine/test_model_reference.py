@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.engine.driver import SequenceDriver
 from services.engine.runner import ModelRunner
 from tests.engine.conftest import TOKENIZER_VOCAB
 
@@ -15,9 +16,10 @@ def assert_matches_reference(model_dir, ref, steps: int = 16, atol: float = 1e-4
                              cpu_kernels: str = "auto") -> None:
     runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0, dtype="fp32",
                          cpu_kernels=cpu_kernels)
+    drive = SequenceDriver(runner)
     ids = runner.tokenizer.encode(PROMPT)
-    seq = runner.start(ids)
-    logits = runner.prefill(seq)
+    seq = drive.start(ids)
+    logits = drive.prefill(seq)
     for step in range(steps + 1):
         with torch.no_grad():
             want = ref(torch.tensor([ids])).logits[0, -1, :TOKENIZER_VOCAB]
@@ -27,7 +29,7 @@ def assert_matches_reference(model_dir, ref, steps: int = 16, atol: float = 1e-4
             token = int(logits.argmax())
             assert token == int(want.argmax())
             ids.append(token)
-            logits = runner.decode(seq, token)
+            logits = drive.decode(seq, token)
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from services.common.profile import Profile
 from services.common.redis_server import free_port
 from services.engine.cache.policy import PolicySpec, Residency
 from services.engine.core import Engine
+from services.engine.driver import SequenceDriver
 from services.engine.plan_watch import PlanApplier, PlanWatcher
 from services.engine.planning import CacheManagerLink
 from services.engine.runner import ModelRunner
@@ -272,19 +273,20 @@ def test_plan_swaps_on_the_copy_stream_between_decode_steps_are_exact(tiny_dir):
     probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
     runner = ModelRunner(tiny_dir, device="cuda", device_memory_bytes=12 * probe.slot_bytes,
                          reserved_bytes=0)
+    drive = SequenceDriver(runner)
 
     def decode(swap: bool) -> list[int]:
         runner.fill_cache(runner.layer_order_pairs())
-        seq = runner.start(list(b"The expert cache"))
-        logits, out = runner.prefill(seq), []
+        seq = drive.start(list(b"The expert cache"))
+        logits, out = drive.prefill(seq), []
         if swap:
             runner.cache.begin_plan(runner.layer_order_pairs()[::-1])
         for _ in range(12):
             out.append(int(logits.argmax()))
             if swap:
                 runner.cache.apply_plan_step(2)
-            logits = runner.decode(seq, out[-1])
-        runner.release(seq)
+            logits = drive.decode(seq, out[-1])
+        drive.release(seq)
         return out
 
     assert decode(swap=True) == decode(swap=False)

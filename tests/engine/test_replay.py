@@ -16,6 +16,7 @@ from services.engine.cache.trace import (
     TraceError,
     TraceWriter,
 )
+from services.engine.driver import SequenceDriver
 from tests.engine.test_runner import PROMPT, runner_with_slots
 
 META = {"num_layers": 2, "num_experts": 8, "fingerprint": "f" * 16}
@@ -85,15 +86,16 @@ def test_live_trace_replays_to_the_live_figures(tiny_dir, tmp_path, policy, pinn
     spec = PolicySpec(policy, pinned)
     runner = runner_with_slots(tiny_dir, 7, policy=spec, prefetch=prefetch, record_routing=path)
     runner.fill_cache(runner.layer_order_pairs()[::-1])
+    drive = SequenceDriver(runner)
     for i, prompt in enumerate((PROMPT, "another prompt, rather different")):
         sampler = Sampler(SamplingConfig(temperature=0.8, seed=i))
-        seq = runner.start(runner.tokenizer.encode(prompt))
-        logits = runner.prefill(seq, max_tokens=16)
-        while seq.num_cached < seq.num_tokens:
-            logits = runner.prefill(seq, max_tokens=16)
+        seq = drive.start(runner.tokenizer.encode(prompt))
+        logits = drive.prefill(seq, max_tokens=16)
+        while seq.num_computed < seq.num_tokens:
+            logits = drive.prefill(seq, max_tokens=16)
         for _ in range(20):
-            logits = runner.decode(seq, sampler.sample(logits))
-        runner.release(seq)
+            logits = drive.decode(seq, sampler.sample(logits))
+        drive.release(seq)
     runner.close()
     trace = Trace.read(path)
     assert trace.meta["slots"] == 7 and trace.meta["policy"] == policy

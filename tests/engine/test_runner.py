@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.engine.cache.policy import PolicySpec
+from services.engine.driver import SequenceDriver
 from services.engine.runner import ContextWindowError, ModelRunner, PromptError
 
 PROMPT = "<|im_start|>user\nHow many experts fit in the cache?<|im_end|>\n<|im_start|>assistant\n"
@@ -27,11 +28,14 @@ def runner_with_slots(model_dir, slots: int, **kwargs) -> ModelRunner:
 
 
 def greedy(runner: ModelRunner, prompt: str, n: int = 24):
-    seq = runner.start(runner.tokenizer.encode(prompt))
-    logits, out = runner.prefill(seq), []
+    drive = SequenceDriver(runner)
+    seq = drive.start(runner.tokenizer.encode(prompt))
+    logits, out = drive.prefill(seq), []
     for _ in range(n):
         out.append(int(logits.argmax()))
-        logits = runner.decode(seq, out[-1])
+        logits = drive.decode(seq, out[-1])
+    drive.release(seq)
+    drive.close()
     return seq, out, logits
 
 
@@ -132,58 +136,61 @@ def test_routing_counts_match_lookups(tiny_dir):
 
 def test_sequence_lifecycle_and_limits(tiny_dir):
     runner = runner_with_slots(tiny_dir, 0)
-    seq = runner.start([1, 2, 3], max_num_tokens=5)
+    drive = SequenceDriver(runner)
+    seq = drive.start([1, 2, 3], max_num_tokens=5)
     assert seq.num_tokens == 3 and seq.max_num_tokens == 5
-    assert runner.prefill(seq).shape == (320,)
-    logits = runner.decode(seq, 4)
+    assert drive.prefill(seq).shape == (320,)
+    logits = drive.decode(seq, 4)
     assert seq.num_tokens == 4
     assert torch.isinf(logits[259:]).all() and torch.isfinite(logits[:259]).all()
-    runner.decode(seq, 5)
+    drive.decode(seq, 5)
     with pytest.raises(ContextWindowError):
-        runner.decode(seq, 6)
+        drive.decode(seq, 6)
     assert seq.num_tokens == 5  # the refused token was not appended
-    other = runner.start([7, 8])
-    runner.prefill(other)
-    runner.release(other)
+    other = drive.start([7, 8])
+    drive.prefill(other)
+    drive.release(other)
     with pytest.raises(AssertionError, match="released"):
-        runner.decode(other, 9)
+        drive.decode(other, 9)
     with pytest.raises(AssertionError, match="before prefill"):
-        runner.decode(runner.start([1]), 2)  # an engine bug, not a client error
+        drive.decode(drive.start([1]), 2)  # an engine bug, not a client error
     with pytest.raises(ContextWindowError, match="context window 512"):
-        runner.start([1] * 513)
+        drive.start([1] * 513)
     with pytest.raises(PromptError, match="empty"):
-        runner.start([])
+        drive.start([])
     with pytest.raises(PromptError, match="outside the vocabulary"):
-        runner.start([1, 320])
+        drive.start([1, 320])
 
 
 def test_two_sequences_interleaved_do_not_interfere(tiny_dir):
     runner = runner_with_slots(tiny_dir, 8)
     _, alone, _ = greedy(runner, PROMPT, n=6)
-    a = runner.start(runner.tokenizer.encode(PROMPT))
-    b = runner.start(runner.tokenizer.encode("something else entirely"))
-    la, lb = runner.prefill(a), runner.prefill(b)
+    drive = SequenceDriver(runner)
+    a = drive.start(runner.tokenizer.encode(PROMPT))
+    b = drive.start(runner.tokenizer.encode("something else entirely"))
+    la, lb = drive.prefill(a), drive.prefill(b)
     out = []
     for _ in range(6):
         out.append(int(la.argmax()))
-        la = runner.decode(a, out[-1])
-        lb = runner.decode(b, int(lb.argmax()))
+        la = drive.decode(a, out[-1])
+        lb = drive.decode(b, int(lb.argmax()))
     assert out == alone
 
 
 def test_chunked_prefill_matches_one_pass(tiny_dir):
     runner = runner_with_slots(tiny_dir, 12)
+    drive = SequenceDriver(runner)
     ids = runner.tokenizer.encode(PROMPT * 3)
-    whole = runner.start(ids)
-    want = runner.prefill(whole)
-    chunked = runner.start(ids)
-    while chunked.num_cached < chunked.num_tokens:
-        got = runner.prefill(chunked, max_tokens=17)
+    whole = drive.start(ids)
+    want = drive.prefill(whole)
+    chunked = drive.start(ids)
+    while chunked.num_computed < chunked.num_tokens:
+        got = drive.prefill(chunked, max_tokens=17)
     assert chunked.stats.prefill_lookups == whole.stats.prefill_lookups
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     token = int(want.argmax())
     torch.testing.assert_close(
-        runner.decode(chunked, token), runner.decode(whole, token), atol=1e-5, rtol=0
+        drive.decode(chunked, token), drive.decode(whole, token), atol=1e-5, rtol=0
     )
 
 

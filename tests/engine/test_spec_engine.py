@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.common.telemetry import setup_metrics
 from services.engine.core import Engine
+from services.engine.driver import SequenceDriver
 from services.engine.requests import EngineRequest, GenerateParams
 from services.engine.runner import ModelRunner
 from services.engine.sampling import Sampler, SamplingConfig
@@ -101,7 +102,7 @@ def plain_greedy(tiny_dir) -> list[list[int]]:
 
 
 def assert_all_blocks_free(engine: Engine) -> None:
-    blocks = engine.runner.blocks
+    blocks = engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
@@ -185,12 +186,14 @@ def test_sampled_output_keeps_the_models_distribution(engine_factory, tiny_dir):
     runner = make_runner(tiny_dir)
     prompt = runner.tokenizer.encode("def add(a, b):\n    return")
 
+    drive = SequenceDriver(runner)
+
     def probs(prefix: tuple[int, ...]) -> dict[int, float]:
-        seq = runner.start(prompt)
-        logits = runner.prefill(seq)
+        seq = drive.start(prompt)
+        logits = drive.prefill(seq)
         for token in prefix:
-            logits = runner.decode(seq, token)
-        runner.release(seq)
+            logits = drive.decode(seq, token)
+        drive.release(seq)
         p = sampler.probs(logits)
         return {int(t): float(p[t]) for t in torch_nonzero(p)}
 
@@ -371,7 +374,7 @@ def test_draft_model_greedy_is_identical_and_its_lookups_are_its_own(
         accepted = sum(s.drafts_accepted for s in stats) / sum(s.drafts_proposed for s in stats)
         assert accepted > 0.9 if draft == "self" else accepted < 1.0  # random: mostly wrong
         assert_all_blocks_free(engine)
-        assert source.runner.blocks.num_free_blocks == source.runner.blocks.num_blocks
+        assert source.blocks.num_free_blocks == source.blocks.num_blocks
 
 
 def test_draft_model_memory_is_reserved_before_the_cache_is_sized(

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from services.engine.block_manager import BlockTable
+from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.cache.layout import matmul_split
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.checkpoint import CheckpointReader, load_model_config
@@ -95,7 +95,7 @@ def test_the_first_draft_is_the_head_on_the_main_models_last_hidden_state(mtp_di
     assert isinstance(source, MtpDraft) and source.draft_lookups == 0
     prompt = runner.tokenizer.encode("def add(a, b):\n    return")[:6]
     table = BlockTable()
-    runner.blocks.append(table, len(prompt) + 3)
+    BlockManager(runner.kv.num_blocks, runner.kv.block_size).append(table, len(prompt) + 3)
     [(logits, _)] = runner.step([ChunkWork(prompt, 0, table.block_ids, True, True, seq_id=7)])
     hidden = runner.model.last_hidden.clone()  # [P, D]
     x_n = int(torch.argmax(logits))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from services.engine.driver import SequenceDriver
 from services.engine.runner import ModelRunner
 from services.training.cli import main
 from services.training.config import TrainConfig
@@ -68,10 +69,11 @@ def test_strata_transformers_and_training_module_agree(tiny_run):
     ref = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ours, _ = load_trained(model_dir)
     runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0)
+    drive = SequenceDriver(runner)
     ids = runner.tokenizer.encode(PROMPT)
     assert 10 < len(ids) < TINY.context
-    seq = runner.start(ids)
-    logits = runner.prefill(seq)
+    seq = drive.start(ids)
+    logits = drive.prefill(seq)
     for step in range(5):
         with torch.no_grad():
             want = ref(torch.tensor([ids])).logits[0, -1]
@@ -80,7 +82,7 @@ def test_strata_transformers_and_training_module_agree(tiny_run):
         assert (trained - want).abs().max().item() <= 1e-3, f"step {step}: training vs transformers"
         token = int(want.argmax())
         ids.append(token)
-        logits = runner.decode(seq, token)
+        logits = drive.decode(seq, token)
     runner.close()
 
 

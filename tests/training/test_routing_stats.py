@@ -177,6 +177,7 @@ def test_tap_sees_what_the_engine_routes(tiny_run, tmp_path):
     """Routing recorded by the tap over a prefill step = the expert cache's own counts, and per
     token = the routing trace of the same tokens decoded one at a time."""
     from services.engine.cache.trace import DECODE, Trace
+    from services.engine.driver import SequenceDriver
     from services.engine.runner import ModelRunner
 
     model_dir, _ = tiny_run
@@ -188,17 +189,18 @@ def test_tap_sees_what_the_engine_routes(tiny_run, tmp_path):
         reserved_bytes=0,
         record_routing=tmp_path / "trace.bin",
     )
+    drive = SequenceDriver(runner)
     runner.take_routing_counts()
     [routes] = list(route_windows(runner, [ids]))  # [T, L, K]
     assert routes.shape == (24, runner.config.num_layers, runner.config.experts_per_token)
     np.testing.assert_array_equal(
         pair_counts([routes], runner.config.num_experts), runner.take_routing_counts()
     )
-    seq = runner.start(ids[:1].tolist())
-    runner.prefill(seq)
+    seq = drive.start(ids[:1].tolist())
+    drive.prefill(seq)
     for t in ids[1:].tolist():
-        runner.decode(seq, t)
-    runner.release(seq)
+        drive.decode(seq, t)
+    drive.release(seq)
     runner.close()
     decoded = [r for r in Trace.read(tmp_path / "trace.bin").records if r.kind == DECODE]
     assert len(decoded) == 23 * runner.config.num_layers

@@ -8,7 +8,7 @@ import shutil
 
 import torch
 
-from services.engine.block_manager import BlockTable
+from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.runner import ChunkWork, ModelRunner
 from services.engine.spec.mtp_head import MTP_CONFIG_FILE, MTP_WEIGHTS_FILE, load_mtp_head
 from services.training.mtp import hidden_states, load_frozen, main
@@ -39,7 +39,7 @@ def test_training_and_engine_read_the_same_hidden_state(tiny_run):
     runner = ModelRunner(model_dir, device_memory_bytes=10**9, reserved_bytes=0)
     ids = runner.tokenizer.encode("def f(x):\n    return x + 1\n")
     table = BlockTable()
-    runner.blocks.append(table, len(ids))
+    BlockManager(runner.kv.num_blocks, runner.kv.block_size).append(table, len(ids))
     runner.step([ChunkWork(ids, 0, table.block_ids, True, True)])
     want = hidden_states(load_frozen(model_dir), torch.tensor([ids]))[0]  # [T, D]
     torch.testing.assert_close(runner.model.last_hidden, want, atol=2e-4, rtol=2e-4)

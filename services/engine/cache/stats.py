@@ -77,6 +77,42 @@ class CacheCounters:
         return out
 
 
+@dataclass
+class PhaseCounters:
+    """The counters of one sequence (or request), per phase; the unprefixed figures are the
+    decode's (a prompt's tokens are routed once, its decode tokens are what the cache serves)."""
+
+    decode: CacheCounters = field(default_factory=CacheCounters)
+    prefill: CacheCounters = field(default_factory=CacheCounters)
+
+    def add(self, counters: CacheCounters, prefill: bool) -> None:
+        (self.prefill if prefill else self.decode).add(counters)
+
+    @property
+    def lookups(self) -> int:
+        return self.decode.lookups
+
+    @property
+    def hits(self) -> int:
+        return self.decode.hits
+
+    @property
+    def spilled(self) -> int:
+        return self.decode.spilled
+
+    @property
+    def hit_rate(self) -> float:
+        return self.decode.hit_rate
+
+    @property
+    def prefill_lookups(self) -> int:
+        return self.prefill.lookups
+
+    @property
+    def prefill_hits(self) -> int:
+        return self.prefill.hits
+
+
 def count_phases(decode: CacheCounters, prefill: CacheCounters,
                  phases: Sequence[tuple[int, int, int]], outcomes: Sequence[Outcome]) -> None:
     """Count one layer's (expert, decode tokens, prefill tokens) entries of a step that may mix

@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graph replays: one graph per batch size T, captured at its first step.
+"""Decode steps as CUDA graph replays: one graph per batch size T of a list, captured at start.
 
 Shape legend: T decode tokens (one per sequence), nb block-table columns (a whole context
 window's worth), Lm MoE layers, K routed per token, D hidden, V vocab.
@@ -22,9 +22,13 @@ made inside the step could only start its copy after the step, for a token it no
 full coverage and more at 25%, docs/benchmarks.md). Outputs do not change: the kernels read the
 same bytes wherever they are (bit-identical to an eager decode step of the same batch).
 
-Steps that are not pure decode (prefill chunks, mixed batches, draft verification), batches
-larger than `max_batch`, and models or caches the body cannot capture (MLA attention, grouped
-routing, an int8 KV cache, no Triton) run eagerly.
+The runner captures every batch size of its list when it starts (each graph's warm-up and
+capture write K/V at position 0 of block 0, which no sequence holds yet) and decides per step:
+a pure decode step of a captured batch size replays; steps that are not pure decode (prefill
+chunks, mixed batches, draft verification), other batch sizes, and models or caches the body
+cannot capture (MLA attention, grouped routing, an int8 KV cache, no Triton) run eagerly. Every
+size is captured as it is, not padded to a larger one, so a replay keeps the bits of an eager
+step of the same batch.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from services.engine.model.step import DecodeRows, Span
 
 log = logging.getLogger("strata.engine")
 
-MAX_BATCH = 64  # graphs for T = 1..MAX_BATCH; larger decode steps run eagerly
+MAX_BATCH = 64  # the largest batch size captured
 
 
 def graph_blocker(model: Decoder, kv: PagedKVCache, cache: ExpertCache) -> str | None:
@@ -77,10 +81,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Decoder, kv: PagedKVCache, cache: ExpertCache,
-                 max_batch: int = MAX_BATCH):
+    def __init__(self, model: Decoder, kv: PagedKVCache, cache: ExpertCache):
         self.model, self.kv, self.cache = model, kv, cache
-        self.max_batch = max_batch
         self.moe_layers = model.moe_layers
         self.num_blocks = -(-model.config.context_window // kv.block_size)  # nb
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
@@ -88,18 +90,26 @@ class DecodeGraphs:
         self.replays = 0
         cache.enable_address_table(len(model.layers))
 
+    def capture(self, batches: Sequence[int]) -> None:
+        """Capture the decode step of each batch size (1 <= T <= MAX_BATCH), from inputs
+        that write position 0 of block 0 (token 0, length 1)."""
+        for batch in sorted(set(batches)):
+            assert 1 <= batch <= MAX_BATCH, f"batch size {batch} outside 1..{MAX_BATCH}"
+            g = self._buffers(batch)
+            g.host_in[2 * batch : 3 * batch] = 1  # lengths; ids, positions, blocks stay 0
+            g.inputs.copy_(g.host_in)
+            self._capture(g)
+            self.graphs[batch] = g
+
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span]
             ) -> torch.Tensor | None:
         """One decode step (each span one sequence's next token; logits for every row) as a
-        graph replay -> fp32 logits [T, V]; None when T is over max_batch (run it eagerly).
-        The inputs go to the device in one copy from a pinned buffer."""
+        graph replay -> fp32 logits [T, V]; None when no graph of T rows was captured (run it
+        eagerly). The inputs go to the device in one copy from a pinned buffer."""
         batch = len(spans)
-        if batch > self.max_batch:
-            return None
         g = self.graphs.get(batch)
-        fresh = g is None
         if g is None:
-            g = self._buffers(batch)
+            return None
         host = g.host_in.numpy()
         host[:batch] = token_ids.cpu().numpy()
         host[batch : 2 * batch] = positions.cpu().numpy()
@@ -110,9 +120,6 @@ class DecodeGraphs:
             used = -(-span.pos_end // P)
             ids[t, :used] = span.block_table[:used]
         g.inputs.copy_(g.host_in, non_blocking=True)  # the step below waits for it anyway
-        if fresh:
-            self._capture(g)
-            self.graphs[batch] = g
         g.graph.replay()
         self.replays += 1
         top = g.route_top.cpu().numpy()  # waits for the step (and so for the input copy)
@@ -150,5 +157,5 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.hidden, g.logits = self._body(g)
-        log.info("captured the decode step for batch %d as a CUDA graph in %.0f ms (%d graphs)",
-                 g.route_top.shape[1], (time.perf_counter() - t0) * 1e3, len(self.graphs) + 1)
+        log.debug("captured the decode step for batch %d as a CUDA graph in %.0f ms",
+                  g.route_top.shape[1], (time.perf_counter() - t0) * 1e3)

@@ -16,7 +16,7 @@ are pre-transposed and split into S column blocks ([S, in, out/S], cache/layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,15 +31,6 @@ from services.engine.model.step import DecodeRows, ExpertSource, Span, Step
 if TYPE_CHECKING:
     from services.engine import kernels
     from services.engine.cache.expert_cache import ExpertCache
-
-
-class GraphedSteps(Protocol):
-    """Decode steps replayed from CUDA graphs (model/cuda_graphs.py's DecodeGraphs)."""
-
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span]
-            ) -> torch.Tensor | None:
-        """fp32 logits [T, V] of a pure decode step, or None: run it eagerly."""
-        ...
 
 
 class Decoder:
@@ -60,7 +51,10 @@ class Decoder:
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
         self._structs: tuple[PagedKVCache, list[kernels.DecodeLayer]] | None = None
         self.last_hidden: torch.Tensor | None = None  # of the last forward
-        self.graphs: GraphedSteps | None = None  # CUDA: decode steps as graph replays
+        # Layer parts with per-sequence state (none in today's families): they define
+        # release(seq_id), which the runner calls when a sequence ends or is preempted.
+        self.per_sequence = [part for layer in layers for part in (layer.attn, layer.mlp)
+                             if callable(getattr(part, "release", None))]
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
@@ -69,12 +63,8 @@ class Decoder:
         """One step over several sequences: token_ids, positions [T] (spans say which rows are
         whose; on the host or the device) -> fp32 logits [S, V] of logit_rows [S]. Linear
         layers and the MoE run once over all T rows; attention per sequence over its paged
-        K/V. A pure decode step runs as a CUDA graph replay where one is set up."""
-        if (self.graphs is not None and len(logit_rows) == len(token_ids)
-                and all(s.row_end - s.row_start == 1 for s in spans)):
-            logits = self.graphs.run(token_ids, positions, spans)
-            if logits is not None:
-                return logits
+        K/V. (The runner replays a pure decode step from a CUDA graph instead, where it
+        captured one: model/cuda_graphs.py.)"""
         token_ids, positions = token_ids.to(self.device), positions.to(self.device)
         slots = torch.cat([
             kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
@@ -90,6 +80,12 @@ class Decoder:
         x = self.run_layers(x, step)
         self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
         return self.logits(x[logit_rows.to(self.device)])  # [S, V]
+
+    def release(self, seq_id: int) -> None:
+        """A sequence finished or was preempted: the layer parts that keep state per sequence
+        outside the paged KV (a recurrent layer's, say) drop its state."""
+        for part in self.per_sequence:
+            part.release(seq_id)
 
     def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """The decoder loop: x [T, D] through every layer -> [T, D] before the final norm.

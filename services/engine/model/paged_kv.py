@@ -15,8 +15,16 @@ every entry of a block shares one scale and reads are a single multiply.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
+
+
+class KVOwner(Protocol):
+    @property
+    def holds_kv(self) -> bool:
+        """Whether any of the pool's blocks are handed out (or may be at any moment)."""
+        ...
 
 
 class PagedKVCache:
@@ -24,6 +32,7 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto"):
         assert kv_dtype in {"auto", "int8"}
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.owner: KVOwner | None = None  # whose block manager hands out the blocks
         self.quantized = kv_dtype == "int8"
         self.dtype = dtype
         storage = torch.int8 if self.quantized else dtype
@@ -35,6 +44,17 @@ class PagedKVCache:
         if self.quantized:
             self.k_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
             self.v_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
+
+    def claim(self, owner: KVOwner | None) -> None:
+        """Make `owner` (an engine, a SequenceDriver, a draft model) the one whose block
+        manager hands out this pool's blocks, taking it over from an owner that holds none;
+        None hands the pool back. Two block managers handing out blocks of one pool at once
+        would give the same block to two sequences."""
+        held = self.owner
+        if owner is not None and held is not None and held is not owner and held.holds_kv:
+            raise RuntimeError(f"this KV pool is in use by {held!r}: stop that engine or "
+                               "release that driver's sequences first")
+        self.owner = owner
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from services.engine.block_manager import BlockTable, NoFreeBlocks
+from services.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from services.engine.model.checkpoint import load_model_config, open_checkpoint
 from services.engine.model.families import weight_names
 from services.engine.model.paged_kv import PagedKVCache
@@ -63,6 +63,9 @@ class DraftModel(DraftSource):
     def __init__(self, runner: Any, memory_bytes: int = 0):
         self.runner = runner  # services.engine.runner.ModelRunner of the draft checkpoint
         self.memory_bytes = memory_bytes
+        runner.kv.claim(self)  # its blocks follow each target sequence's computed prefix
+        self.blocks = BlockManager(runner.kv.num_blocks, runner.kv.block_size,
+                                   enable_prefix_reuse=False)
         self._seqs: dict[int, _DraftSeq] = {}
 
     @classmethod
@@ -81,11 +84,12 @@ class DraftModel(DraftSource):
             dtype=dtype,
             reserved_bytes=0,
             device_memory_bytes=probe_bytes,
-            prefix_reuse=False,
             prefetch=False,
         )
         runner.fill_cache(runner.layer_order_pairs(), source="draft model: every pair")
         return cls(runner, probe_bytes)
+
+    holds_kv = True  # bound to its runner for life
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """The draft must share the target's tokenizer (the same ids mean the same text)."""
@@ -127,7 +131,7 @@ class DraftModel(DraftSource):
     def release(self, seq_id: int) -> None:
         st = self._seqs.pop(seq_id, None)
         if st is not None:
-            self.runner.blocks.free(st.table)
+            self.blocks.free(st.table)
 
     def _sync(self, r: DraftRequest) -> bool:
         """Keep the longest computed prefix equal to the target's tokens; room for k-1 more."""
@@ -143,7 +147,7 @@ class DraftModel(DraftSource):
         if need > self.runner.config.context_window:
             return False
         try:
-            self.runner.blocks.append(st.table, need)
+            self.blocks.append(st.table, need)
         except NoFreeBlocks:
             self.release(r.seq_id)
             return False

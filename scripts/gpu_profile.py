@@ -30,9 +30,8 @@ def main() -> None:
     p.add_argument("--coverage", type=float, default=1.0)
     args = p.parse_args()
     config = load_model_config(args.model)
-    slot_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 4  # fp32 blob
     runner = ModelRunner(args.model, device="cuda", reserved_bytes=0, prefetch=False,
-                         device_memory_bytes=round(args.coverage * config.total_pairs) * slot_bytes,
+                         cache_slots=round(args.coverage * config.total_pairs),
                          graph_batches=(args.batch,))
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     batch_prompts = prompts(args.batch, 32)

@@ -178,7 +178,9 @@ def hit_models(fit: dict, profile: Profile, replayed: HitRateModel | None
 
 def predict(fit: dict, profile: Profile, replayed: HitRateModel | None, held_out: dict) -> dict:
     hw_fit = fit["hardware"]
-    hw = Hardware(hw_fit["slot_bytes"], hw_fit["total_pairs"], hw_fit["reserved_bytes"])
+    hw = Hardware(hw_fit["slot_bytes"], hw_fit["total_pairs"], hw_fit["reserved_bytes"],
+                  weight_bytes=hw_fit.get("weight_bytes") or 0,
+                  kv_bytes=hw_fit.get("kv_bytes") or 0)
     cost = CostModel.from_dict(fit["cost_model"])
     free = round(held_out["budget_mib"] * 2**20)
     out = {}
@@ -275,10 +277,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def budgets_for(engine: dict, coverages: list[float]) -> list[str]:
-    """The least whole MiB of device memory that buys each coverage of the model's pairs."""
+    """The least whole MiB of device memory that buys each coverage of the model's pairs, by
+    the budget rule with the engine's own terms."""
     slot_bytes, pairs = engine["slot_bytes"], engine["total_pairs"]
-    return [f"{math.ceil((engine['reserved_bytes'] + math.ceil(c * pairs) * slot_bytes) / 2**20)}"
-            "MiB" for c in coverages]
+    overhead = (engine["reserved_bytes"] + engine.get("weight_bytes", 0)
+                + engine.get("kv_bytes", 0) + engine.get("draft_bytes", 0))
+    return [f"{math.ceil((overhead + math.ceil(c * pairs) * slot_bytes) / 2**20)}MiB"
+            for c in coverages]
 
 
 async def short_decodes(url: str, num_requests: int, seed: int, max_tokens: int = 128) -> dict:

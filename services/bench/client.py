@@ -183,6 +183,8 @@ def engine_status(address: str, timeout_s: float = 3.0) -> dict | None:
             "device": s.device, "context_window": s.context_window, "slots": c.slots,
             "total_pairs": c.total_pairs, "coverage": c.coverage, "slot_bytes": c.slot_bytes,
             "device_memory_bytes": c.device_memory_bytes, "reserved_bytes": c.reserved_bytes,
+            "weight_bytes": c.weight_bytes, "kv_bytes": c.kv_bytes,
+            "draft_bytes": c.draft_bytes,
             "plan_source": c.plan_source, "plan_version": c.plan_version,
             "requests_finished": s.requests_finished, "tokens_generated": s.tokens_generated,
             "lookups": c.lookups, "hits": c.hits, "demand_fills": c.demand_fills,

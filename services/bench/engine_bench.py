@@ -330,13 +330,12 @@ def prepare(args: argparse.Namespace, model_dir: Path, device: torch.device,
             ) -> Bench:
     """Step 1 of the module docstring for one coverage, prefetch and dtype setting."""
     from services.engine.model.checkpoint import load_model_config
-    from services.engine.runner import ModelRunner, slot_bytes_of
+    from services.engine.runner import ModelRunner
 
     config = load_model_config(model_dir)
     slots = round(coverage * config.total_pairs)
-    slot_bytes = slot_bytes_of(model_dir, dtype, args.expert_dtype)
-    runner = ModelRunner(model_dir, device=str(device), device_memory_bytes=slots * slot_bytes,
-                         reserved_bytes=0, prefetch=prefetch, expert_dtype=args.expert_dtype,
+    runner = ModelRunner(model_dir, device=str(device), cache_slots=slots, reserved_bytes=0,
+                         prefetch=prefetch, expert_dtype=args.expert_dtype,
                          dtype=dtype, policy=PolicySpec(args.policy), placement=args.placement,
                          cuda_graphs=args.cuda_graphs == "on", cpu_kernels=args.cpu_kernels,
                          graph_batches=(args.batch,))

@@ -158,7 +158,8 @@ def fit_results(paths: Iterable[Path]) -> dict:
         engine = result.get("engine") or {}
         if hardware is None and engine.get("slot_bytes"):
             hardware = {k: engine.get(k) for k in
-                        ("model", "slot_bytes", "total_pairs", "reserved_bytes")}
+                        ("model", "slot_bytes", "total_pairs", "reserved_bytes",
+                         "weight_bytes", "kv_bytes")}
     model, error = fit_cost_model(points)
     hit_points = [[g["slots"], g["hit_rate_p50"]] for g in error["by_slots"]
                   if g["slots"] is not None]

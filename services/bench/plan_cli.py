@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="device memory sizes, one row each (default: 10%%..100%% coverage)")
     p.add_argument("--reserved-mib", type=float, default=700.0)
     p.add_argument("--draft-mib", type=float, default=0.0)
+    p.add_argument("--weights-mib", type=float, help="non-expert weights on the device "
+                   "(default: 0, or with --model what its tensors hold in --dtype)")
+    p.add_argument("--kv-mib", type=float, help="the KV pool (default: 0, or with --model the "
+                   "engine's default pool of 4 context windows in --dtype)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slot-mib", type=float)
     size.add_argument("--slot-bytes", type=int)
@@ -63,21 +67,27 @@ def _hardware(a: argparse.Namespace, fit: dict | None) -> Hardware:
     if a.expert_dtype != "auto" and (a.model is None or slot_bytes):
         raise ValueError(f"--expert-dtype {a.expert_dtype} needs --model DIR (the slot size "
                          "follows the expert shape) and no --slot-mib/--slot-bytes")
+    weight_bytes = kv_bytes = 0
     if a.model is not None:
         from services.engine.model.checkpoint import load_model_config
-        from services.engine.runner import slot_bytes_of
+        from services.engine.runner import fixed_bytes_of, slot_bytes_of
 
         c = load_model_config(a.model)
         # what the engine logs at start for the same settings
         slot_bytes = slot_bytes or slot_bytes_of(a.model, a.dtype, a.expert_dtype)
         pairs = pairs or c.total_pairs
+        weight_bytes, kv_bytes = fixed_bytes_of(a.model, a.dtype)
+    if a.weights_mib is not None:
+        weight_bytes = round(a.weights_mib * MIB)
+    if a.kv_mib is not None:
+        kv_bytes = round(a.kv_mib * MIB)
     hw = (fit or {}).get("hardware") or {}
     slot_bytes, pairs = slot_bytes or hw.get("slot_bytes"), pairs or hw.get("total_pairs")
     if not slot_bytes or not pairs:
         raise ValueError("need the slot size and pair count: --slot-mib/--slot-bytes and "
                          "--pairs, or --model DIR, or a fit made on bench results")
     return Hardware(int(slot_bytes), int(pairs), round(a.reserved_mib * MIB),
-                    round(a.draft_mib * MIB))
+                    round(a.draft_mib * MIB), weight_bytes, kv_bytes)
 
 
 def _load_fit(path: Path | None) -> dict | None:
@@ -126,6 +136,8 @@ def plan_main(argv: list[str]) -> int:
                                "expert_dtype": a.expert_dtype,
                                "reserved_mib": hw.reserved_bytes / MIB,
                                "draft_mib": hw.draft_bytes / MIB,
+                               "weights_mib": hw.weight_bytes / MIB,
+                               "kv_mib": hw.kv_bytes / MIB,
                                "hit_rate_source": hits.source if hits else None,
                                "profile": str(a.profile) if a.profile else None,
                                "trace": str(a.trace) if a.trace else None,
@@ -159,8 +171,9 @@ def _print_plan(result: dict) -> None:
     i = result["inputs"]
     experts = "" if i.get("expert_dtype", "auto") == "auto" else f" ({i['expert_dtype']})"
     print(f"\nslot {i['slot_bytes']} bytes{experts}, {i['pairs']} pairs, "
-          f"{i['reserved_mib']:.0f} MiB "
-          f"reserved, {i['draft_mib']:.0f} MiB draft head; hit rate from "
+          f"{i['weights_mib']:.1f} MiB weights, {i['kv_mib']:.1f} MiB KV, "
+          f"{i['reserved_mib']:.0f} MiB reserved, {i['draft_mib']:.0f} MiB draft head; "
+          "hit rate from "
           f"{i['hit_rate_source'] or 'nothing (give --trace, --profile or a fit)'}; cost model "
           f"{i['fit'] or 'none (run strata plan fit)'}")
     if i.get("fit_basis"):

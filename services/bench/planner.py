@@ -227,18 +227,27 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the arithmetic needs: the model's slot size and pair count, the memory kept aside."""
+    """What the arithmetic needs: the model's slot size and pair count, and the budget rule's
+    other terms (services/common/sizing.py): the memory kept aside."""
 
     slot_bytes: int
     total_pairs: int
     reserved_bytes: int = 700 * MIB
     draft_bytes: int = 0
+    weight_bytes: int = 0  # non-expert weights on the device
+    kv_bytes: int = 0  # the KV pool
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Device memory taken before the first slot."""
+        return self.reserved_bytes + self.draft_bytes + self.weight_bytes + self.kv_bytes
 
 
 def plan_row(hw: Hardware, free_bytes: int, hits: HitRateModel | None,
              cost: CostModel | None) -> dict:
     size = size_cache(free_bytes, hw.reserved_bytes, hw.slot_bytes, hw.total_pairs,
-                      draft_head_bytes=hw.draft_bytes)
+                      draft_head_bytes=hw.draft_bytes, weight_bytes=hw.weight_bytes,
+                      kv_bytes=hw.kv_bytes)
     basis = {"slots": MEASURED, "cache_gib": MEASURED, "coverage": MEASURED,
              "hit_rate": None, "decode_tok_s": None}
     hit_rate = decode = None
@@ -264,8 +273,7 @@ def plan_row(hw: Hardware, free_bytes: int, hits: HitRateModel | None,
 
 def default_free_sizes(hw: Hardware, steps: int = 10) -> list[int]:
     """Device memory sizes giving 1/steps, 2/steps, ... of full coverage."""
-    overhead = hw.reserved_bytes + hw.draft_bytes
-    return [overhead + math.ceil(hw.total_pairs * k / steps) * hw.slot_bytes
+    return [hw.overhead_bytes + math.ceil(hw.total_pairs * k / steps) * hw.slot_bytes
             for k in range(1, steps + 1)]
 
 
@@ -277,7 +285,7 @@ def plan_table(hw: Hardware, free_bytes: Sequence[int], hits: HitRateModel | Non
 def plan_inverse(hw: Hardware, target_tok_s: float, hits: HitRateModel,
                  cost: CostModel) -> dict:
     """The least slots whose expected decode tok/s reaches the target, and the device memory
-    that buys exactly them: reserved + draft + slots * slot_bytes. An expensive hit-rate model
+    that buys exactly them: the overhead (reserve, draft, weights, KV) + slots * slot_bytes. An expensive hit-rate model
     (trace replay) is searched on a coarse grid, then bisected inside the first grid interval
     that reaches the target (speed need not rise with slots: on a CPU a small dynamic region
     can decode faster than a larger one that fills more); others are scanned."""
@@ -288,7 +296,7 @@ def plan_inverse(hw: Hardware, target_tok_s: float, hits: HitRateModel,
     found = _least_slots(speed, target_tok_s, hw.total_pairs) if hits.expensive else next(
         (s for s in range(hw.total_pairs + 1) if speed(s) >= target_tok_s), None)
     if found is not None:
-        free_bytes = hw.reserved_bytes + hw.draft_bytes + found * hw.slot_bytes
+        free_bytes = hw.overhead_bytes + found * hw.slot_bytes
         row = plan_row(hw, free_bytes, hits, cost)
         return {"target_tok_s": target_tok_s, "reachable": True, "free_bytes": free_bytes,
                 **row}

@@ -263,17 +263,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from services.engine.model.checkpoint import load_model_config
     from services.engine.runner import ModelRunner
     from services.models import default_model_dir
 
     model_dir = args.model or default_model_dir()
-    probe = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0)
-    slots = round(args.coverage * probe.total_pairs)
-    slot_bytes, total_pairs = probe.slot_bytes, probe.total_pairs
-    del probe
-    runner = ModelRunner(
-        model_dir, device="cpu", device_memory_bytes=slots * slot_bytes, reserved_bytes=0
-    )
+    total_pairs = load_model_config(model_dir).total_pairs
+    slots = round(args.coverage * total_pairs)
+    runner = ModelRunner(model_dir, device="cpu", cache_slots=slots, reserved_bytes=0)
     progress(f"{model_dir.name}: {slots}/{total_pairs} pairs cached; warm-up")
     run_config(runner, FREE_PROMPTS[:1], 2, args.method, 8, 1)
     result: dict[str, Any] = {

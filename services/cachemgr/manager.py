@@ -42,6 +42,7 @@ class PlanRequest:
     shape: ModelShape
     device_memory_bytes: int  # 0 = use the daemon's budget
     reserved_bytes: int  # 0 = use the daemon's reserve
+    slots: int | None = None  # the engine's own slot count (None: size from the budget)
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,13 @@ class CacheManager:
         _check_shape(request.shape)
         if request.device_memory_bytes < 0 or request.reserved_bytes < 0:
             raise InvalidRequest("device_memory_bytes and reserved_bytes must be >= 0")
+        if request.slots is not None and request.slots < 0:
+            raise InvalidRequest(f"slots must be >= 0, got {request.slots}")
         budget = self.budget(request.device_memory_bytes)
         reserved = request.reserved_bytes or self.reserve_bytes
         before = self.planner.version(request.shape.fingerprint)
         counts = await self.store.counts(request.shape)
-        plan = self.planner.plan(request.shape, counts, budget, reserved)
+        plan = self.planner.plan(request.shape, counts, budget, reserved, slots=request.slots)
         self._notify_if_new(request.shape.fingerprint, before)
         if request.engine_id:
             figures = self._figures(request.engine_id, request.shape)

@@ -210,11 +210,13 @@ class Planner:
                      state.shape.fingerprint, state.version, reason, state.pinned_source)
 
     def plan(self, shape: ModelShape, totals: np.ndarray | None, device_memory_bytes: int,
-             reserved_bytes: int) -> Plan:
-        """The residency plan for one engine: slots from the budget, then the pinned pairs."""
+             reserved_bytes: int, slots: int | None = None) -> Plan:
+        """The residency plan for one engine: its slot count (the engine's own, sized by the
+        budget rule after its weights and KV; else from the budget alone), then the pinned
+        pairs."""
         assert not shape.problems(), shape.problems()
         size = size_cache(device_memory_bytes, reserved_bytes, shape.slot_bytes,
-                          shape.total_pairs)
+                          shape.total_pairs, slots=slots, how="engine")
         state = self._state(shape)
         self.refresh(shape, totals, engine_slots=size.slots)
         if state.pinned is None:  # a cache of 0 slots still holds a plan

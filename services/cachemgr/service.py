@@ -31,6 +31,10 @@ log = logging.getLogger("strata.cachemgr")
 SERVICE_NAME = "strata.v1.CacheManager"
 
 
+def _slots(request: cachemgr_pb2.GetPlanRequest | cachemgr_pb2.WatchPlansRequest) -> int | None:
+    return request.slots if request.HasField("slots") else None
+
+
 def _shape(model: cachemgr_pb2.ModelShape) -> ModelShape:
     return ModelShape(model.fingerprint, model.num_layers, model.num_experts, model.slot_bytes,
                       model.name, model.experts_per_token)
@@ -103,7 +107,7 @@ class CacheManagerServicer(cachemgr_pb2_grpc.CacheManagerServicer):
         async with _status_mapping(context, "GetPlan"):
             plan = await self.manager.get_plan(PlanRequest(
                 request.engine_id, _shape(request.model), request.device_memory_bytes,
-                request.reserved_bytes))
+                request.reserved_bytes, _slots(request)))
             return _plan_message(plan)
 
     async def WatchPlans(self, request: cachemgr_pb2.WatchPlansRequest,
@@ -111,7 +115,8 @@ class CacheManagerServicer(cachemgr_pb2_grpc.CacheManagerServicer):
         async with _status_mapping(context, "WatchPlans"):
             await context.send_initial_metadata(())  # tells the engine it is subscribed
             plan_request = PlanRequest(request.engine_id, _shape(request.model),
-                                       request.device_memory_bytes, request.reserved_bytes)
+                                       request.device_memory_bytes, request.reserved_bytes,
+                                       _slots(request))
             async for plan in self.manager.watch(plan_request, request.known_version):
                 yield _plan_message(plan)
 

@@ -127,10 +127,10 @@ def measure_speed(model_dir: Path, device: str, fill: list[tuple[int, int]], pro
 
     out = {}
     for prefetch in (True, False):
-        probe = ModelRunner(model_dir, device=device, device_memory_bytes=0, reserved_bytes=0)
+        probe = ModelRunner(model_dir, device=device, cache_slots=0, reserved_bytes=0)
         slots = slots_for(coverage, probe.total_pairs)
-        runner = ModelRunner(model_dir, device=device, device_memory_bytes=slots * probe.slot_bytes,
-                             reserved_bytes=0, prefetch=prefetch)
+        runner = ModelRunner(model_dir, device=device, cache_slots=slots, reserved_bytes=0,
+                             prefetch=prefetch)
         del probe
         runner.fill_cache(fill, source="profile")
         label = f"speed ({device}, prefetch {'on' if prefetch else 'off'})"
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     model_dir = args.model or EngineConfig().model_dir
-    runner = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0)
+    runner = ModelRunner(model_dir, device="cpu", cache_slots=0, reserved_bytes=0)
     profile_set, held_out = prompt_sets(args.prompts, args.text)
     chat = args.text == "topics"
     with tempfile.TemporaryDirectory() as tmp:

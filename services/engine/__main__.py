@@ -38,6 +38,7 @@ def device_budget(config: EngineConfig, device: str) -> int | None:
 
 
 async def serve(config: EngineConfig) -> None:
+    from services.common.sizing import BudgetError
     from services.engine.core import Engine
     from services.engine.model.cuda_graphs import MAX_BATCH
     from services.engine.planning import CacheManagerLink, local_plan
@@ -50,17 +51,21 @@ async def serve(config: EngineConfig) -> None:
 
         torch.set_num_threads(config.threads)
     draft_bytes = config.draft_reserve or _draft_bytes(config)
-    runner = ModelRunner(config.model_dir, device=device,
-                         device_memory_bytes=device_budget(config, device),
-                         reserved_bytes=config.reserve, policy=config.policy_spec,
-                         placement=config.placement, prefetch=config.prefetch,
-                         cuda_graphs=config.cuda_graphs,
-                         record_routing=config.record_routing,
-                         draft_head_bytes=draft_bytes,
-                         kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
-                         dtype=config.dtype, kv_dtype=config.kv_dtype,
-                         expert_dtype=config.expert_dtype, cpu_kernels=config.cpu_kernels,
-                         graph_batches=range(1, min(config.max_running, MAX_BATCH) + 1))
+    try:
+        runner = ModelRunner(config.model_dir, device=device,
+                             device_memory_bytes=device_budget(config, device),
+                             reserved_bytes=config.reserve, cache_slots=config.cache_slots,
+                             policy=config.policy_spec,
+                             placement=config.placement, prefetch=config.prefetch,
+                             cuda_graphs=config.cuda_graphs,
+                             record_routing=config.record_routing,
+                             draft_head_bytes=draft_bytes,
+                             kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
+                             dtype=config.dtype, kv_dtype=config.kv_dtype,
+                             expert_dtype=config.expert_dtype, cpu_kernels=config.cpu_kernels,
+                             graph_batches=range(1, min(config.max_running, MAX_BATCH) + 1))
+    except BudgetError as exc:  # the numbers, and what to change
+        raise ConfigError(f"--device-memory / --cache-slots: {exc}") from None
     draft_source = _draft_source(config, runner, device)  # in the room reserved above
     engine = Engine(runner, max_running=config.max_running,
                     max_step_tokens=config.prefill_chunk, draft_source=draft_source,
@@ -73,8 +78,7 @@ async def serve(config: EngineConfig) -> None:
     status.engine_id = engine_id = config.resolved_engine_id(port)
     link = None
     if config.cachemgr:
-        link = CacheManagerLink(config.cachemgr, engine_id, runner,
-                                runner.cache_size.free_bytes, config.reserve)
+        link = CacheManagerLink(config.cachemgr, engine_id, runner)
         try:
             plan = await link.get_plan()
         except Exception as exc:
@@ -198,6 +202,7 @@ def _watch_plans(link: object, engine: object, runner: object, status: object,
     watcher = PlanWatcher(link.address, link.engine_id, link.shape(), apply,  # type: ignore[attr-defined]
                           device_memory_bytes=link.device_memory_bytes,  # type: ignore[attr-defined]
                           reserved_bytes=link.reserved_bytes,  # type: ignore[attr-defined]
+                          slots=link.slots,  # type: ignore[attr-defined]
                           known_version=status.plan_version)  # type: ignore[attr-defined]
     watcher.start()
     return watcher

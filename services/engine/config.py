@@ -73,9 +73,15 @@ SETTINGS = (
             "name in logs, metrics and the registry (default: host:port)"),
     Setting("device", "STRATA_DEVICE", _device, "auto", "auto, cpu, cuda or cuda:N"),
     Setting("device_memory", "STRATA_DEVICE_MEMORY", parse_bytes, None,
-            "device memory budget for the engine (default: free VRAM on CUDA, 768MiB on CPU)"),
+            "device memory the engine may take, at most the free VRAM: the non-expert "
+            "weights, the KV pool, the draft reserve and --reserve come out of it and the "
+            "expert cache gets the rest (default: free VRAM on CUDA, 768MiB on CPU)"),
     Setting("reserve", "STRATA_RESERVE", parse_bytes, 700 * 2**20,
-            "device memory kept out of the expert cache (activations, KV, workspace)"),
+            "device memory kept out of the expert cache besides the weights, KV and draft "
+            "reserve: activations, CUDA graphs, allocator slack"),
+    Setting("cache_slots", "STRATA_CACHE_SLOTS", non_negative_int, None,
+            "expert cache slots, instead of as many as the budget holds (start-up fails "
+            "with the numbers when they do not fit)"),
     Setting("cachemgr", "STRATA_CACHEMGR_ADDR", optional_str, None,
             "cache manager gRPC address host:port (default: none, plan locally)"),
     Setting("profile", "STRATA_PROFILE", optional_str, None,
@@ -162,6 +168,7 @@ class EngineConfig:
     device: str = "auto"
     device_memory: int | None = None
     reserve: int = 700 * 2**20
+    cache_slots: int | None = None
     cachemgr: str | None = None
     profile: str | None = None
     report_interval_s: float = 2.0

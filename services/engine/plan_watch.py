@@ -1,7 +1,8 @@
 """The engine's subscription to the cache manager's plan versions (CacheManager.WatchPlans).
 
     watcher = PlanWatcher(address, engine_id, model_shape, on_plan,
-                          device_memory_bytes=..., reserved_bytes=..., known_version=plan.version)
+                          device_memory_bytes=..., reserved_bytes=..., slots=...,
+                          known_version=plan.version)
     watcher.start()          # a background task: subscribe, deliver, reconnect with backoff
     ...
     await watcher.stop()
@@ -39,7 +40,7 @@ OnPlan = Callable[[Plan], Awaitable[None] | None]
 class PlanWatcher:
     def __init__(self, address: str, engine_id: str, model: cachemgr_pb2.ModelShape,
                  on_plan: OnPlan, *, device_memory_bytes: int = 0, reserved_bytes: int = 0,
-                 known_version: int = 0, initial_backoff_s: float = 0.5,
+                 slots: int | None = None, known_version: int = 0, initial_backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0) -> None:
         self.address = address
         self.engine_id = engine_id
@@ -47,6 +48,7 @@ class PlanWatcher:
         self.on_plan = on_plan
         self.device_memory_bytes = device_memory_bytes
         self.reserved_bytes = reserved_bytes
+        self.slots = slots  # the engine's slot count (None: the cache manager sizes one)
         self.version = known_version  # the version held (0 = none from the cache manager)
         self.plan: Plan | None = None  # the last plan received
         self.initial_backoff_s = initial_backoff_s
@@ -91,7 +93,7 @@ class PlanWatcher:
         request = cachemgr_pb2.WatchPlansRequest(
             engine_id=self.engine_id, model=self.model,
             device_memory_bytes=self.device_memory_bytes, reserved_bytes=self.reserved_bytes,
-            known_version=self.version)
+            slots=self.slots, known_version=self.version)
         self.connected = False
         call = stub.WatchPlans(request)
         try:

@@ -80,13 +80,14 @@ class _CacheFigures:
 class CacheManagerLink:
     """The engine's side of the CacheManager service."""
 
-    def __init__(self, address: str, engine_id: str, runner: object, device_memory_bytes: int,
-                 reserved_bytes: int):
+    def __init__(self, address: str, engine_id: str, runner: object):
         self.address = address
         self.engine_id = engine_id
         self.runner = runner
-        self.device_memory_bytes = device_memory_bytes
-        self.reserved_bytes = reserved_bytes
+        size = runner.cache_size  # type: ignore[attr-defined]
+        self.device_memory_bytes = size.limit_bytes  # the budget rule's terms, as sized
+        self.reserved_bytes = size.reserved_bytes
+        self.slots = size.slots
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = cachemgr_pb2_grpc.CacheManagerStub(self._channel)
         self._reported = (0, 0, 0, 0)  # lookups, hits, spilled, tokens at the last report
@@ -106,7 +107,8 @@ class CacheManagerLink:
     async def get_plan(self, timeout_s: float = 10.0) -> Plan:
         reply = await self._stub.GetPlan(cachemgr_pb2.GetPlanRequest(
             engine_id=self.engine_id, model=self.shape(),
-            device_memory_bytes=self.device_memory_bytes, reserved_bytes=self.reserved_bytes),
+            device_memory_bytes=self.device_memory_bytes, reserved_bytes=self.reserved_bytes,
+            slots=self.slots),
             timeout=timeout_s, wait_for_ready=True)
         return Plan(reply.version, reply.slots, tuple((p.layer, p.expert) for p in reply.pairs),
                     reply.source)

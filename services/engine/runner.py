@@ -5,15 +5,17 @@
                           ExpertCache.route: Residency (pinned core + dynamic region) per step,
                           misses placed on the host or copied (cost model), next-layer prefetch
 
-The cache is sized with services.common.sizing.size_cache from the free device memory (CUDA)
-or an explicit budget (CPU), after the non-expert weights are on the device. At start a link
-probe and timed expert runs feed the miss-placement cost model.
+The cache is sized by the one budget rule (services/common/sizing.py): min(--device-memory,
+free device memory before loading) less the non-expert weights, the KV pool, the draft reserve
+and --reserve, or --cache-slots if they fit. At start a link probe and timed expert runs feed
+the miss-placement cost model, and decode steps are captured as CUDA graphs.
 Logits of ids the tokenizer does not know (vocab padding) are masked to -inf.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import abc
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.common.sizing import CacheSize, size_cache
+from services.common.sizing import CacheSize, device_limit, size_cache
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.formats import device_kernel, expert_format
 from services.engine.cache.host_store import HostStore
@@ -63,6 +65,23 @@ def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
                          expert_dtype).blob_bytes
 
 
+def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
+                   kv_windows: int = DEFAULT_KV_WINDOWS) -> tuple[int, int]:
+    """(non-expert weight bytes, default KV pool bytes) of a checkpoint served with this dtype,
+    from its tensor shapes, without loading it: the budget rule's other terms for `strata plan`.
+    The KV pool is counted in the weight dtype (the GPU backends' activations)."""
+    config = load_model_config(Path(model_dir))
+    reader = open_checkpoint(Path(model_dir), weight_names(config))
+    weight_dtype = resolve_dtype(dtype, reader)
+    element = torch.empty((), dtype=weight_dtype).element_size()
+    params = sum(math.prod(reader.shape(name)) for name in reader.names)
+    experts = config.total_pairs * 3 * config.hidden_size * config.moe_intermediate_size
+    block = 16
+    kv = kv_windows * -(-config.context_window // block) * PagedKVCache.bytes_per_block(
+        config.num_layers, block, config.num_kv_heads, config.head_dim, weight_dtype)
+    return (params - experts) * element, kv
+
+
 class PromptError(ValueError):
     """A prompt the model cannot take: empty, unknown token ids, or longer than the window."""
 
@@ -101,6 +120,7 @@ class ModelRunner:
         device: str = "cpu",
         device_memory_bytes: int | None = None,
         reserved_bytes: int = 700 * 2**20,
+        cache_slots: int | None = None,
         dtype: str | torch.dtype = "auto",
         policy: PolicySpec | None = None,
         placement: str = DEFAULT_PLACEMENT,
@@ -125,6 +145,9 @@ class ModelRunner:
         # MTP draft head (services/engine/spec/mtp.py) sees the main model's hidden states.
         self.hidden_sink: abc.Callable[[abc.Sequence[ChunkWork], torch.Tensor], None] | None = None
         self.tokenizer = Tokenizer(model_dir)
+        # Free device memory before anything of ours is on it (the budget rule's "free").
+        free_bytes = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                      else None)
         reader = open_checkpoint(model_dir, weight_names(self.config))
         self.fingerprint = reader.fingerprint(self.config)
         c = self.config
@@ -160,10 +183,8 @@ class ModelRunner:
                  self.slot_bytes, 8 * self.slot_bytes / (3 * c.hidden_size
                                                         * c.moe_intermediate_size))
         self.total_pairs = c.total_pairs
-        free_bytes = self._free_bytes(device_memory_bytes)
-        self.cache_size: CacheSize = size_cache(
-            free_bytes, reserved_bytes, self.slot_bytes, self.total_pairs, draft_head_bytes
-        )
+        self.cache_size = self._size_cache(device_memory_bytes, free_bytes, reserved_bytes,
+                                           draft_head_bytes, cache_slots)
         self.slots = self.cache_size.slots
         log.info(self.cache_size.log_line())
 
@@ -268,12 +289,22 @@ class ModelRunner:
             "prefetch": prefetch,
         }
 
-    def _free_bytes(self, device_memory_bytes: int | None) -> int:
-        if device_memory_bytes is not None:
-            return device_memory_bytes
-        if self.device.type == "cuda":
-            return torch.cuda.mem_get_info(self.device)[0]
-        raise ValueError("device_memory_bytes is required on CPU (it stands in for free VRAM)")
+    def _size_cache(self, configured: int | None, free: int | None, reserved: int,
+                    draft: int, cache_slots: int | None) -> CacheSize:
+        """The one budget rule (services/common/sizing.py) with this engine's terms. On CPU
+        without a budget, --cache-slots alone sizes the cache (the budget is what it takes)."""
+        terms = {"weight_bytes": self.model.weight_bytes(), "kv_bytes": self.kv.nbytes}
+        if configured is None and free is None:
+            if cache_slots is None:
+                raise ValueError("device_memory_bytes is required on CPU (it stands in for "
+                                 "free VRAM), or cache_slots")
+            configured = (sum(terms.values()) + draft + reserved
+                          + min(cache_slots, self.total_pairs) * self.slot_bytes)
+        size = size_cache(device_limit(configured, free), reserved, self.slot_bytes,
+                          self.total_pairs, draft, free_bytes=free, configured_bytes=configured,
+                          slots=cache_slots, **terms)
+        size.check()
+        return size
 
     def layer_order_pairs(self) -> list[tuple[int, int]]:
         """Every pair in layer order: (0, 0), (0, 1), ... — the default ranking."""

@@ -284,8 +284,10 @@ class StatusSource:
                 rejected_lookups=totals.rejected_lookups, draft_lookups=totals.draft_lookups),
             cache=engine_pb2.CacheStatus(
                 slots=size.slots, total_pairs=size.total_pairs, coverage=size.coverage,
-                slot_bytes=size.slot_bytes, device_memory_bytes=size.free_bytes,
-                reserved_bytes=size.reserved_bytes, plan_version=self.plan_version,
+                slot_bytes=size.slot_bytes, device_memory_bytes=size.limit_bytes,
+                reserved_bytes=size.reserved_bytes, weight_bytes=size.weight_bytes,
+                kv_bytes=size.kv_bytes, draft_bytes=size.draft_head_bytes,
+                plan_version=self.plan_version,
                 plan_source=self.plan_source, lookups=lookups, hits=totals.hits,
                 spilled=totals.spilled,
                 hit_rate=totals.hits / lookups if lookups else 0.0,

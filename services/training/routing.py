@@ -275,7 +275,7 @@ def _report(
     from services.engine.runner import ModelRunner
 
     t_start = time.perf_counter()
-    runner = ModelRunner(model_dir, device="cpu", device_memory_bytes=0, reserved_bytes=0)
+    runner = ModelRunner(model_dir, device="cpu", cache_slots=0, reserved_bytes=0)
     c = runner.config
     log(
         f"routing: {runner.model_name} ({len(c.moe_layers)} MoE layers x {c.num_experts} "

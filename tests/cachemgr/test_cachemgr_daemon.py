@@ -185,3 +185,28 @@ async def test_budget_falls_back_to_the_configured_device_memory(provider):
             assert plan.slots == 7
     finally:
         await daemon.stop(grace_s=1)
+
+
+async def test_a_plan_has_the_engines_own_slot_count(provider):
+    """An engine sends the slot count its budget rule gave (after its weights, KV and draft
+    reserve, which the cache manager does not see): the plan has exactly that many pairs,
+    whatever the budget alone would hold; 0 is a count too. Negative counts are refused."""
+    daemon = await start_daemon(config(device_memory_bytes=10 * MiB, reserve_bytes=3 * MiB),
+                                meter_provider=provider)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
+            stub = cachemgr_pb2_grpc.CacheManagerStub(channel)
+            for slots in (4, 0, 32):
+                plan = await stub.GetPlan(cachemgr_pb2.GetPlanRequest(
+                    engine_id="e", model=MODEL, device_memory_bytes=10 * MiB, slots=slots))
+                assert plan.slots == len(plan.pairs) == slots
+            plan = await stub.GetPlan(cachemgr_pb2.GetPlanRequest(
+                engine_id="e", model=MODEL, slots=10**6))
+            assert plan.slots == 32  # every pair
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetPlan(cachemgr_pb2.GetPlanRequest(engine_id="e", model=MODEL,
+                                                               slots=-1))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "slots must be >= 0" in err.value.details()
+    finally:
+        await daemon.stop(grace_s=1)

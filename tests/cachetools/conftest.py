@@ -26,8 +26,7 @@ def live_trace(tools_model, tmp_path_factory):
     from services.engine.sampling import Sampler, SamplingConfig
 
     path = tmp_path_factory.mktemp("trace") / "live.trace"
-    slot_bytes = 3 * 64 * 32 * 4
-    runner = ModelRunner(tools_model, device_memory_bytes=6 * slot_bytes, reserved_bytes=0,
+    runner = ModelRunner(tools_model, cache_slots=6, reserved_bytes=0,
                          record_routing=path)
     drive = SequenceDriver(runner)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")

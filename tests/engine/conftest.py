@@ -3,6 +3,7 @@ by transformers (the reference) or by Strata's demo writer, all on the CPU."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,20 @@ TINY = dict(
     num_experts_per_tok=2,
     max_position_embeddings=256,
 )
+
+
+def fixed_bytes(model_dir: Path, **kwargs) -> int:
+    """What the budget rule subtracts before the cache for this checkpoint and settings: its
+    non-expert weights and KV pool (read off a runner without a cache)."""
+    return _fixed_bytes(Path(model_dir), tuple(sorted(kwargs.items())))
+
+
+@functools.cache
+def _fixed_bytes(model_dir: Path, kwargs: tuple) -> int:
+    from services.engine.runner import ModelRunner
+
+    size = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0, **dict(kwargs)).cache_size
+    return size.weight_bytes + size.kv_bytes
 
 
 def make_hf_checkpoint(

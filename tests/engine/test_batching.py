@@ -25,9 +25,8 @@ PROMPTS = [
 
 
 def make_runner(path, **kwargs) -> ModelRunner:
-    probe = ModelRunner(path, device_memory_bytes=10**9, reserved_bytes=0)
     # Room for a third of the pairs: hits and misses both happen.
-    return ModelRunner(path, device_memory_bytes=8 * probe.slot_bytes, reserved_bytes=0,
+    return ModelRunner(path, cache_slots=8, reserved_bytes=0,
                        **kwargs)
 
 

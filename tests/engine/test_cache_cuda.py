@@ -21,7 +21,7 @@ SLOT_BYTES = 3 * 64 * 32 * 4
 
 
 def cuda_runner(model_dir, slots: int, **kwargs) -> ModelRunner:
-    return ModelRunner(model_dir, device="cuda", device_memory_bytes=slots * SLOT_BYTES,
+    return ModelRunner(model_dir, device="cuda", cache_slots=slots,
                        reserved_bytes=0, **kwargs)
 
 
@@ -148,8 +148,8 @@ def test_bf16_is_exact_across_cache_sizes_on_cuda(tiny_bf16_dir):
     from a slot or in place from the host store, so every cache size gives the same logits."""
     results = []
     for slots in (0, 6, 24):
-        runner = ModelRunner(tiny_bf16_dir, device="cuda", device_memory_bytes=slots * 3 * 64
-                             * 32 * 2, reserved_bytes=0, placement="exact")
+        runner = ModelRunner(tiny_bf16_dir, device="cuda", cache_slots=slots, reserved_bytes=0,
+                             placement="exact")
         assert runner.weight_dtype == runner.dtype == torch.bfloat16 and runner.slots == slots
         runner.fill_cache(runner.layer_order_pairs()[::-1])
         _, tokens, logits = greedy(runner, PROMPT, n=12)

@@ -80,9 +80,8 @@ def run_quality(engine: Engine, batch: int) -> list[list[int]]:
     ids=["full-alone", "quarter-crf-batch12-chunked", "tenth-lru-batch5", "half-lfu-batch12"],
 )
 def test_serving_path_reproduces_the_quality_set(coverage, policy, batch, step_tokens):
-    probe = ModelRunner(MODEL, device_memory_bytes=0, reserved_bytes=0)
-    runner = ModelRunner(MODEL, device_memory_bytes=round(coverage * probe.total_pairs)
-                         * probe.slot_bytes, reserved_bytes=0, policy=PolicySpec(policy))
+    probe = ModelRunner(MODEL, cache_slots=0, reserved_bytes=0)
+    runner = ModelRunner(MODEL, cache_slots=round(coverage * probe.total_pairs), reserved_bytes=0, policy=PolicySpec(policy))
     engine = Engine(runner, max_running=batch, max_step_tokens=step_tokens)
     engine.start()
     try:

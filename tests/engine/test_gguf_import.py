@@ -135,7 +135,7 @@ def source(tmp_path_factory):
 def greedy_logits(model_dir: Path, ids: list[int], steps: int, **kwargs) -> torch.Tensor:
     """Teacher-forced logits [steps+1, V] along `ids`' continuation (ids grows greedily from
     the reference when it is a list to extend)."""
-    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0, **kwargs)
+    runner = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0, **kwargs)
     drive = SequenceDriver(runner)
     seq = drive.start(list(ids[:-steps]) if steps else list(ids))
     rows = [drive.prefill(seq)]

@@ -235,7 +235,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", capture)
     runs = []
     for graphed in (False, True):
-        runner = ModelRunner(tiny_dir, device_memory_bytes=6 * 3 * 64 * 32 * 4,
+        runner = ModelRunner(tiny_dir, cache_slots=6,
                              reserved_bytes=0, policy=PolicySpec(policy, 0.25),
                              prefetch=False)
         if graphed:

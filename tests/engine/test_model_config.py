@@ -92,7 +92,7 @@ def _tiny(path, **overrides):
 
 
 def _greedy(model_dir, n=8):
-    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0)
+    runner = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0)
     drive = SequenceDriver(runner)
     seq = drive.start(runner.tokenizer.encode("fused or not"))
     logits, out = drive.prefill(seq), []
@@ -131,12 +131,12 @@ def test_bf16_weights_are_served_in_bf16_and_widened_on_request(tmp_path):
     d = _tiny(tmp_path / "bf16")
     weights = {k: v.to(torch.bfloat16) for k, v in load_file(d / "model.safetensors").items()}
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
-    runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0)  # --dtype auto
+    runner = ModelRunner(d, cache_slots=0, reserved_bytes=0)  # --dtype auto
     drive = SequenceDriver(runner)
     assert runner.model.embed.dtype == torch.bfloat16
     assert runner.cache.host.blobs.dtype == torch.bfloat16
     assert drive.prefill(drive.start([1, 2, 3])).dtype == torch.float32  # logits stay fp32
-    runner = ModelRunner(d, device_memory_bytes=0, reserved_bytes=0, dtype="fp32")
+    runner = ModelRunner(d, cache_slots=0, reserved_bytes=0, dtype="fp32")
     drive = SequenceDriver(runner)
     assert runner.model.embed.dtype == torch.float32
     assert runner.cache.host.blobs.dtype == torch.float32

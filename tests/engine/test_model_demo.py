@@ -43,7 +43,7 @@ def test_strata_model_demo_writes_presets_under_strata_home(tmp_path, monkeypatc
 
 
 def test_demo_runs_in_strata(demo_dir):
-    runner = ModelRunner(demo_dir, device_memory_bytes=64 * 3 * 256 * 128 * 4, reserved_bytes=0)
+    runner = ModelRunner(demo_dir, cache_slots=64, reserved_bytes=0)
     drive = SequenceDriver(runner)
     assert (runner.slots, runner.total_pairs) == (64, 256)
     assert runner.model_name == "strata-demo-moe"

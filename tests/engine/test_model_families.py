@@ -93,7 +93,7 @@ def test_family_engine_at_partial_coverage_matches_full(tmp_path, family):
     assert probe.slots == probe.total_pairs
     tokens = []
     for slots in (probe.total_pairs, probe.total_pairs // 3):
-        runner = ModelRunner(model_dir, device_memory_bytes=slots * probe.slot_bytes,
+        runner = ModelRunner(model_dir, cache_slots=slots,
                              reserved_bytes=0)
         assert runner.slots == slots
         engine = Engine(runner, max_running=4, max_step_tokens=16)

@@ -14,7 +14,7 @@ PROMPT = "<|im_start|>user\nWhich experts are hot today?<|im_end|>\n<|im_start|>
 
 def assert_matches_reference(model_dir, ref, steps: int = 16, atol: float = 1e-4,
                              cpu_kernels: str = "auto") -> None:
-    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0, dtype="fp32",
+    runner = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0, dtype="fp32",
                          cpu_kernels=cpu_kernels)
     drive = SequenceDriver(runner)
     ids = runner.tokenizer.encode(PROMPT)

@@ -100,8 +100,7 @@ def test_serving_between_plan_steps_keeps_the_residency_consistent():
 
 
 def test_expert_cache_slots_hold_the_planned_pairs_bytes(tiny_dir):
-    probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
-    runner = ModelRunner(tiny_dir, device_memory_bytes=12 * probe.slot_bytes, reserved_bytes=0)
+    runner = ModelRunner(tiny_dir, cache_slots=12, reserved_bytes=0)
     runner.fill_cache(runner.layer_order_pairs())
     cache = runner.cache
     copies_before = cache.link.totals()[0]
@@ -139,10 +138,8 @@ async def served(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(daemon_module, "FLUSH_INTERVAL_S", 0.1)
     port = free_port()
     daemon = await start_daemon(daemon_config(port, tmp_path))
-    probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
-    runner = ModelRunner(tiny_dir, device_memory_bytes=12 * probe.slot_bytes, reserved_bytes=0)
-    link = CacheManagerLink(f"127.0.0.1:{port}", "engine-a", runner,
-                            runner.cache_size.free_bytes, 0)
+    runner = ModelRunner(tiny_dir, cache_slots=12, reserved_bytes=0)
+    link = CacheManagerLink(f"127.0.0.1:{port}", "engine-a", runner)
     plan = await link.get_plan()
     runner.fill_cache(plan.pairs, source=plan.source)
     engine = Engine(runner)
@@ -154,7 +151,7 @@ async def served(tiny_dir, tmp_path, monkeypatch):
     watcher = PlanWatcher(link.address, "engine-a", link.shape(),
                           PlanApplier(engine, runner.cache, status, swap_slots=2),
                           device_memory_bytes=link.device_memory_bytes, reserved_bytes=0,
-                          known_version=plan.version, initial_backoff_s=0.05,
+                          slots=link.slots, known_version=plan.version, initial_backoff_s=0.05,
                           max_backoff_s=0.2)
     watcher.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
@@ -270,8 +267,7 @@ async def test_engine_keeps_serving_without_the_cache_manager_and_takes_its_plan
 def test_plan_swaps_on_the_copy_stream_between_decode_steps_are_exact(tiny_dir):
     """CUDA: plan fills ride the copy stream (timed for the link figures) between steps of a
     sequence being decoded; the greedy tokens match a run without any plan change."""
-    probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
-    runner = ModelRunner(tiny_dir, device="cuda", device_memory_bytes=12 * probe.slot_bytes,
+    runner = ModelRunner(tiny_dir, device="cuda", cache_slots=12,
                          reserved_bytes=0)
     drive = SequenceDriver(runner)
 

@@ -26,6 +26,7 @@ from services.engine.model.quant import (
     unpack_int4,
 )
 from services.engine.runner import ModelRunner
+from tests.engine.conftest import fixed_bytes
 from tests.engine.test_runner import PROMPT, greedy
 
 INT8, INT4 = QUANT_SPECS["int8"], QUANT_SPECS["int4"]
@@ -147,10 +148,9 @@ def test_a_stack_of_experts_dequantizes_in_one_go(tiny_dir, expert_dtype):
 
 
 def runner(model_dir, slots: int, expert_dtype: str, **kwargs) -> ModelRunner:
-    slot_bytes = expert_format(64, 32, torch.float32, expert_dtype).blob_bytes
     return ModelRunner(
         model_dir,
-        device_memory_bytes=slots * slot_bytes + 100,
+        cache_slots=slots,
         reserved_bytes=0,
         expert_dtype=expert_dtype,
         **kwargs,
@@ -208,9 +208,8 @@ def test_auto_sizer_counts_slots_of_the_quantized_size(tiny_dir):
     budget = 40 * 3 * 64 * 32 * 4  # 40 fp32 slots' worth: more than the 24 pairs once quantized
     sizes = {}
     for expert_dtype in ("auto", "int8", "int4"):
-        r = ModelRunner(
-            tiny_dir, device_memory_bytes=budget // 4, reserved_bytes=0, expert_dtype=expert_dtype
-        )
+        r = ModelRunner(tiny_dir, device_memory_bytes=fixed_bytes(tiny_dir) + budget // 4,
+                        reserved_bytes=0, expert_dtype=expert_dtype)
         assert r.slot_bytes == expert_format(64, 32, torch.float32, expert_dtype).blob_bytes
         assert r.slots == min(24, (budget // 4) // r.slot_bytes)
         assert r.cache.host.slot_bytes == r.slot_bytes
@@ -232,6 +231,10 @@ def test_plan_uses_the_slot_size_of_the_expert_dtype(tiny_dir, capsys, monkeypat
             "--free-mib",
             str(free_mib),
             "--reserved-mib",
+            "0",
+            "--weights-mib",  # the slot arithmetic alone
+            "0",
+            "--kv-mib",
             "0",
             "--json",
         ]
@@ -295,7 +298,7 @@ def test_int4_on_cuda_matches_the_host_and_is_exact_across_sizes(tiny_dir):
         r = ModelRunner(
             tiny_dir,
             device="cuda",
-            device_memory_bytes=slots * layout.numel + 100,
+            cache_slots=slots,
             reserved_bytes=0,
             expert_dtype="int4",
             placement="exact",

@@ -8,20 +8,25 @@ import numpy as np
 import pytest
 import torch
 
+from services.common.settings import format_bytes
+from services.common.sizing import BudgetError
 from services.engine.cache.policy import PolicySpec
 from services.engine.driver import SequenceDriver
-from services.engine.runner import ContextWindowError, ModelRunner, PromptError
+from services.engine.runner import ContextWindowError, ModelRunner, PromptError, fixed_bytes_of
+from tests.engine.conftest import fixed_bytes
 
 PROMPT = "<|im_start|>user\nHow many experts fit in the cache?<|im_end|>\n<|im_start|>assistant\n"
 TOTAL_PAIRS = 3 * 8
 
 
 def runner_with_slots(model_dir, slots: int, **kwargs) -> ModelRunner:
+    """A runner whose budget the auto-sizer turns into exactly `slots` slots."""
     slot_bytes = 3 * 64 * 32 * 4
     reserved = 1 << 20
+    fixed = fixed_bytes(model_dir, **{k: v for k, v in kwargs.items() if k.startswith("kv_")})
     return ModelRunner(
         model_dir,
-        device_memory_bytes=reserved + slots * slot_bytes + 100,
+        device_memory_bytes=fixed + reserved + slots * slot_bytes + 100,
         reserved_bytes=reserved,
         **kwargs,
     )
@@ -69,6 +74,47 @@ def test_sizing_and_fill_logs(tiny_dir, caplog):
 def test_cpu_requires_a_memory_budget(tiny_dir):
     with pytest.raises(ValueError, match="device_memory_bytes"):
         ModelRunner(tiny_dir)
+
+
+def test_the_budget_rule_subtracts_weights_kv_draft_and_reserve_once(tiny_dir, caplog):
+    """slots = (budget - weights - KV - draft - reserve) // slot_bytes, with the weights and
+    KV the runner really holds, each term in the start-up line; `strata plan --model` counts
+    the same terms from the checkpoint alone."""
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    slot, reserve, draft = 3 * 64 * 32 * 4, 1 << 20, 300_000
+    budget = 5 << 20
+    runner = ModelRunner(tiny_dir, device_memory_bytes=budget, reserved_bytes=reserve,
+                         draft_head_bytes=draft, kv_memory_bytes=3 << 20)
+    size = runner.cache_size
+    assert size.weight_bytes == runner.model.weight_bytes() > 0
+    assert size.kv_bytes == runner.kv.nbytes == 3 << 20  # whole blocks of --kv-memory
+    want = (budget - size.weight_bytes - size.kv_bytes - draft - reserve) // slot
+    assert 0 < want < TOTAL_PAIRS and runner.slots == want
+    assert (f"expert cache auto: {format_bytes(budget)} budget - "
+            f"{format_bytes(size.weight_bytes)} weights - {format_bytes(size.kv_bytes)} KV - "
+            f"{format_bytes(draft)} draft head - {format_bytes(reserve)} reserved = ") in caplog.text
+    assert f"-> {want} slots of {format_bytes(slot)}" in caplog.text
+    probe = ModelRunner(tiny_dir, cache_slots=0, reserved_bytes=0)  # the default KV pool
+    assert fixed_bytes_of(tiny_dir) == (probe.cache_size.weight_bytes, probe.cache_size.kv_bytes)
+
+
+def test_a_budget_without_room_or_cache_slots_that_do_not_fit_stop_the_start(tiny_dir):
+    fixed = fixed_bytes(tiny_dir)
+    with pytest.raises(BudgetError, match="does not hold the engine without any cache: "
+                       r".* weights - .* KV - 1.00 MiB reserved = -"):
+        ModelRunner(tiny_dir, device_memory_bytes=fixed, reserved_bytes=1 << 20)
+    room = fixed + 6 * 3 * 64 * 32 * 4
+    assert ModelRunner(tiny_dir, device_memory_bytes=room, reserved_bytes=0,
+                       cache_slots=6).slots == 6
+    with pytest.raises(BudgetError, match="--cache-slots 7 needs .* holds 6 slots"):
+        ModelRunner(tiny_dir, device_memory_bytes=room, reserved_bytes=0, cache_slots=7)
+
+
+def test_cache_slots_size_the_cache_without_a_budget_on_cpu(tiny_dir, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    assert ModelRunner(tiny_dir, cache_slots=5).slots == 5
+    assert "expert cache --cache-slots: " in caplog.text and "-> 5 slots" in caplog.text
+    assert ModelRunner(tiny_dir, cache_slots=10**6).slots == TOTAL_PAIRS
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, "a different, longer prompt " * 6])
@@ -204,7 +250,7 @@ def test_cuda_cache_paths(tiny_dir, placement):
         runner = ModelRunner(
             tiny_dir,
             device="cuda",
-            device_memory_bytes=slots * 3 * 64 * 32 * 4,
+            cache_slots=slots,
             reserved_bytes=0,
             placement=placement,
         )
@@ -229,8 +275,7 @@ def test_bf16_greedy_output_is_identical_across_cache_sizes_and_placements(tiny_
     logits bit for bit, and the runner holds bf16 in the host store and the slots."""
     results = []
     for slots, policy in ((0, "static"), (6, "lru"), (12, "crf"), (24, "static")):
-        runner = ModelRunner(tiny_bf16_dir, device_memory_bytes=slots * 3 * 64 * 32 * 2,
-                             reserved_bytes=0, policy=PolicySpec(policy, 0.25),
+        runner = ModelRunner(tiny_bf16_dir, cache_slots=slots, reserved_bytes=0, policy=PolicySpec(policy, 0.25),
                              placement=placement, prefetch=True, cpu_kernels=cpu_kernels)
         assert runner.weight_dtype == torch.bfloat16 and runner.slots == slots
         assert runner.cache.host.blobs.dtype == runner.cache.pool.slots.dtype == torch.bfloat16

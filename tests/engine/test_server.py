@@ -17,9 +17,8 @@ from services.engine.server import StatusSource, set_serving, start_server
 
 @pytest.fixture
 async def engine_stub(tiny_dir):
-    probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
     # Room for half of the 24 pairs.
-    runner = ModelRunner(tiny_dir, device_memory_bytes=12 * probe.slot_bytes, reserved_bytes=0)
+    runner = ModelRunner(tiny_dir, cache_slots=12, reserved_bytes=0)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     engine = Engine(runner)
     status = StatusSource(engine, "test-engine", runner.model_name, "cpu")

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.common.settings import format_bytes
 from services.common.telemetry import setup_metrics
 from services.engine.core import Engine
 from services.engine.driver import SequenceDriver
@@ -38,11 +39,9 @@ PROMPTS = [
 
 
 def make_runner(path, slots: int | None = None, **kwargs) -> ModelRunner:
-    probe = ModelRunner(path, device_memory_bytes=10**9, reserved_bytes=0)
-    slots = probe.total_pairs if slots is None else slots
-    return ModelRunner(
-        path, device_memory_bytes=slots * probe.slot_bytes, reserved_bytes=0, **kwargs
-    )
+    """A runner of `slots` slots (default: every pair)."""
+    return ModelRunner(path, cache_slots=10**9 if slots is None else slots, reserved_bytes=0,
+                       **kwargs)
 
 
 def request(
@@ -385,17 +384,18 @@ def test_draft_model_memory_is_reserved_before_the_cache_is_sized(
     caplog.set_level(logging.INFO)
     draft_bytes = draft_memory_bytes("draft", small_draft_dir)
     assert draft_bytes > 0 and draft_memory_bytes("ngram") == 0
-    probe = make_runner(tiny_dir)
+    probe = make_runner(tiny_dir, 0)
+    fixed = probe.cache_size.weight_bytes + probe.cache_size.kv_bytes
     runner = ModelRunner(
         tiny_dir,
-        device_memory_bytes=draft_bytes + 10 * probe.slot_bytes,
+        device_memory_bytes=fixed + draft_bytes + 10 * probe.slot_bytes,
         reserved_bytes=0,
         draft_head_bytes=draft_bytes,
     )
     assert runner.slots == 10
-    mib = f"{draft_bytes / 2**20:.0f}"
     assert any(
-        f"(+{mib} MiB for the draft head) -> 10 slots" in r.getMessage() for r in caplog.records
+        f"- {format_bytes(draft_bytes)} draft head - " in r.getMessage()
+        and "-> 10 slots" in r.getMessage() for r in caplog.records
     )
     with pytest.raises(ValueError, match="--spec-draft-model"):
         draft_memory_bytes("draft", None)

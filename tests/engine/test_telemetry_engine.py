@@ -48,8 +48,7 @@ def sample(families: dict[str, list], name: str, **labels) -> float:
 
 @pytest.fixture
 async def engine_server(tiny_dir):
-    probe = ModelRunner(tiny_dir, device_memory_bytes=10**9, reserved_bytes=0)
-    runner = ModelRunner(tiny_dir, device_memory_bytes=12 * probe.slot_bytes, reserved_bytes=0)
+    runner = ModelRunner(tiny_dir, cache_slots=12, reserved_bytes=0)
     runner.fill_cache(runner.layer_order_pairs())
     engine = Engine(runner)
     status = StatusSource(engine, "engine-a", runner.model_name, "cpu")
@@ -126,8 +125,7 @@ async def test_reports_carry_prefetch_link_and_load_figures(engine_server, tmp_p
     daemon = await start_daemon(CacheMgrConfig.from_values(
         {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "profile_path": None}),
         meter_provider=provider)
-    link = CacheManagerLink(f"127.0.0.1:{daemon.port}", "engine-a", runner,
-                            runner.cache_size.free_bytes, 0)
+    link = CacheManagerLink(f"127.0.0.1:{daemon.port}", "engine-a", runner)
     try:
         request = engine_pb2.GenerateRequest(request_id="r", prompt="Hello there",
                                              sampling=engine_pb2.SamplingParams(max_tokens=16))

@@ -68,7 +68,7 @@ def test_strata_transformers_and_training_module_agree(tiny_run):
     model_dir, _ = tiny_run
     ref = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ours, _ = load_trained(model_dir)
-    runner = ModelRunner(model_dir, device_memory_bytes=0, reserved_bytes=0)
+    runner = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0)
     drive = SequenceDriver(runner)
     ids = runner.tokenizer.encode(PROMPT)
     assert 10 < len(ids) < TINY.context

@@ -185,7 +185,7 @@ def test_tap_sees_what_the_engine_routes(tiny_run, tmp_path):
     runner = ModelRunner(
         model_dir,
         device="cpu",
-        device_memory_bytes=0,
+        cache_slots=0,
         reserved_bytes=0,
         record_routing=tmp_path / "trace.bin",
     )

@@ -119,9 +119,21 @@ class Decoder:
         x = self.run_layers(self.embed[token_ids].to(self.dtype), step)
         return x, self.logits(x)
 
+    def weight_bytes(self) -> int:
+        """Bytes of every non-expert weight on the device (what the budget rule subtracts)."""
+        weights = self._weights()
+        if not any(t is self.embed for t in weights):
+            weights.append(self.embed)
+        return sum(t.numel() * t.element_size() for t in weights)
+
     def non_expert_bytes_per_step(self) -> int:
         """Bytes of the non-expert weights one step reads: every layer's attention, norms,
         router and dense or shared MLP, the final norm and lm_head, one embedding row."""
+        weights = sum(t.numel() * t.element_size() for t in self._weights())
+        return weights + self.embed.shape[1] * self.embed.element_size()
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The distinct tensors of the layers, the final norm and lm_head."""
         seen: dict[int, torch.Tensor] = {}
 
         def collect(value: object) -> None:
@@ -137,8 +149,7 @@ class Decoder:
 
         collect(self.layers)
         collect([self.final_norm, self.lm_head])
-        weights = sum(t.numel() * t.element_size() for t in seen.values())
-        return weights + self.embed.shape[1] * self.embed.element_size()
+        return list(seen.values())
 
     def _layer_structs(self, kv: PagedKVCache) -> list[kernels.DecodeLayer]:
         """Each layer's pointers for the fused decode layer (built once per KV cache)."""

@@ -56,6 +56,12 @@ class PagedKVCache:
                                "release that driver's sequences first")
         self.owner = owner
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool on its device: K, V and (int8) their scales."""
+        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype, kv_dtype: str = "auto") -> int:

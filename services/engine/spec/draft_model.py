@@ -83,7 +83,7 @@ class DraftModel(DraftSource):
             device=device,
             dtype=dtype,
             reserved_bytes=0,
-            device_memory_bytes=probe_bytes,
+            cache_slots=load_model_config(model_dir).total_pairs,  # in the main one's reserve
             prefetch=False,
         )
         runner.fill_cache(runner.layer_order_pairs(), source="draft model: every pair")

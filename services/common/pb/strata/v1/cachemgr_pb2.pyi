@@ -23,30 +23,34 @@ class ModelShape(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("engine_id", "model", "device_memory_bytes", "reserved_bytes")
+    __slots__ = ("engine_id", "model", "device_memory_bytes", "reserved_bytes", "slots")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: ModelShape
     device_memory_bytes: int
     reserved_bytes: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
+    slots: int
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
 
 class WatchPlansRequest(_message.Message):
-    __slots__ = ("engine_id", "model", "device_memory_bytes", "reserved_bytes", "known_version")
+    __slots__ = ("engine_id", "model", "device_memory_bytes", "reserved_bytes", "known_version", "slots")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: ModelShape
     device_memory_bytes: int
     reserved_bytes: int
     known_version: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., known_version: _Optional[int] = ...) -> None: ...
+    slots: int
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., known_version: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
 
 class Pair(_message.Message):
     __slots__ = ("layer", "expert")

@@ -195,7 +195,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatus(_message.Message):
-    __slots__ = ("slots", "total_pairs", "coverage", "slot_bytes", "device_memory_bytes", "reserved_bytes", "plan_version", "plan_source", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "policy", "pinned_slots", "dynamic_slots", "placement", "link_gb_s", "host_expert_tokens_s", "prefetch", "misses_host", "misses_copied", "placement_reasons", "prefetch_precision", "prefetch_recall", "prefetch_fills", "demand_fills", "evictions", "distinct_pairs_routed", "layer_steps")
+    __slots__ = ("slots", "total_pairs", "coverage", "slot_bytes", "device_memory_bytes", "reserved_bytes", "plan_version", "plan_source", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "policy", "pinned_slots", "dynamic_slots", "placement", "link_gb_s", "host_expert_tokens_s", "prefetch", "misses_host", "misses_copied", "placement_reasons", "prefetch_precision", "prefetch_recall", "prefetch_fills", "demand_fills", "evictions", "distinct_pairs_routed", "layer_steps", "weight_bytes", "kv_bytes", "draft_bytes")
     class PlacementReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,9 @@ class CacheStatus(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DISTINCT_PAIRS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     LAYER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BYTES_FIELD_NUMBER: _ClassVar[int]
     slots: int
     total_pairs: int
     coverage: float
@@ -263,7 +266,10 @@ class CacheStatus(_message.Message):
     evictions: int
     distinct_pairs_routed: int
     layer_steps: int
-    def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., placement_reasons: _Optional[_Mapping[str, int]] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefetch_fills: _Optional[int] = ..., demand_fills: _Optional[int] = ..., evictions: _Optional[int] = ..., distinct_pairs_routed: _Optional[int] = ..., layer_steps: _Optional[int] = ...) -> None: ...
+    weight_bytes: int
+    kv_bytes: int
+    draft_bytes: int
+    def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., placement_reasons: _Optional[_Mapping[str, int]] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefetch_fills: _Optional[int] = ..., demand_fills: _Optional[int] = ..., evictions: _Optional[int] = ..., distinct_pairs_routed: _Optional[int] = ..., layer_steps: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., draft_bytes: _Optional[int] = ...) -> None: ...
 
 class SpecStatus(_message.Message):
     __slots__ = ("method", "spec_tokens", "drafts_proposed", "drafts_accepted", "acceptance_rate", "verify_steps", "rejected_lookups", "draft_lookups")

@@ -12,7 +12,7 @@ import pytest
 from services import top
 from services.cachemgr.config import CacheMgrConfig
 from services.cachemgr.daemon import start_daemon
-from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc
+from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc, counters_pb2
 from services.common.redis_server import free_port
 
 HEALTH = {"status": "ok", "engines": [{"address": "e:1", "ready": True}], "inflight": 2,
@@ -48,8 +48,9 @@ async def cachemgr(tmp_path):
         stub = cachemgr_pb2_grpc.CacheManagerStub(channel)
         for tokens in (0, 140):  # two reports: the second gives a rate
             await stub.ReportRouting(cachemgr_pb2.RoutingReport(
-                engine_id="engine-a", model=model, counts=np.arange(8).tolist(), lookups=1000,
-                hits=865, spilled=23, tokens_generated=tokens, slots=2,
+                engine_id="engine-a", model=model, counts=np.arange(8).tolist(),
+                decode=counters_pb2.CacheCounters(lookups=1000, hits=865, misses_host=135),
+                tokens_generated=tokens, slots=2,
                 device_memory_bytes=6 * 2**20, plan_version=1, requests_running=1,
                 requests_waiting=3))
     yield f"127.0.0.1:{daemon.port}"
@@ -82,7 +83,7 @@ async def test_one_frame(cachemgr, gateway, capsys):
                        for i, line in enumerate(frame.splitlines()) if line.startswith("ENGINE"))
     assert header.split() == list(top.ENGINE_COLUMNS)
     cells = row.split()
-    assert cells[:6] == ["engine-a", "tiny-moe", "2", "25.0%", "86.5%", "2.3%"]
+    assert cells[:6] == ["engine-a", "tiny-moe", "2", "25.0%", "86.5%", "13.5%"]  # spilled = lookups - hits
     assert cells[7:9] == ["1", "3"] and cells[9] == "v1"
     assert "device  host" in frame and "routing-counts" in frame
 

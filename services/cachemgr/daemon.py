@@ -152,15 +152,15 @@ def _log_summary(engines: list[EngineFigures],
                  previous: dict[str, EngineFigures]) -> dict[str, EngineFigures]:
     for e in engines:
         before = previous.get(e.engine_id)
-        lookups = e.lookups - (before.lookups if before else 0)
-        if lookups <= 0:
+        d = e.decode.since(before.decode) if before else e.decode
+        if d.lookups <= 0:
             continue
-        hits = e.hits - (before.hits if before else 0)
-        spilled = e.spilled - (before.spilled if before else 0)
         log.info("engine %s: %d slots (coverage %.1f%% of %d pairs), plan v%d; last %.0f s: hit "
-                 "rate %.1f%% (%d hits / %d lookups), %d spilled (%.2f%%)", e.engine_id,
+                 "rate %.1f%% (%d hits / %d decode lookups), %d spilled, served by no slot "
+                 "(%.2f%%: %d run from host memory, %d copied over the link first)", e.engine_id,
                  e.slots, 100 * e.coverage, e.total_pairs, e.plan_version, SUMMARY_INTERVAL_S,
-                 100 * hits / lookups, hits, lookups, spilled, 100 * spilled / lookups)
+                 100 * d.hit_rate, d.hits, d.lookups, d.spilled, 100 * d.spill_ratio,
+                 d.misses_host, d.misses_copied)
     return {e.engine_id: e for e in engines}
 
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from services.cachemgr.device import (
 )
 from services.cachemgr.planner import ModelShape, Plan, Planner
 from services.cachemgr.store import DECODE, MemoryStore, RedisStore
+from services.common.counters import CacheCounters
 from services.common.settings import format_bytes
 
 log = logging.getLogger("strata.cachemgr")
@@ -49,8 +50,6 @@ class PlanRequest:
 class LinkFigures:
     """Optional figures of one report (None: the engine does not measure them)."""
 
-    prefetched: int | None = None
-    prefetch_used: int | None = None
     link_bytes: int | None = None
     link_busy_s: float | None = None
     requests_running: int | None = None
@@ -62,9 +61,7 @@ class RoutingReport:
     engine_id: str
     shape: ModelShape
     counts: np.ndarray | None  # [L, E] routed tokens per pair since the last report
-    lookups: int
-    hits: int
-    spilled: int
+    decode: CacheCounters  # the decode phase's cache counters since the last report
     tokens_generated: int
     slots: int
     device_memory_bytes: int
@@ -87,9 +84,7 @@ class EngineFigures:
     device_memory_bytes: int = 0
     reserved_bytes: int = 0
     plan_version: int = 0
-    lookups: int = 0
-    hits: int = 0
-    spilled: int = 0
+    decode: CacheCounters = field(default_factory=CacheCounters)  # running totals
     tokens_generated: int = 0
     hit_ratio: float = 0.0
     spill_ratio: float = 0.0
@@ -99,6 +94,18 @@ class EngineFigures:
     requests_running: int | None = None
     requests_waiting: int | None = None
     reported_s: float = 0.0  # monotonic time of the latest report (0 = none yet)
+
+    @property
+    def lookups(self) -> int:
+        return self.decode.lookups
+
+    @property
+    def hits(self) -> int:
+        return self.decode.hits
+
+    @property
+    def spilled(self) -> int:
+        return self.decode.spilled
 
     @property
     def coverage(self) -> float:
@@ -193,10 +200,12 @@ class CacheManager:
         if not report.engine_id:
             raise InvalidRequest("engine_id is empty; each engine reports under its own id")
         _check_shape(report.shape)
-        if min(report.lookups, report.hits, report.spilled, report.tokens_generated) < 0:
-            raise InvalidRequest("lookups, hits, spilled and tokens_generated must be >= 0")
-        if report.hits > report.lookups:
-            raise InvalidRequest(f"hits ({report.hits}) exceed lookups ({report.lookups})")
+        d = report.decode
+        negative = [f.name for f in fields(d) if f.name != "reasons" and getattr(d, f.name) < 0]
+        if negative or report.tokens_generated < 0:
+            raise InvalidRequest(f"{', '.join(negative or ['tokens_generated'])} must be >= 0")
+        if d.hits > d.lookups:
+            raise InvalidRequest(f"hits ({d.hits}) exceed lookups ({d.lookups})")
         fingerprint = report.shape.fingerprint
         if report.counts is not None and report.counts.any():
             await self.store.add(fingerprint, report.counts)
@@ -244,15 +253,15 @@ class CacheManager:
 
 def _updated(figures: EngineFigures, report: RoutingReport, now_s: float) -> EngineFigures:
     changes: dict = {}
-    if report.lookups:
-        changes |= {"hit_ratio": report.hits / report.lookups,
-                    "spill_ratio": report.spilled / report.lookups}
+    d = report.decode
+    if d.lookups:
+        changes |= {"hit_ratio": d.hit_rate, "spill_ratio": d.spill_ratio}
     if figures.reported_s:
         elapsed_s = now_s - figures.reported_s
         changes["tokens_per_s"] = report.tokens_generated / elapsed_s if elapsed_s > 0 else 0.0
+    if d.predicted:
+        changes["prefetch_precision"] = d.prefetch_precision
     extra = report.extra
-    if extra.prefetched:
-        changes["prefetch_precision"] = (extra.prefetch_used or 0) / extra.prefetched
     if extra.link_bytes is not None and extra.link_busy_s:
         changes["link_bytes_per_s"] = extra.link_bytes / extra.link_busy_s
     if extra.requests_running is not None:
@@ -265,9 +274,13 @@ def _updated(figures: EngineFigures, report: RoutingReport, now_s: float) -> Eng
         # 0 = not said: keep what GetPlan resolved for this engine.
         device_memory_bytes=report.device_memory_bytes or figures.device_memory_bytes,
         reserved_bytes=report.reserved_bytes or figures.reserved_bytes,
-        lookups=figures.lookups + report.lookups, hits=figures.hits + report.hits,
-        spilled=figures.spilled + report.spilled,
-        tokens_generated=figures.tokens_generated + report.tokens_generated, **changes)
+        decode=_plus(figures.decode, d), tokens_generated=figures.tokens_generated + report.tokens_generated, **changes)
+
+
+def _plus(a: CacheCounters, b: CacheCounters) -> CacheCounters:
+    out = a.copy()
+    out.add(b)
+    return out
 
 
 def _check_shape(shape: ModelShape) -> None:

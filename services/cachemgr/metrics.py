@@ -116,7 +116,8 @@ def register_metrics(meter: Meter, manager: CacheManager) -> None:
     counter("strata.cache.hits", [per_engine(lambda e: e.hits)], unit="{lookup}",
             description="Lookups served from the expert cache")
     counter("strata.cache.spilled", [per_engine(lambda e: e.spilled)], unit="{lookup}",
-            description="Lookups served from outside the cache (PCIe or host)")
+            description="Lookups served by no cache slot: run from host memory or copied "
+                        "over the link first")
     gauge("strata.cache.hit_ratio", [per_engine(lambda e: e.hit_ratio)], unit="1",
           description="Hits / lookups over the engine's latest report")
     gauge("strata.cache.spill_ratio", [per_engine(lambda e: e.spill_ratio)], unit="1",

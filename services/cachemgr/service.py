@@ -24,6 +24,7 @@ from services.cachemgr.manager import (
     counts_from_flat,
 )
 from services.cachemgr.planner import ModelShape, Plan
+from services.common import counters
 from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc
 
 log = logging.getLogger("strata.cachemgr")
@@ -56,11 +57,10 @@ def _report(request: cachemgr_pb2.RoutingReport) -> RoutingReport:
     if problems := shape.problems():
         raise InvalidRequest("; ".join(problems))
     extra = LinkFigures(*(_optional(request, f) for f in (
-        "prefetched", "prefetch_used", "link_bytes", "link_busy_s", "requests_running",
-        "requests_waiting")))
+        "link_bytes", "link_busy_s", "requests_running", "requests_waiting")))
     return RoutingReport(
-        request.engine_id, shape, counts_from_flat(request.counts, shape), request.lookups,
-        request.hits, request.spilled, request.tokens_generated, request.slots,
+        request.engine_id, shape, counts_from_flat(request.counts, shape),
+        counters.from_proto(request.decode), request.tokens_generated, request.slots,
         request.device_memory_bytes, request.reserved_bytes, request.plan_version, extra,
         counts_from_flat(request.decode_counts, shape))
 

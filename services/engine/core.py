@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
+from services.common.counters import CacheCounters, PhaseCounters
 from services.engine.block_manager import BlockManager
-from services.engine.cache.stats import CacheCounters, PhaseCounters
 from services.engine.detokenize import TextStream
 from services.engine.driver import chunk_work
 from services.engine.requests import (
@@ -88,7 +88,6 @@ class _Live:
         admitted = seq.admitted_at if seq.admitted_at is not None else finished_at
         first = self.first_token_at if self.first_token_at is not None else finished_at
         decode_s = finished_at - first
-        d, p = self.cache.decode, self.cache.prefill
         return RequestStats(
             prompt_tokens=len(h.prompt_ids), reused_prompt_tokens=seq.num_reused,
             completion_tokens=self.generated,
@@ -99,11 +98,8 @@ class _Live:
             # One token comes from the prefill alone: no decode rate to speak of.
             decode_tok_s=self.generated / decode_s if decode_s > 0 and self.generated > 1
             else 0.0,
-            lookups=d.lookups, hits=d.hits, spilled=d.spilled, misses_host=d.misses_host,
-            misses_copied=d.misses_copied, prefetch_predicted=d.predicted,
-            prefetch_predicted_routed=d.predicted_routed,
-            prefetch_routed=d.routed_with_prediction, prefill_lookups=p.lookups,
-            prefill_hits=p.hits, drafts_proposed=self.drafts_proposed,
+            decode=self.cache.decode.copy(), prefill=self.cache.prefill.copy(),
+            drafts_proposed=self.drafts_proposed,
             drafts_accepted=self.drafts_accepted, verify_steps=self.verify_steps,
             rejected_lookups=self.rejected_lookups, draft_lookups=self.draft_lookups)
 
@@ -405,9 +401,8 @@ class Engine:
         totals = self.totals
         totals.requests_finished += 1
         totals.tokens_generated += stats.completion_tokens
-        totals.lookups += stats.lookups
-        totals.hits += stats.hits
-        totals.spilled += stats.spilled
+        totals.decode.add(stats.decode)
+        totals.prefill.add(stats.prefill)
         totals.drafts_proposed += stats.drafts_proposed
         totals.drafts_accepted += stats.drafts_accepted
         totals.verify_steps += stats.verify_steps
@@ -415,6 +410,7 @@ class Engine:
         totals.draft_lookups += stats.draft_lookups
 
     def _log_request(self, s: RequestStats) -> None:
+        d = s.decode
         # The two per-request lines of design.md section 1, paired in order by `strata bench dataset`.
         serve_log.info(
             "strata serve: prompt %d tokens = %d reused + %d read in %.0f ms, "
@@ -425,9 +421,9 @@ class Engine:
             if self.draft_source is not None else "")
         serve_log.info(
             "strata serve: decode expert cache hit rate: %.1f%% (%d hits / %d lookups); "
-            "%d more served from host RAM (%.2f%% of all %d routed); "
-            "misses by placement: %d from host memory, %d copied over the link%s",
-            100 * s.hit_rate, s.hits, s.lookups, s.spilled, 100 * s.spill_ratio, s.lookups,
-            s.misses_host, s.misses_copied,
-            f"; prefetch precision {100 * s.prefetch_precision:.1f}% recall "
-            f"{100 * s.prefetch_recall:.1f}%" if s.prefetch_predicted else "")
+            "%d more spilled, served by no cache slot (%.2f%% of all %d routed); "
+            "misses by placement: %d run from host memory, %d copied over the link first%s",
+            100 * d.hit_rate, d.hits, d.lookups, d.spilled, 100 * d.spill_ratio, d.lookups,
+            d.misses_host, d.misses_copied,
+            f"; prefetch precision {100 * d.prefetch_precision:.1f}% recall "
+            f"{100 * d.prefetch_recall:.1f}%" if d.predicted else "")

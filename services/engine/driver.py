@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from services.common.counters import PhaseCounters
 from services.engine.block_manager import BlockManager, BlockTable
-from services.engine.cache.stats import PhaseCounters
 from services.engine.model.step import ExpertSource
 from services.engine.runner import ChunkWork, ContextWindowError, ModelRunner
 from services.engine.scheduler import Chunk, SeqState

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from services.common import counters
+from services.common.counters import CacheCounters
 from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc
 
 log = logging.getLogger("strata.engine")
@@ -43,40 +45,6 @@ def local_plan(runner: object, profile_path: str | None) -> Plan:
                 "layer-order")
 
 
-@dataclass(frozen=True)
-class _CacheFigures:
-    """The expert cache's lifetime prefetch and link figures, for reports of their deltas."""
-
-    prefetch: bool = False
-    predicted: int = 0  # distinct pairs predicted for a next layer (decode steps)
-    predicted_routed: int = 0  # ... that the layer then routed to
-    link_copies: int = 0
-    link_bytes: int = 0
-    link_busy_s: float = 0.0
-
-    @classmethod
-    def read(cls, runner: object) -> _CacheFigures:
-        cache = getattr(runner, "cache", None)
-        if cache is None:  # a test double without an expert cache
-            return cls()
-        copies, num_bytes, busy_s = cache.link.totals()
-        return cls(cache.prefetch, cache.decode.predicted, cache.decode.predicted_routed,
-                   copies, num_bytes, busy_s)
-
-    def since(self, before: _CacheFigures) -> dict[str, int | float]:
-        """RoutingReport's optional fields; prefetch ones only when prefetch is on, link ones
-        only when copies finished (a busy time to divide by)."""
-        out: dict[str, int | float] = {}
-        if self.prefetch:
-            out["prefetched"] = self.predicted - before.predicted
-            out["prefetch_used"] = self.predicted_routed - before.predicted_routed
-        busy_s = self.link_busy_s - before.link_busy_s
-        if busy_s > 0:
-            out["link_bytes"] = self.link_bytes - before.link_bytes
-            out["link_busy_s"] = busy_s
-        return out
-
-
 class CacheManagerLink:
     """The engine's side of the CacheManager service."""
 
@@ -90,8 +58,9 @@ class CacheManagerLink:
         self.slots = size.slots
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = cachemgr_pb2_grpc.CacheManagerStub(self._channel)
-        self._reported = (0, 0, 0, 0)  # lookups, hits, spilled, tokens at the last report
-        self._reported_cache = _CacheFigures()  # prefetch and link figures at the last report
+        # The cache's lifetime decode counters, tokens and link totals at the last report.
+        self._reported: tuple[CacheCounters, int, tuple[int, int, float]] = (
+            CacheCounters(), 0, (0, 0, 0.0))
         self._failures = 0
         # (all, decode) counts of reports that could not be sent
         self._unsent: tuple[np.ndarray, np.ndarray] | None = None
@@ -122,18 +91,22 @@ class CacheManagerLink:
         if self._unsent is not None:
             counts, decode = counts + self._unsent[0], decode + self._unsent[1]
             self._unsent = None
-        now = (totals.lookups, totals.hits, totals.spilled,  # type: ignore[attr-defined]
-               totals.tokens_generated)  # type: ignore[attr-defined]
-        delta = [a - b for a, b in zip(now, self._reported, strict=True)]
-        cache_now = _CacheFigures.read(self.runner)
-        optional = cache_now.since(self._reported_cache)
+        cache = self.runner.cache  # type: ignore[attr-defined]
+        now = (cache.decode.copy(), totals.tokens_generated,  # type: ignore[attr-defined]
+               cache.link.totals())
+        (decode_before, tokens_before, (_, bytes_before, busy_before)) = self._reported
+        optional: dict[str, int | float] = {}
+        busy_s = now[2][2] - busy_before
+        if busy_s > 0:  # copies finished: a busy time to divide by
+            optional |= {"link_bytes": now[2][1] - bytes_before, "link_busy_s": busy_s}
         if load is not None:
             optional |= {"requests_running": load[0], "requests_waiting": load[1]}
         try:
             ack = await self._stub.ReportRouting(cachemgr_pb2.RoutingReport(
                 engine_id=self.engine_id, model=self.shape(), counts=counts.ravel().tolist(),
                 decode_counts=decode.ravel().tolist(),
-                lookups=delta[0], hits=delta[1], spilled=delta[2], tokens_generated=delta[3],
+                decode=counters.to_proto(now[0].since(decode_before)),
+                tokens_generated=now[1] - tokens_before,
                 slots=self.runner.slots, device_memory_bytes=self.device_memory_bytes,  # type: ignore[attr-defined]
                 reserved_bytes=self.reserved_bytes, plan_version=plan_version, **optional),
                 timeout=5.0)
@@ -150,7 +123,6 @@ class CacheManagerLink:
                      self._failures)
             self._failures = 0
         self._reported = now
-        self._reported_cache = cache_now
         return ack.plan_version
 
     async def report_forever(self, totals: object, plan_version: Callable[[], int],

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common.counters import ByPhase, CacheCounters
 from services.engine.sampling import SamplingConfig
 
 
@@ -58,7 +59,7 @@ class _DraftFigures:
 
 
 @dataclass(frozen=True)
-class RequestStats(_DraftFigures):
+class RequestStats(ByPhase, _DraftFigures):
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -67,17 +68,9 @@ class RequestStats(_DraftFigures):
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
     decode_tok_s: float = 0.0
-    # Decode-phase expert cache figures (see services/engine/cache/stats.py).
-    lookups: int = 0
-    hits: int = 0
-    spilled: int = 0
-    misses_host: int = 0  # missed tokens run from host memory (see cache/placement.py)
-    misses_copied: int = 0  # missed tokens whose expert was copied over the link first
-    prefetch_predicted: int = 0  # distinct pairs predicted for the next layer
-    prefetch_predicted_routed: int = 0  # ... that the layer then routed to
-    prefetch_routed: int = 0  # distinct pairs routed in layers that had a prediction
-    prefill_lookups: int = 0
-    prefill_hits: int = 0
+    # The request's expert-cache counters: its decode tokens', and its prompt's.
+    decode: CacheCounters = field(default_factory=CacheCounters)
+    prefill: CacheCounters = field(default_factory=CacheCounters)
     # Speculative decoding: draft tokens proposed / accepted, verification steps, decode
     # lookups spent on rejected draft positions, lookups by the draft source's own forward.
     drafts_proposed: int = 0
@@ -85,24 +78,6 @@ class RequestStats(_DraftFigures):
     verify_steps: int = 0
     rejected_lookups: int = 0
     draft_lookups: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    @property
-    def spill_ratio(self) -> float:
-        return self.spilled / self.lookups if self.lookups else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        p = self.prefetch_predicted
-        return self.prefetch_predicted_routed / p if p else 0.0
-
-    @property
-    def prefetch_recall(self) -> float:
-        r = self.prefetch_routed
-        return self.prefetch_predicted_routed / r if r else 0.0
 
 
 @dataclass(frozen=True)
@@ -159,14 +134,13 @@ class RequestHandle:
 
 
 @dataclass
-class EngineTotals(_DraftFigures):
-    """Lifetime figures, written by the loop thread only."""
+class EngineTotals(ByPhase, _DraftFigures):
+    """Lifetime figures of the finished requests, written by the loop thread only."""
 
     requests_finished: int = 0
     tokens_generated: int = 0
-    lookups: int = 0
-    hits: int = 0
-    spilled: int = 0
+    decode: CacheCounters = field(default_factory=CacheCounters)
+    prefill: CacheCounters = field(default_factory=CacheCounters)
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     verify_steps: int = 0

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.common.counters import CacheCounters
 from services.common.sizing import CacheSize, device_limit, size_cache
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.formats import device_kernel, expert_format
@@ -36,7 +37,6 @@ from services.engine.cache.placement import (
 )
 from services.engine.cache.policy import DEFAULT_PREFETCH, PolicySpec, Residency
 from services.engine.cache.slot_pool import FillReport, SlotPool
-from services.engine.cache.stats import CacheCounters
 from services.engine.cache.trace import TraceWriter
 from services.engine.kernels.backend import select_backend
 from services.engine.model.checkpoint import load_model_config, open_checkpoint

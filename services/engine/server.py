@@ -23,6 +23,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
+from services.common import counters
 from services.common.genai_metrics import GenAIMetrics
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.common.telemetry import extract_context
@@ -80,13 +81,8 @@ def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:
         prompt_tokens=s.prompt_tokens, reused_prompt_tokens=s.reused_prompt_tokens,
         completion_tokens=s.completion_tokens, queue_ms=s.queue_ms, prefill_ms=s.prefill_ms,
         decode_ms=s.decode_ms, ttft_ms=s.ttft_ms, decode_tok_s=s.decode_tok_s,
-        lookups=s.lookups, hits=s.hits, spilled=s.spilled, hit_rate=s.hit_rate,
-        spill_ratio=s.spill_ratio, misses_host=s.misses_host, misses_copied=s.misses_copied,
-        prefetch_predicted=s.prefetch_predicted,
-        prefetch_predicted_routed=s.prefetch_predicted_routed,
-        prefetch_routed=s.prefetch_routed, prefetch_precision=s.prefetch_precision,
-        prefetch_recall=s.prefetch_recall, prefill_lookups=s.prefill_lookups,
-        prefill_hits=s.prefill_hits, drafts_proposed=s.drafts_proposed,
+        decode=counters.to_proto(s.decode), prefill=counters.to_proto(s.prefill),
+        drafts_proposed=s.drafts_proposed,
         drafts_accepted=s.drafts_accepted, draft_acceptance_rate=s.draft_acceptance_rate,
         verify_steps=s.verify_steps, rejected_lookups=s.rejected_lookups,
         draft_lookups=s.draft_lookups)
@@ -267,7 +263,6 @@ class StatusSource:
     def status(self) -> engine_pb2.EngineStatus:
         engine, runner, totals = self.engine, self.engine.runner, self.engine.totals
         size = runner.cache_size  # type: ignore[attr-defined]
-        lookups = totals.lookups
         return engine_pb2.EngineStatus(
             engine_id=self.engine_id, model=self.model_name, ready=True,
             running=engine.num_running, waiting=engine.num_waiting,
@@ -288,20 +283,15 @@ class StatusSource:
                 reserved_bytes=size.reserved_bytes, weight_bytes=size.weight_bytes,
                 kv_bytes=size.kv_bytes, draft_bytes=size.draft_head_bytes,
                 plan_version=self.plan_version,
-                plan_source=self.plan_source, lookups=lookups, hits=totals.hits,
-                spilled=totals.spilled,
-                hit_rate=totals.hits / lookups if lookups else 0.0,
-                spill_ratio=totals.spilled / lookups if lookups else 0.0,
-                **_cache_policy_status(runner)))
+                plan_source=self.plan_source, **_cache_policy_status(runner)))
 
 
 def _cache_policy_status(runner: object) -> dict:
-    """Policy, placement and lifetime decode figures of the runner's expert cache (read from
-    another thread than the loop's: plain ints, and a copy of the reasons)."""
+    """Policy, placement and lifetime counters of the runner's expert cache (read from another
+    thread than the loop's: copies)."""
     cache = getattr(runner, "cache", None)
     if cache is None:  # a test double without an expert cache
         return {}
-    d = cache.decode
     residency = cache.residency
     cost = cache.placer.cost
     return dict(
@@ -309,10 +299,8 @@ def _cache_policy_status(runner: object) -> dict:
         dynamic_slots=residency.num_dynamic, placement=cache.placer.mode,
         link_gb_s=runner.link.bytes_per_s / 1e9,  # type: ignore[attr-defined]
         host_expert_tokens_s=cost.host.tokens_per_s if cost else 0.0, prefetch=cache.prefetch,
-        misses_host=d.misses_host, misses_copied=d.misses_copied,
-        placement_reasons=dict(d.reasons), prefetch_precision=d.prefetch_precision,
-        prefetch_recall=d.prefetch_recall, prefetch_fills=d.prefetch_fills,
-        demand_fills=d.fills + cache.prefill.fills, evictions=residency.evictions,
+        decode=counters.to_proto(cache.decode.copy()),
+        prefill=counters.to_proto(cache.prefill.copy()), evictions=residency.evictions,
         distinct_pairs_routed=cache.distinct_pairs_routed, layer_steps=cache.layer_steps)
 
 

@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import grpc
 
+from services.common import counters
+from services.common.counters import CacheCounters
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.gateway.breaker import CircuitBreaker
 from services.gateway.errors import EngineError
@@ -85,11 +87,19 @@ class RequestStats:
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
     decode_tok_s: float = 0.0
-    hit_rate: float = 0.0
-    spill_ratio: float = 0.0
+    decode: CacheCounters = field(default_factory=CacheCounters)  # its decode tokens' cache
     drafts_proposed: int = 0  # speculative decoding
     drafts_accepted: int = 0
     draft_acceptance_rate: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.decode.hit_rate
+
+    @property
+    def spill_ratio(self) -> float:
+        """Routed experts served by no cache slot (run from host memory or copied first)."""
+        return self.decode.spill_ratio
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,7 @@ def _stats(pb: engine_pb2.RequestStats) -> RequestStats:
         prompt_tokens=pb.prompt_tokens, reused_prompt_tokens=pb.reused_prompt_tokens,
         completion_tokens=pb.completion_tokens, queue_ms=pb.queue_ms, prefill_ms=pb.prefill_ms,
         decode_ms=pb.decode_ms, ttft_ms=pb.ttft_ms, decode_tok_s=pb.decode_tok_s,
-        hit_rate=pb.hit_rate, spill_ratio=pb.spill_ratio, drafts_proposed=pb.drafts_proposed,
+        decode=counters.from_proto(pb.decode), drafts_proposed=pb.drafts_proposed,
         drafts_accepted=pb.drafts_accepted, draft_acceptance_rate=pb.draft_acceptance_rate)
 
 

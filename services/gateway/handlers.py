@@ -152,7 +152,8 @@ class _Run:
     def log_done(self, finished: Finished) -> None:
         u, f = self.usage(finished), self.figures(finished)
         log.info("request %s done (%s): %d prompt + %d completion tokens, queue %.0f ms, "
-                 "ttft %.0f ms, %.1f tok/s, hit rate %.3f, spill %.3f, engine %s, trace %s",
+                 "ttft %.0f ms, %.1f tok/s, expert hit rate %.3f, spilled %.3f (routed experts no "
+                 "cache slot served), engine %s, trace %s",
                  request_id(self.request), finished.reason, u["prompt_tokens"],
                  u["completion_tokens"], f.queue_wait_ms, f.ttft_ms, f.decode_tok_s,
                  f.expert_hit_rate, f.spill_ratio, f.engine_id, self.request[TRACE].trace_id)

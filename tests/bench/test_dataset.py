@@ -40,6 +40,16 @@ def test_reference_lines_pair_including_the_draft_and_pcie_wording():
     assert record.spill_ratio == pytest.approx(412 / 17850)
 
 
+def test_the_engines_own_wording_pairs():
+    lines = [prompt(100),
+             "strata serve: decode expert cache hit rate: 90.0% (90 hits / 100 lookups); 10 more "
+             "spilled, served by no cache slot (10.00% of all 100 routed); misses by placement: "
+             "7 run from host memory, 3 copied over the link first"]
+    (record,) = pair_lines(lines).records
+    assert (record.hits, record.lookups) == (90, 100)
+    assert record.spill_ratio == pytest.approx(0.1)
+
+
 def test_clauses_appended_to_either_line_are_tolerated():
     lines = [prompt(100) + ", drafts accepted 50/100, queue 3 ms",
              hit(90, 100) + "; misses by placement: 10 from host memory, 0 copied over the link"]

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cachemgr.config import CacheMgrConfig
 from services.cachemgr.daemon import start_daemon
-from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc
+from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc, counters_pb2
 from services.common.telemetry import setup_metrics
 
 MiB = 2**20
@@ -26,13 +26,18 @@ def config(redis_url=None, **overrides):
                                        **overrides})
 
 
-def report(engine_id="engine-a", hot=None, **figures):
+def report(engine_id="engine-a", hot=None, lookups=0, hits=0, prefetched=0, prefetch_used=0,
+           **figures):
+    """A report whose decode counters have these lookups and hits (every miss run from host
+    memory) and prefetch predictions."""
     counts = np.zeros((4, 8), dtype=np.int64)  # [L, E]
     for (layer, expert), count in (hot or {}).items():
         counts[layer, expert] = count
-    fields = {"lookups": 0, "hits": 0, "spilled": 0, "tokens_generated": 0, "slots": 6,
-              "device_memory_bytes": 6 * MiB, "reserved_bytes": 0, "plan_version": 1} | figures
-    return cachemgr_pb2.RoutingReport(engine_id=engine_id, model=MODEL,
+    decode = counters_pb2.CacheCounters(lookups=lookups, hits=hits, misses_host=lookups - hits,
+                                        predicted=prefetched, predicted_routed=prefetch_used)
+    fields = {"tokens_generated": 0, "slots": 6, "device_memory_bytes": 6 * MiB,
+              "reserved_bytes": 0, "plan_version": 1} | figures
+    return cachemgr_pb2.RoutingReport(engine_id=engine_id, model=MODEL, decode=decode,
                                       counts=counts.reshape(-1).tolist(), **fields)
 
 
@@ -84,15 +89,14 @@ async def test_plans_follow_reported_counts_and_metrics_show_them(redis_server, 
 
             ack = await stub.ReportRouting(report(
                 hot={(3, 7): 40, (2, 5): 30, (1, 1): 20, (0, 4): 10},
-                lookups=1000, hits=865, spilled=23, tokens_generated=50))
+                lookups=1000, hits=865, tokens_generated=50))
             assert ack.plan_version == plan.version + 1
             plan = await stub.GetPlan(plan_request())
             assert plan.source == "routing-counts" and plan.version == ack.plan_version
             assert pairs(plan) == [(3, 7), (2, 5), (1, 1), (0, 4)]
 
             # A second report shifts the ranking; counts add up in Redis.
-            ack = await stub.ReportRouting(report(hot={(0, 4): 100}, lookups=1000, hits=900,
-                                                  spilled=10))
+            ack = await stub.ReportRouting(report(hot={(0, 4): 100}, lookups=1000, hits=900))
             plan = await stub.GetPlan(plan_request())
             # Same set, new order: no new version, and a version always names the same pairs.
             assert plan.version == ack.plan_version
@@ -111,9 +115,9 @@ async def test_plans_follow_reported_counts_and_metrics_show_them(redis_server, 
     assert samples["strata_cache_coverage" + engine] == pytest.approx(4 / 32)
     assert samples["strata_cache_lookups_total" + engine] == 2000
     assert samples["strata_cache_hits_total" + engine] == 1765
-    assert samples["strata_cache_spilled_total" + engine] == 33
+    assert samples["strata_cache_spilled_total" + engine] == 135 + 100
     assert samples["strata_cache_hit_ratio" + engine] == pytest.approx(0.9)
-    assert samples["strata_cache_spill_ratio" + engine] == pytest.approx(0.01)
+    assert samples["strata_cache_spill_ratio" + engine] == pytest.approx(0.1)
     assert samples["strata_device_memory_budget_bytes" + engine] == 6 * MiB
     assert samples['strata_plan_version{model="a1b2c3d4e5f60718"}'] == plan.version
     assert samples['strata_device_memory_total_bytes{device="host"}'] > 0

@@ -51,7 +51,7 @@ async def exported_names() -> set[str]:
             await stub.GetPlan(plan_request())
             daemon.manager.sample_device(now_s=1.0)
             await stub.ReportRouting(report(
-                hot={(1, 1): 3}, lookups=10, hits=9, spilled=1, tokens_generated=10,
+                hot={(1, 1): 3}, lookups=10, hits=9, tokens_generated=10,
                 prefetched=4, prefetch_used=3, link_bytes=10, link_busy_s=1.0,
                 requests_running=1, requests_waiting=0))
             nvml.energy_mj += 1000

@@ -82,7 +82,7 @@ async def test_prometheus_names_units_and_values(provider):
             await stub.GetPlan(plan_request())
             daemon.manager.sample_device(now_s=100.0)
             await stub.ReportRouting(report(
-                hot={(3, 7): 40}, lookups=1000, hits=865, spilled=23, tokens_generated=50,
+                hot={(3, 7): 40}, lookups=1000, hits=865, tokens_generated=50,
                 prefetched=200, prefetch_used=150, link_bytes=13_900_000_000, link_busy_s=1.0,
                 requests_running=2, requests_waiting=1, slots=4, plan_version=2))
             nvml.energy_mj += 100_000  # 100 J for the 50 tokens
@@ -116,7 +116,7 @@ async def test_prometheus_names_units_and_values(provider):
     assert value("strata_cache_coverage") == pytest.approx(4 / 32)
     assert value("strata_cache_lookups", sample="strata_cache_lookups_total") == 1000
     assert value("strata_cache_hit_ratio") == pytest.approx(0.865)
-    assert value("strata_cache_spill_ratio") == pytest.approx(0.023)
+    assert value("strata_cache_spill_ratio") == pytest.approx(0.135)
     assert value("strata_cache_prefetch_precision") == pytest.approx(0.75)
     assert value("strata_link_bandwidth_bytes_per_second") == pytest.approx(13.9e9)
     assert value("strata_engine_requests_running") == 2

@@ -114,7 +114,7 @@ def otlp_receiver(monkeypatch):
 async def test_otlp_receives_the_cachemgr_metrics(otlp_receiver, tmp_path, monkeypatch):
     from services.cachemgr.config import CacheMgrConfig
     from services.cachemgr.daemon import start_daemon
-    from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc
+    from services.common.pb.strata.v1 import cachemgr_pb2, cachemgr_pb2_grpc, counters_pb2
 
     monkeypatch.setenv("STRATA_HOME", str(tmp_path))
     provider = setup_metrics("strata-cachemgr", None)  # OTLP only, from the environment
@@ -126,8 +126,9 @@ async def test_otlp_receives_the_cachemgr_metrics(otlp_receiver, tmp_path, monke
         async with grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
             stub = cachemgr_pb2_grpc.CacheManagerStub(channel)
             await stub.ReportRouting(cachemgr_pb2.RoutingReport(
-                engine_id="e1", model=model, counts=[0, 5, 0, 0, 0, 0, 3, 0], lookups=100,
-                hits=97, spilled=1, tokens_generated=10, slots=3))
+                engine_id="e1", model=model, counts=[0, 5, 0, 0, 0, 0, 3, 0],
+                decode=counters_pb2.CacheCounters(lookups=100, hits=97, misses_host=3),
+                tokens_generated=10, slots=3))
         await asyncio.to_thread(provider.force_flush)
     finally:
         await daemon.stop(grace_s=1)

@@ -22,7 +22,7 @@ PROMPT = [{"role": "user", "content": "Name three prime numbers."}]
 LINE_1 = re.compile(r"strata serve: prompt (\d+) tokens = (\d+) reused \+ (\d+) read in \d+ ms, "
                     r"(\d+) generated in \d+ ms \([\d.]+ tok/s\)")
 LINE_2 = re.compile(r"strata serve: decode expert cache hit rate: [\d.]+% \((\d+) hits / (\d+) "
-                    r"lookups\); (\d+) more served from host RAM")
+                    r"lookups\); (\d+) more spilled, served by no cache slot")
 
 
 def client(cluster) -> openai.OpenAI:

@@ -7,6 +7,7 @@ import logging
 import re
 import threading
 
+from services.common import counters
 from services.engine.core import Engine
 from services.engine.requests import EngineRequest, Finished, GenerateParams
 from services.engine.sampling import SamplingConfig
@@ -14,7 +15,7 @@ from services.engine.server import StatusSource, stats_to_proto
 from tests.engine.test_runner import runner_with_slots
 
 E2E_LINE_2 = re.compile(r"strata serve: decode expert cache hit rate: [\d.]+% \((\d+) hits / "
-                        r"(\d+) lookups\); (\d+) more served from host RAM")
+                        r"(\d+) lookups\); (\d+) more spilled, served by no cache slot")
 
 
 def serve_one(engine: Engine, prompt: str) -> Finished:
@@ -43,30 +44,30 @@ def test_request_stats_log_lines_and_status(tiny_dir, caplog):
         second = serve_one(engine, "Another request entirely")
     finally:
         engine.stop()
-    s = first.stats
-    assert s.lookups == s.hits + s.spilled > 0 and s.misses_host + s.misses_copied == s.spilled
-    assert s.misses_host == s.spilled  # CPU, exact: the cost model keeps misses on the host
-    assert s.prefetch_predicted > 0 and 0 < s.prefetch_precision <= 1
-    assert 0 < s.prefetch_recall <= 1 and s.prefill_lookups > 0
-    msg = stats_to_proto(s)
-    assert (msg.misses_host, msg.prefetch_predicted, msg.prefill_lookups) == (
-        s.misses_host, s.prefetch_predicted, s.prefill_lookups)
-    assert abs(msg.prefetch_recall - s.prefetch_recall) < 1e-9
+    s, d = first.stats, first.stats.decode
+    assert s.lookups == s.hits + s.spilled > 0 and d.misses_host + d.misses_copied == s.spilled
+    assert d.misses_host == s.spilled  # CPU, exact: the cost model keeps misses on the host
+    assert d.predicted > 0 and 0 < d.prefetch_precision <= 1
+    assert 0 < d.prefetch_recall <= 1 and s.prefill_lookups > 0
+    msg = stats_to_proto(s)  # the same counters on the wire, field for field
+    assert counters.from_proto(msg.decode) == d and counters.from_proto(msg.prefill) == s.prefill
 
     lines = [r.getMessage() for r in caplog.records if "decode expert cache" in r.getMessage()]
     assert len(lines) == 2
     hits, lookups, spilled = map(int, E2E_LINE_2.match(lines[0]).groups())
     assert (hits, lookups, spilled) == (s.hits, s.lookups, s.spilled)
-    assert f"misses by placement: {s.misses_host} from host memory, 0 copied over the link" in lines[0]
+    assert (f"misses by placement: {d.misses_host} run from host memory, 0 copied over the link "
+            "first") in lines[0]
     assert "; prefetch precision " in lines[0] and "% recall " in lines[0]
 
     cache = StatusSource(engine, "e", "m", "cpu").status().cache
     assert (cache.policy, cache.pinned_slots, cache.dynamic_slots) == ("crf", 2, 4)
     assert cache.placement == "exact" and cache.prefetch and cache.link_gb_s > 0
     assert cache.host_expert_tokens_s > 0
-    total = s.misses_host + second.stats.misses_host
-    assert cache.misses_host == total and cache.misses_copied == 0
-    assert dict(cache.placement_reasons) == {"host:cheaper": sum(
-        v for k, v in runner.cache.decode.reasons.items())}
-    assert cache.lookups == s.lookups + second.stats.lookups
-    assert 0 < cache.prefetch_precision <= 1 and cache.prefetch_fills >= 0
+    total = d.misses_host + second.stats.decode.misses_host
+    lifetime = counters.from_proto(cache.decode)
+    assert lifetime.misses_host == total and lifetime.misses_copied == 0
+    assert lifetime.reasons == {"host:cheaper": sum(runner.cache.decode.reasons.values())}
+    assert lifetime.lookups == s.lookups + second.stats.lookups
+    assert 0 < lifetime.prefetch_precision <= 1 and lifetime.prefetch_fills >= 0
+    assert lifetime == runner.cache.decode

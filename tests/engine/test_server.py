@@ -51,8 +51,8 @@ async def test_generate_streams_started_deltas_and_one_finished(engine_stub):
     finished = events[-1].finished
     tokens = [t for e in events if e.HasField("delta") for t in e.delta.token_ids]
     assert finished.stats.completion_tokens == len(tokens) <= 8
-    stats = finished.stats
-    assert stats.hits + stats.spilled == stats.lookups
+    d = finished.stats.decode
+    assert d.hits + d.misses_host + d.misses_copied == d.lookups
 
 
 async def test_greedy_is_deterministic_and_logprobs_are_consistent(engine_stub):
@@ -114,6 +114,7 @@ async def test_status_and_health(engine_stub):
     status = await stub.GetStatus(engine_pb2.GetStatusRequest())
     assert status.ready and status.engine_id == "test-engine" and status.requests_finished == 1
     assert status.cache.total_pairs == 3 * 8 and 0 < status.cache.coverage < 1
-    assert status.cache.hits + status.cache.spilled == status.cache.lookups > 0
+    d = status.cache.decode
+    assert d.hits + d.misses_host + d.misses_copied == d.lookups > 0
     health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -287,7 +287,7 @@ async def test_telemetry_log_line_status_metrics_and_request_figures(tiny_dir, c
             s = events[-1].finished.stats
             assert 0 < s.drafts_accepted <= s.drafts_proposed and s.verify_steps > 0
             assert s.draft_acceptance_rate == pytest.approx(s.drafts_accepted / s.drafts_proposed)
-            per_token = s.lookups // (
+            per_token = s.decode.lookups // (
                 s.completion_tokens - 1 + s.drafts_proposed - s.drafts_accepted
             )
             assert s.rejected_lookups == (s.drafts_proposed - s.drafts_accepted) * per_token

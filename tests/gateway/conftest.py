@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from openai import AsyncOpenAI
 
-from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.common.pb.strata.v1 import counters_pb2, engine_pb2, engine_pb2_grpc
 from services.common.redis_server import EmbeddedRedis
 from services.gateway.app import init_app
 from services.gateway.config import GatewayConfig
@@ -108,8 +108,9 @@ def _finished(reason: int, prompt_tokens: int, completion_tokens: int,
               error: str = "") -> engine_pb2.GenerateEvent:
     stats = engine_pb2.RequestStats(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, queue_ms=1.5,
-        ttft_ms=2.0, decode_tok_s=123.0, lookups=100, hits=75, spilled=25, hit_rate=0.75,
-        spill_ratio=0.25, drafts_proposed=8, drafts_accepted=6, draft_acceptance_rate=0.75)
+        ttft_ms=2.0, decode_tok_s=123.0,
+        decode=counters_pb2.CacheCounters(lookups=100, hits=75, misses_host=25),
+        drafts_proposed=8, drafts_accepted=6, draft_acceptance_rate=0.75)
     return engine_pb2.GenerateEvent(finished=engine_pb2.Finished(reason=reason, stats=stats,
                                                                  error=error))
 

@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from services.common.counters import CacheCounters
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.link_meter import LinkMeter
 from services.engine.cache.moe_compute import Placed, TritonMoe, moe_compute
 from services.engine.cache.placement import Placer
 from services.engine.cache.policy import Residency
 from services.engine.cache.slot_pool import SlotPool
-from services.engine.cache.stats import CacheCounters, PredictionTracker, count_phases
+from services.engine.cache.stats import PredictionTracker, count_phases
 from services.engine.cache.trace import DECODE, PREDICT, PREFILL, TraceWriter
 
 if TYPE_CHECKING:

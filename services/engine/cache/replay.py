@@ -15,8 +15,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.counters import CacheCounters
 from services.engine.cache.policy import Pair, PolicySpec, Residency
-from services.engine.cache.stats import CacheCounters, PredictionTracker, count_phases
+from services.engine.cache.stats import PredictionTracker, count_phases
 from services.engine.cache.trace import FILL, PREDICT, ROUTED_KINDS, Record
 
 NEVER = 1 << 62

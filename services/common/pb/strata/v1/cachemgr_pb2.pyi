@@ -1,3 +1,4 @@
+from services.common.pb.strata.v1 import counters_pb2 as _counters_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -77,20 +78,16 @@ class Plan(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., pairs: _Optional[_Iterable[_Union[Pair, _Mapping]]] = ..., source: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RoutingReport(_message.Message):
-    __slots__ = ("engine_id", "model", "counts", "lookups", "hits", "spilled", "tokens_generated", "slots", "device_memory_bytes", "reserved_bytes", "plan_version", "prefetched", "prefetch_used", "link_bytes", "link_busy_s", "requests_running", "requests_waiting", "decode_counts")
+    __slots__ = ("engine_id", "model", "counts", "decode", "tokens_generated", "slots", "device_memory_bytes", "reserved_bytes", "plan_version", "link_bytes", "link_busy_s", "requests_running", "requests_waiting", "decode_counts")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
-    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
-    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
-    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_USED_FIELD_NUMBER: _ClassVar[int]
     LINK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -99,22 +96,18 @@ class RoutingReport(_message.Message):
     engine_id: str
     model: ModelShape
     counts: _containers.RepeatedScalarFieldContainer[int]
-    lookups: int
-    hits: int
-    spilled: int
+    decode: _counters_pb2.CacheCounters
     tokens_generated: int
     slots: int
     device_memory_bytes: int
     reserved_bytes: int
     plan_version: int
-    prefetched: int
-    prefetch_used: int
     link_bytes: int
     link_busy_s: float
     requests_running: int
     requests_waiting: int
     decode_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., counts: _Optional[_Iterable[int]] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., slots: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., link_bytes: _Optional[int] = ..., link_busy_s: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., decode_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., counts: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[_counters_pb2.CacheCounters, _Mapping]] = ..., tokens_generated: _Optional[int] = ..., slots: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., link_bytes: _Optional[int] = ..., link_busy_s: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., decode_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("plan_version",)

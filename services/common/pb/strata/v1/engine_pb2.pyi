@@ -1,3 +1,4 @@
+from services.common.pb.strata.v1 import counters_pb2 as _counters_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -111,7 +112,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_prompt_tokens", "completion_tokens", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "decode_tok_s", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "misses_host", "misses_copied", "prefetch_predicted", "prefetch_predicted_routed", "prefetch_routed", "prefetch_precision", "prefetch_recall", "prefill_lookups", "prefill_hits", "drafts_proposed", "drafts_accepted", "draft_acceptance_rate", "verify_steps", "rejected_lookups", "draft_lookups")
+    __slots__ = ("prompt_tokens", "reused_prompt_tokens", "completion_tokens", "queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "decode_tok_s", "decode", "prefill", "drafts_proposed", "drafts_accepted", "draft_acceptance_rate", "verify_steps", "rejected_lookups", "draft_lookups")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -120,20 +121,8 @@ class RequestStats(_message.Message):
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
-    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
-    SPILLED_FIELD_NUMBER: _ClassVar[int]
-    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    SPILL_RATIO_FIELD_NUMBER: _ClassVar[int]
-    MISSES_HOST_FIELD_NUMBER: _ClassVar[int]
-    MISSES_COPIED_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_PREDICTED_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_PREDICTED_ROUTED_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_ROUTED_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_PRECISION_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_RECALL_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_HITS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -148,27 +137,15 @@ class RequestStats(_message.Message):
     decode_ms: float
     ttft_ms: float
     decode_tok_s: float
-    lookups: int
-    hits: int
-    spilled: int
-    hit_rate: float
-    spill_ratio: float
-    misses_host: int
-    misses_copied: int
-    prefetch_predicted: int
-    prefetch_predicted_routed: int
-    prefetch_routed: int
-    prefetch_precision: float
-    prefetch_recall: float
-    prefill_lookups: int
-    prefill_hits: int
+    decode: _counters_pb2.CacheCounters
+    prefill: _counters_pb2.CacheCounters
     drafts_proposed: int
     drafts_accepted: int
     draft_acceptance_rate: float
     verify_steps: int
     rejected_lookups: int
     draft_lookups: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., prefetch_predicted: _Optional[int] = ..., prefetch_predicted_routed: _Optional[int] = ..., prefetch_routed: _Optional[int] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefill_lookups: _Optional[int] = ..., prefill_hits: _Optional[int] = ..., drafts_proposed: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., verify_steps: _Optional[int] = ..., rejected_lookups: _Optional[int] = ..., draft_lookups: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., decode: _Optional[_Union[_counters_pb2.CacheCounters, _Mapping]] = ..., prefill: _Optional[_Union[_counters_pb2.CacheCounters, _Mapping]] = ..., drafts_proposed: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., verify_steps: _Optional[int] = ..., rejected_lookups: _Optional[int] = ..., draft_lookups: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "stats", "error")
@@ -195,14 +172,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatus(_message.Message):
-    __slots__ = ("slots", "total_pairs", "coverage", "slot_bytes", "device_memory_bytes", "reserved_bytes", "plan_version", "plan_source", "lookups", "hits", "spilled", "hit_rate", "spill_ratio", "policy", "pinned_slots", "dynamic_slots", "placement", "link_gb_s", "host_expert_tokens_s", "prefetch", "misses_host", "misses_copied", "placement_reasons", "prefetch_precision", "prefetch_recall", "prefetch_fills", "demand_fills", "evictions", "distinct_pairs_routed", "layer_steps", "weight_bytes", "kv_bytes", "draft_bytes")
-    class PlacementReasonsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    __slots__ = ("slots", "total_pairs", "coverage", "slot_bytes", "device_memory_bytes", "reserved_bytes", "plan_version", "plan_source", "decode", "prefill", "policy", "pinned_slots", "dynamic_slots", "placement", "link_gb_s", "host_expert_tokens_s", "prefetch", "evictions", "distinct_pairs_routed", "layer_steps", "weight_bytes", "kv_bytes", "draft_bytes")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAIRS_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
@@ -211,11 +181,8 @@ class CacheStatus(_message.Message):
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_SOURCE_FIELD_NUMBER: _ClassVar[int]
-    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
-    SPILLED_FIELD_NUMBER: _ClassVar[int]
-    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    SPILL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PINNED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -223,13 +190,6 @@ class CacheStatus(_message.Message):
     LINK_GB_S_FIELD_NUMBER: _ClassVar[int]
     HOST_EXPERT_TOKENS_S_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
-    MISSES_HOST_FIELD_NUMBER: _ClassVar[int]
-    MISSES_COPIED_FIELD_NUMBER: _ClassVar[int]
-    PLACEMENT_REASONS_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_PRECISION_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_RECALL_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_FILLS_FIELD_NUMBER: _ClassVar[int]
-    DEMAND_FILLS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DISTINCT_PAIRS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     LAYER_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -244,11 +204,8 @@ class CacheStatus(_message.Message):
     reserved_bytes: int
     plan_version: int
     plan_source: str
-    lookups: int
-    hits: int
-    spilled: int
-    hit_rate: float
-    spill_ratio: float
+    decode: _counters_pb2.CacheCounters
+    prefill: _counters_pb2.CacheCounters
     policy: str
     pinned_slots: int
     dynamic_slots: int
@@ -256,20 +213,13 @@ class CacheStatus(_message.Message):
     link_gb_s: float
     host_expert_tokens_s: float
     prefetch: bool
-    misses_host: int
-    misses_copied: int
-    placement_reasons: _containers.ScalarMap[str, int]
-    prefetch_precision: float
-    prefetch_recall: float
-    prefetch_fills: int
-    demand_fills: int
     evictions: int
     distinct_pairs_routed: int
     layer_steps: int
     weight_bytes: int
     kv_bytes: int
     draft_bytes: int
-    def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., spilled: _Optional[int] = ..., hit_rate: _Optional[float] = ..., spill_ratio: _Optional[float] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., misses_host: _Optional[int] = ..., misses_copied: _Optional[int] = ..., placement_reasons: _Optional[_Mapping[str, int]] = ..., prefetch_precision: _Optional[float] = ..., prefetch_recall: _Optional[float] = ..., prefetch_fills: _Optional[int] = ..., demand_fills: _Optional[int] = ..., evictions: _Optional[int] = ..., distinct_pairs_routed: _Optional[int] = ..., layer_steps: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., draft_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, slots: _Optional[int] = ..., total_pairs: _Optional[int] = ..., coverage: _Optional[float] = ..., slot_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_source: _Optional[str] = ..., decode: _Optional[_Union[_counters_pb2.CacheCounters, _Mapping]] = ..., prefill: _Optional[_Union[_counters_pb2.CacheCounters, _Mapping]] = ..., policy: _Optional[str] = ..., pinned_slots: _Optional[int] = ..., dynamic_slots: _Optional[int] = ..., placement: _Optional[str] = ..., link_gb_s: _Optional[float] = ..., host_expert_tokens_s: _Optional[float] = ..., prefetch: _Optional[bool] = ..., evictions: _Optional[int] = ..., distinct_pairs_routed: _Optional[int] = ..., layer_steps: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., draft_bytes: _Optional[int] = ...) -> None: ...
 
 class SpecStatus(_message.Message):
     __slots__ = ("method", "spec_tokens", "drafts_proposed", "drafts_accepted", "acceptance_rate", "verify_steps", "rejected_lookups", "draft_lookups")

@@ -121,9 +121,9 @@ SETTINGS = (
             "use and cached: auto (use them when they build), on (refuse to start without "
             "them), off (torch ops only)"),
     Setting("cuda_graphs", "STRATA_CUDA_GRAPHS", parse_bool, True,
-            "CUDA: run each decode step as a CUDA graph replay (one graph per batch size up "
-            "to 64, captured at first use); misses of such steps are read in place over the "
-            "link"),
+            "CUDA: run each decode step as a CUDA graph replay (one graph per batch size "
+            "1..--max-running, at most 64, all captured at start); misses of such steps are "
+            "read in place over the link"),
     Setting("draft_reserve", "STRATA_DRAFT_RESERVE", parse_bytes, 0,
             "device memory kept for a draft head, besides --reserve (0: what the "
             "--spec-method source reports, none for ngram)"),

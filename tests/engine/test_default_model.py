@@ -13,6 +13,7 @@ from services.bench.reference import compare_dtype
 from services.engine import kernels
 from services.engine.cache.policy import PolicySpec
 from services.engine.core import Engine
+from services.engine.model.checkpoint import load_model_config
 from services.engine.runner import ModelRunner
 from services.models import DEFAULT_MODEL_NAME, default_model_dir
 from tests.engine.test_batching import Client, request
@@ -80,8 +81,8 @@ def run_quality(engine: Engine, batch: int) -> list[list[int]]:
     ids=["full-alone", "quarter-crf-batch12-chunked", "tenth-lru-batch5", "half-lfu-batch12"],
 )
 def test_serving_path_reproduces_the_quality_set(coverage, policy, batch, step_tokens):
-    probe = ModelRunner(MODEL, cache_slots=0, reserved_bytes=0)
-    runner = ModelRunner(MODEL, cache_slots=round(coverage * probe.total_pairs), reserved_bytes=0, policy=PolicySpec(policy))
+    slots = round(coverage * load_model_config(MODEL).total_pairs)
+    runner = ModelRunner(MODEL, cache_slots=slots, reserved_bytes=0, policy=PolicySpec(policy))
     engine = Engine(runner, max_running=batch, max_step_tokens=step_tokens)
     engine.start()
     try:

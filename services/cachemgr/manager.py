@@ -27,7 +27,7 @@ from services.cachemgr.device import (
 )
 from services.cachemgr.planner import ModelShape, Plan, Planner
 from services.cachemgr.store import DECODE, MemoryStore, RedisStore
-from services.common.counters import CacheCounters
+from services.common.counters import CacheCounters, DecodeFigures
 from services.common.settings import format_bytes
 
 log = logging.getLogger("strata.cachemgr")
@@ -72,7 +72,7 @@ class RoutingReport:
 
 
 @dataclass(frozen=True)
-class EngineFigures:
+class EngineFigures(DecodeFigures):
     """One engine as the cache manager last heard of it; lookups/hits/spilled/tokens are running
     totals, the ratios and rates cover the latest report that had them."""
 
@@ -85,27 +85,26 @@ class EngineFigures:
     reserved_bytes: int = 0
     plan_version: int = 0
     decode: CacheCounters = field(default_factory=CacheCounters)  # running totals
+    latest: CacheCounters = field(default_factory=CacheCounters)  # the latest report's with lookups
     tokens_generated: int = 0
-    hit_ratio: float = 0.0
-    spill_ratio: float = 0.0
     tokens_per_s: float = 0.0
-    prefetch_precision: float | None = None
     link_bytes_per_s: float | None = None
     requests_running: int | None = None
     requests_waiting: int | None = None
     reported_s: float = 0.0  # monotonic time of the latest report (0 = none yet)
 
     @property
-    def lookups(self) -> int:
-        return self.decode.lookups
+    def latest_hit_ratio(self) -> float:
+        return self.latest.hit_rate
 
     @property
-    def hits(self) -> int:
-        return self.decode.hits
+    def latest_spill_ratio(self) -> float:
+        return self.latest.spill_ratio
 
     @property
-    def spilled(self) -> int:
-        return self.decode.spilled
+    def prefetch_precision(self) -> float | None:
+        """Of the latest report (None when it made no prediction: prefetch off)."""
+        return self.latest.prefetch_precision if self.latest.predicted else None
 
     @property
     def coverage(self) -> float:
@@ -255,12 +254,10 @@ def _updated(figures: EngineFigures, report: RoutingReport, now_s: float) -> Eng
     changes: dict = {}
     d = report.decode
     if d.lookups:
-        changes |= {"hit_ratio": d.hit_rate, "spill_ratio": d.spill_ratio}
+        changes["latest"] = d
     if figures.reported_s:
         elapsed_s = now_s - figures.reported_s
         changes["tokens_per_s"] = report.tokens_generated / elapsed_s if elapsed_s > 0 else 0.0
-    if d.predicted:
-        changes["prefetch_precision"] = d.prefetch_precision
     extra = report.extra
     if extra.link_bytes is not None and extra.link_busy_s:
         changes["link_bytes_per_s"] = extra.link_bytes / extra.link_busy_s

@@ -118,9 +118,9 @@ def register_metrics(meter: Meter, manager: CacheManager) -> None:
     counter("strata.cache.spilled", [per_engine(lambda e: e.spilled)], unit="{lookup}",
             description="Lookups served by no cache slot: run from host memory or copied "
                         "over the link first")
-    gauge("strata.cache.hit_ratio", [per_engine(lambda e: e.hit_ratio)], unit="1",
+    gauge("strata.cache.hit_ratio", [per_engine(lambda e: e.latest_hit_ratio)], unit="1",
           description="Hits / lookups over the engine's latest report")
-    gauge("strata.cache.spill_ratio", [per_engine(lambda e: e.spill_ratio)], unit="1",
+    gauge("strata.cache.spill_ratio", [per_engine(lambda e: e.latest_spill_ratio)], unit="1",
           description="Spilled / lookups over the engine's latest report")
     gauge("strata.cache.prefetch.precision", [per_engine(lambda e: e.prefetch_precision)],
           unit="1", description="Prefetched experts used / prefetched, latest report")

@@ -74,7 +74,8 @@ def _engine_message(e: EngineFigures, now_s: float) -> cachemgr_pb2.EngineOvervi
         engine_id=e.engine_id, model=e.fingerprint, model_name=e.model_name, slots=e.slots,
         total_pairs=e.total_pairs, coverage=e.coverage, device_memory_bytes=e.device_memory_bytes,
         plan_version=e.plan_version, lookups=e.lookups, hits=e.hits, spilled=e.spilled,
-        tokens_generated=e.tokens_generated, hit_ratio=e.hit_ratio, spill_ratio=e.spill_ratio,
+        tokens_generated=e.tokens_generated, hit_ratio=e.latest_hit_ratio,
+        spill_ratio=e.latest_spill_ratio,
         tokens_per_s=e.tokens_per_s,
         seconds_since_report=now_s - e.reported_s if e.reported_s else -1.0, **optional)
 

@@ -80,13 +80,11 @@ class CacheCounters:
         return out
 
 
-class ByPhase:
-    """The figures of a holder of `decode` and `prefill` CacheCounters; the unprefixed ones
-    are the decode's (a prompt's tokens are routed once, its decode tokens are what the cache
-    serves)."""
+class DecodeFigures:
+    """The figures of a holder of `decode` CacheCounters (a prompt's tokens are routed once,
+    its decode tokens are what the cache serves)."""
 
     decode: CacheCounters
-    prefill: CacheCounters
 
     @property
     def lookups(self) -> int:
@@ -106,7 +104,14 @@ class ByPhase:
 
     @property
     def spill_ratio(self) -> float:
+        """Routed experts served by no cache slot (run from host memory or copied first)."""
         return self.decode.spill_ratio
+
+
+class ByPhase(DecodeFigures):
+    """DecodeFigures, and those of the `prefill` CacheCounters too."""
+
+    prefill: CacheCounters
 
     @property
     def prefill_lookups(self) -> int:

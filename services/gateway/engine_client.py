@@ -19,7 +19,7 @@ from types import TracebackType
 import grpc
 
 from services.common import counters
-from services.common.counters import CacheCounters
+from services.common.counters import CacheCounters, DecodeFigures
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.gateway.breaker import CircuitBreaker
 from services.gateway.errors import EngineError
@@ -78,7 +78,7 @@ class Delta:
 
 
 @dataclass(frozen=True)
-class RequestStats:
+class RequestStats(DecodeFigures):
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -91,15 +91,6 @@ class RequestStats:
     drafts_proposed: int = 0  # speculative decoding
     drafts_accepted: int = 0
     draft_acceptance_rate: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.decode.hit_rate
-
-    @property
-    def spill_ratio(self) -> float:
-        """Routed experts served by no cache slot (run from host memory or copied first)."""
-        return self.decode.spill_ratio
 
 
 @dataclass(frozen=True)

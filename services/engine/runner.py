@@ -60,9 +60,10 @@ def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     """Bytes of one cache slot (one pair's blob) for a checkpoint served with these settings,
     without loading it: what the runner's start-up log line states."""
     config = load_model_config(Path(model_dir))
-    weight_dtype = resolve_dtype(dtype, open_checkpoint(Path(model_dir), weight_names(config)))
-    return expert_format(config.hidden_size, config.moe_intermediate_size, weight_dtype,
-                         expert_dtype).blob_bytes
+    reader = open_checkpoint(Path(model_dir), weight_names(config))
+    return expert_format(config.hidden_size, config.moe_intermediate_size,
+                         resolve_dtype(dtype, reader), expert_dtype,
+                         reader.expert_storage()).blob_bytes
 
 
 def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
@@ -176,7 +177,7 @@ class ModelRunner:
         self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype)
 
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
-                            expert_dtype)
+                            expert_dtype, reader.expert_storage())
         self.expert_dtype = expert_dtype
         self.slot_bytes = fmt.blob_bytes
         log.info("experts %s: %d bytes per slot (%.2f bits per weight)", fmt.describe(),

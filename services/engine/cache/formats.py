@@ -7,6 +7,8 @@ staging copies and the link carry `blob_bytes` each — and asks the format, nev
 what it may do with them:
 
     ExpertFormat          name, dtype (a blob's elements), numel, blob_bytes, describe()
+      load(reader, layer, e, out) a pair from the checkpoint into its blob: its tensors read in
+                                  read_dtype and packed, or its stored bytes as they are
       pack(gate, up, down, out)   a pair's checkpoint tensors -> its blob
       forward(x, blob)            one expert on its rows, torch ops on the blob's device (the
                                   reference; the per-expert path where no kernel applies)
@@ -18,21 +20,28 @@ what it may do with them:
 
     DenseFormat     fp32 or bf16 weights in cache/layout.py's split layout
     QuantFormat     int8 / int4 weight-only quantization (model/quant.py), bytes
+    BlockFormat     a GGUF block type (Q8_0) as the file stores it: the pair's gate, up and
+                    down rows of blocks, byte for byte
 
-A new format (a GGUF block type, FP8 with block scales) is one more class with these members.
+A new format (another GGUF block type, FP8 with block scales) is one more class with these
+members.
 """
 
 from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from services.engine.cache.layout import ExpertLayout
 from services.engine.model.dtypes import dtype_name
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
+
+if TYPE_CHECKING:
+    from services.engine.model.checkpoint import CheckpointReader
 
 log = logging.getLogger("strata.engine")
 
@@ -57,6 +66,11 @@ class ExpertFormat(Protocol):
 
     def describe(self) -> str: ...
 
+    def load(self, reader: CheckpointReader, layer: int, expert: int,
+             out: torch.Tensor) -> None:
+        """One pair from the checkpoint into its blob `out`."""
+        ...
+
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              out: torch.Tensor) -> None:
         """HF-oriented weights (gate/up [F, D], down [D, F]) into the blob `out`."""
@@ -76,6 +90,14 @@ class _Common:
     dtype: torch.dtype
     numel: int
     layout: ExpertLayout | QuantExpertLayout
+
+    read_dtype: torch.dtype
+
+    def load(self, reader: CheckpointReader, layer: int, expert: int,
+             out: torch.Tensor) -> None:
+        gate, up, down = reader.expert_weights(layer, expert, self.hidden_size, self.ffn_size,
+                                               self.read_dtype)
+        self.pack(gate, up, down, out)
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              out: torch.Tensor) -> None:
@@ -133,10 +155,82 @@ class QuantFormat(_Common):
 
 
 
+class BlockFormat:
+    """Experts kept in the GGUF block type the file stores them in. A blob is the pair's gate
+    rows, up rows and down rows of blocks (gate/up: F rows of D weights, down: D rows of F),
+    the file's bytes unchanged; each product dequantizes its weight exactly as the block type
+    defines (gguf-py's reference dequantize gives the same bits) into the activations' dtype,
+    per expert in torch ops."""
+
+    # block type -> (weights per block, bytes per block)
+    BLOCKS = {"Q8_0": (32, 34)}
+
+    def __init__(self, hidden_size: int, ffn_size: int, block_type: str):
+        if block_type not in self.BLOCKS:
+            raise ValueError(f"GGUF block type {block_type} is not kept as stored (supported: "
+                             f"{', '.join(self.BLOCKS)})")
+        per_block, block_bytes = self.BLOCKS[block_type]
+        if hidden_size % per_block or ffn_size % per_block:
+            raise ValueError(f"{block_type} rows of {hidden_size} and {ffn_size} weights are "
+                             f"not whole blocks of {per_block}")
+        self.hidden_size, self.ffn_size = hidden_size, ffn_size
+        self.name, self.dtype = block_type.lower(), torch.uint8
+        self.block_type, self.per_block, self.block_bytes = block_type, per_block, block_bytes
+        self.gate_bytes = ffn_size * hidden_size // per_block * block_bytes  # also up's, down's
+        self.numel = 3 * self.gate_bytes
+        self.read_dtype = torch.uint8
+        self.kernel_weight_dtype = None
+
+    @property
+    def blob_bytes(self) -> int:
+        return self.numel
+
+    def describe(self) -> str:
+        bits = 8 * self.block_bytes / self.per_block
+        return f"{self.block_type} as stored in the GGUF ({bits:.2f} bits per weight)"
+
+    def exact_on(self, device: torch.device, kernel: bool) -> bool:
+        return device.type != "cuda" or kernel
+
+    def load(self, reader: CheckpointReader, layer: int, expert: int,
+             out: torch.Tensor) -> None:
+        row = out.numpy()  # the host row itself: the file's bytes go straight in
+        for i, part in enumerate(reader.expert_blocks(layer, expert)):
+            assert part.nbytes == self.gate_bytes, (part.shape, self.gate_bytes)
+            row[i * self.gate_bytes:(i + 1) * self.gate_bytes] = part.reshape(-1)
+
+    def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+             out: torch.Tensor) -> None:
+        raise ValueError(f"{self.block_type} experts are loaded as stored, not packed from "
+                         "floats")
+
+    def weights(self, blob: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [F, D], up [F, D], down [D, F]) of a blob, dequantized to `dtype`."""
+        D, Fs, n = self.hidden_size, self.ffn_size, self.gate_bytes
+        gate, up, down = (self._dequant(blob[i * n:(i + 1) * n]).to(dtype) for i in range(3))
+        return gate.view(Fs, D), up.view(Fs, D), down.view(D, Fs)
+
+    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.weights(blob, x.dtype)
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    def _dequant(self, data: torch.Tensor) -> torch.Tensor:
+        """Q8_0: each block is an fp16 scale d and 32 int8 quants q; weight = d * q (exact
+        in fp32)."""
+        blocks = data.view(-1, self.block_bytes)  # [n, 34]
+        d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1]
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n, 32]
+        return (d * q).reshape(-1)
+
+
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
-                  expert_dtype: str = "auto") -> DenseFormat | QuantFormat:
-    """The format of `--expert-dtype` for weights served in `dtype`: auto keeps the weights
-    as they are (fp32 or bf16), int8 / int4 quantize them."""
+                  expert_dtype: str = "auto", stored: str | None = None) -> ExpertFormat:
+    """The format of `--expert-dtype` for weights served in `dtype`: auto keeps the experts
+    as they are stored — a GGUF block type kept natively (`stored`, BlockFormat.BLOCKS) as
+    its bytes, else fp32 or bf16 — and int8 / int4 quantize them."""
+    if expert_dtype == "auto" and stored in BlockFormat.BLOCKS:
+        return BlockFormat(hidden_size, ffn_size, stored)
     if expert_dtype == "auto":
         return DenseFormat(hidden_size, ffn_size, dtype)
     if expert_dtype not in QUANT_SPECS:

@@ -2,8 +2,8 @@
 
 Pinned on CUDA so slot fills and miss copies run at full link speed. Pair p of the ranking
 `pairs` lives at row p; `blob(pair)` is a view, never a copy. Each pair is read from the
-checkpoint in its format's read dtype and packed by the format (cache/formats.py): as it is
-(fp32, bf16), or quantized to bytes (int8, int4).
+checkpoint by its format (cache/formats.py): as it is (fp32, bf16), quantized to bytes (int8,
+int4), or as the file stores it (a GGUF block type).
 """
 
 from __future__ import annotations
@@ -62,11 +62,9 @@ class HostStore:
         """Fill every row from the checkpoint, logging progress along the way."""
         t0 = time.perf_counter()
         fmt = self.format
-        D, Fs = fmt.hidden_size, fmt.ffn_size
         step = max(64, -(-len(self.pairs) // 10))  # about every 10%, at most ~10 lines
         for row, (layer, expert) in enumerate(self.pairs):
-            gate, up, down = reader.expert_weights(layer, expert, D, Fs, fmt.read_dtype)
-            fmt.pack(gate, up, down, out=self.blobs[row])
+            fmt.load(reader, layer, expert, out=self.blobs[row])
             if (row + 1) % step == 0 or row + 1 == len(self.pairs):
                 log.info(
                     "loading experts into the host store: %d/%d pairs (%.0f MiB) in %.1f s",

@@ -99,6 +99,11 @@ class CheckpointReader:
         self._slice(name)  # raises a CheckpointError naming a missing tensor
         return self._handles[self._file_of[name]].get_tensor(name).to(dtype)
 
+    def expert_storage(self) -> str | None:
+        """The block type routed experts are stored in, for a format that keeps them as
+        stored (GGUF files; safetensors experts are plain floats: None)."""
+        return None
+
     def expert_weights(
         self,
         layer: int,

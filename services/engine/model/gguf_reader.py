@@ -173,6 +173,20 @@ class GGUFCheckpoint:
         assert gate.shape == (ffn_size, hidden_size) and down.shape == (hidden_size, ffn_size)
         return gate, up, down
 
+    def expert_storage(self) -> str | None:
+        """The GGUF block type every routed-expert stack is stored in (Q8_0, ...), or None
+        when they are float or not all of one type."""
+        types = {t.tensor_type.name for name, t in self._tensors.items()
+                 if name.endswith(EXPERT_STACKS)}
+        quantized = types - {"F32", "F16", "BF16"}
+        return quantized.pop() if len(types) == 1 and quantized else None
+
+    def expert_blocks(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate, up, down) of one pair as stored: uint8 rows of blocks (gate/up [F, row
+        bytes of D], down [D, row bytes of F]); one expert's slab of each stack, not copied."""
+        return tuple(np.asarray(self._tensor(f"blk.{layer}.{stack}").data[expert])
+                     for stack in EXPERT_STACKS)  # type: ignore[return-value]
+
     @staticmethod
     def _dequant(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
         try:

@@ -91,7 +91,7 @@ def addresses(blobs: torch.Tensor) -> np.ndarray:
 def test_moe_bf16_equals_fp32_on_the_widened_blobs(cpu, T):
     layout, blobs, x, top_idx, top_w = moe_case(T, T)
     Fs, bf = layout.ffn_size, torch.bfloat16
-    y = cpu.moe(x, top_idx, top_w, addresses(blobs), Fs, 2, weight_dtype=bf)
+    y = cpu.moe(x, top_idx, top_w, addresses(blobs), Fs, 2, weights="bf16")
     wide = blobs.float()
     assert torch.equal(y, cpu.moe(x, top_idx, top_w, addresses(wide), Fs, 2))
     want = torch.zeros_like(x)  # the per-expert torch path on the widened blobs
@@ -99,16 +99,16 @@ def test_moe_bf16_equals_fp32_on_the_widened_blobs(cpu, T):
         for k in sorted(range(top_idx.shape[1]), key=lambda k: int(top_idx[t, k])):
             want[t] += top_w[t, k] * layout.forward(x[t:t + 1], wide[int(top_idx[t, k])])[0]
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    alone = rows_alone(lambda *a: cpu.moe(*a, addresses(blobs), Fs, 2, weight_dtype=bf),
+    alone = rows_alone(lambda *a: cpu.moe(*a, addresses(blobs), Fs, 2, weights="bf16"),
                        x, top_idx, top_w)
     assert torch.equal(y, alone)
     # The same bytes at other addresses (a slot instead of the host store; then only 2-byte
     # aligned): the same result.
     moved = blobs.clone()
-    assert torch.equal(cpu.moe(x, top_idx, top_w, addresses(moved), Fs, 2, weight_dtype=bf), y)
+    assert torch.equal(cpu.moe(x, top_idx, top_w, addresses(moved), Fs, 2, weights="bf16"), y)
     odd = [at_odd_address(b) for b in blobs]
     odd_addr = np.array([b.data_ptr() for b in odd], dtype=np.int64)
-    assert torch.equal(cpu.moe(x, top_idx, top_w, odd_addr, Fs, 2, weight_dtype=bf), y)
+    assert torch.equal(cpu.moe(x, top_idx, top_w, odd_addr, Fs, 2, weights="bf16"), y)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

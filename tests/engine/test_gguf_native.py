@@ -102,3 +102,42 @@ def test_q8_0_greedy_output_is_identical_across_cache_sizes(q8_0_gguf, placement
         _, tokens, logits = greedy(runner, PROMPT, n=10)
         results.append((tokens, logits))
     assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 9])
+def test_the_c_kernel_reads_q8_0_blocks_as_the_reference_computes_them(T):
+    """strata_moe on Q8_0 blobs equals the format's torch reference (dequantize, then the
+    expert MLP) to float rounding, and a row's result is the same bits alone or in any batch
+    and from any address (a slot, the host store)."""
+    from services.engine import kernels
+    from services.engine.cache.layout import num_splits
+
+    try:
+        cpu = kernels.CpuKernels(kernels.build())
+    except (kernels.KernelBuildError, OSError) as exc:
+        pytest.skip(f"the CPU kernels do not build here: {exc}")
+    rng = np.random.default_rng(T)
+    D, Fs, E, K = 128, 96, 10, 3
+    fmt = BlockFormat(D, Fs, "Q8_0")
+    blobs = torch.from_numpy(np.stack([np.concatenate([
+        quantize(rng.standard_normal(s).astype(np.float32) * 0.1, Q.Q8_0).reshape(-1)
+        for s in ((Fs, D), (Fs, D), (D, Fs))]) for _ in range(E)]))  # [E, blob bytes]
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, D, generator=g)
+    top_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    top_w = torch.rand(T, K, generator=g)
+
+    def run(blobs, x, top_idx, top_w):
+        addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
+        return cpu.moe(x, top_idx, top_w, addr, Fs, num_splits(D), weights="q8_0")
+
+    y = run(blobs, x, top_idx, top_w)
+    want = torch.zeros_like(x)
+    for t in range(T):
+        for k in sorted(range(K), key=lambda k: int(top_idx[t, k])):
+            want[t] += top_w[t, k] * fmt.forward(x[t:t + 1], blobs[int(top_idx[t, k])])[0]
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    alone = torch.cat([run(blobs, x[t:t + 1].clone(), top_idx[t:t + 1].clone(),
+                           top_w[t:t + 1].clone()) for t in range(T)])
+    assert torch.equal(y, alone)
+    assert torch.equal(run(blobs.clone(), x, top_idx, top_w), y)

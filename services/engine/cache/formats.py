@@ -12,9 +12,10 @@ what it may do with them:
       pack(gate, up, down, out)   a pair's checkpoint tensors -> its blob
       forward(x, blob)            one expert on its rows, torch ops on the blob's device (the
                                   reference; the per-expert path where no kernel applies)
-      kernel_weight_dtype         the dtype the address-reading kernels take these blobs as
-                                  (the C strata_moe on the CPU, the Triton gpu_moe on CUDA), or
-                                  None: the cache runs forward() per expert
+      kernel_weights              what the address-reading kernels take these blobs as ("fp32",
+                                  "bf16", "q8_0": the C strata_moe on the CPU; the first two
+                                  also the Triton gpu_moe on CUDA), or None: the cache runs
+                                  forward() per expert
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
 
@@ -60,8 +61,8 @@ class ExpertFormat(Protocol):
         ...
 
     @property
-    def kernel_weight_dtype(self) -> torch.dtype | None:
-        """The weight dtype the address-reading MoE kernels take these blobs as, or None."""
+    def kernel_weights(self) -> str | None:
+        """What the address-reading MoE kernels take these blobs as, or None."""
         ...
 
     def describe(self) -> str: ...
@@ -114,7 +115,7 @@ class _Common:
     def blob_bytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    kernel_weight_dtype: torch.dtype | None = None
+    kernel_weights: str | None = None
 
     def exact_on(self, device: torch.device, kernel: bool) -> bool:
         """Whether every placement gives a hit's bits on `device`: on the CPU the same code
@@ -133,7 +134,7 @@ class DenseFormat(_Common):
         self.name = dtype_name(dtype)
         self.numel = self.layout.numel
         self.read_dtype = dtype
-        self.kernel_weight_dtype = dtype
+        self.kernel_weights = self.name  # "fp32" | "bf16"
 
     def describe(self) -> str:
         return f"{self.name} (unquantized)"
@@ -158,9 +159,10 @@ class QuantFormat(_Common):
 class BlockFormat:
     """Experts kept in the GGUF block type the file stores them in. A blob is the pair's gate
     rows, up rows and down rows of blocks (gate/up: F rows of D weights, down: D rows of F),
-    the file's bytes unchanged; each product dequantizes its weight exactly as the block type
-    defines (gguf-py's reference dequantize gives the same bits) into the activations' dtype,
-    per expert in torch ops."""
+    the file's bytes unchanged. The C strata_moe reads the blocks in place (8.5 bits per weight
+    for Q8_0, widened in registers); forward() is the torch reference, which dequantizes
+    exactly as the block type defines (gguf-py's dequantize gives the same bits) into the
+    activations' dtype, and runs where no kernel takes the blocks (CUDA for now)."""
 
     # block type -> (weights per block, bytes per block)
     BLOCKS = {"Q8_0": (32, 34)}
@@ -179,7 +181,7 @@ class BlockFormat:
         self.gate_bytes = ffn_size * hidden_size // per_block * block_bytes  # also up's, down's
         self.numel = 3 * self.gate_bytes
         self.read_dtype = torch.uint8
-        self.kernel_weight_dtype = None
+        self.kernel_weights = self.name  # "q8_0": the C kernel reads the blocks as stored
 
     @property
     def blob_bytes(self) -> int:
@@ -238,10 +240,13 @@ def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
     return QuantFormat(hidden_size, ffn_size, expert_dtype)
 
 
+DEVICE_KERNEL_WEIGHTS = ("fp32", "bf16")  # what the Triton gpu_moe reads
+
+
 def device_kernel(fmt: ExpertFormat, device: torch.device) -> ModuleType | None:
     """The Triton MoE kernels when they run these experts (a format they take, on a CUDA
     device, Triton installed), else None."""
-    if device.type != "cuda" or fmt.kernel_weight_dtype is None:
+    if device.type != "cuda" or fmt.kernel_weights not in DEVICE_KERNEL_WEIGHTS:
         return None
     try:
         from services.engine.kernels import gpu_moe

@@ -59,7 +59,7 @@ class CpuMoe:
             self._addr[expert] = blob.data_ptr()
         f = self.format
         return self.cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), self._addr, f.ffn_size,
-                            num_splits(f.hidden_size), weight_dtype=f.kernel_weight_dtype)
+                            num_splits(f.hidden_size), weights=f.kernel_weights)
 
 
 class TritonMoe:
@@ -141,11 +141,10 @@ MoeCompute = CpuMoe | TritonMoe | TorchMoe
 def moe_compute(fmt: ExpertFormat, device: torch.device, num_experts: int,
                 cpu_kernels: CpuKernels | None) -> MoeCompute:
     """What computes a layer's routed experts for this format on this device."""
-    if fmt.kernel_weight_dtype is not None:
-        if device.type == "cuda":
-            gpu = device_kernel(fmt, device)
-            if gpu is not None:
-                return TritonMoe(gpu, fmt, num_experts, device)
-        elif cpu_kernels is not None:
-            return CpuMoe(cpu_kernels, fmt, num_experts)
+    if device.type == "cuda":
+        gpu = device_kernel(fmt, device)
+        if gpu is not None:
+            return TritonMoe(gpu, fmt, num_experts, device)
+    elif cpu_kernels is not None and fmt.kernel_weights in cpu_kernels.MOE_WEIGHTS:
+        return CpuMoe(cpu_kernels, fmt, num_experts)
     return TorchMoe(fmt)

@@ -50,7 +50,7 @@ import torch
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 3  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 4  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -160,6 +160,8 @@ class CpuKernels:
     on the weight widened (`w.float()`), reading half the bytes. Outputs are new tensors."""
 
     WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_kernels.c's WT_F32, WT_BF16
+    # The expert blobs strata_moe reads (ExpertFormat.kernel_weights): WT_F32, WT_BF16, WT_Q8_0
+    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "q8_0": 2}
 
     @classmethod
     def weight_type(cls, dtype: torch.dtype) -> int:
@@ -218,16 +220,17 @@ class CpuKernels:
 
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
             blob_addr: np.ndarray, ffn_size: int, splits: int,
-            weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            weights: str = "fp32") -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
-        blob_addr [E] (int64 address of each routed expert's blob, elements of weight_dtype:
-        fp32 or bf16) -> [T, D] weighted sums (fp32)."""
+        blob_addr [E] (int64 address of each routed expert's blob: `weights` fp32 or bf16 in
+        cache/layout.py's split layout, or q8_0 GGUF rows of blocks) -> [T, D] weighted sums
+        (fp32)."""
         T, D = x.shape
         K = top_idx.shape[1]
         E = blob_addr.shape[0]
         assert x.dtype == top_w.dtype == torch.float32 and top_idx.dtype == torch.int64
         assert blob_addr.dtype == np.int64
-        wtype = self.weight_type(weight_dtype)
+        wtype = self.MOE_WEIGHTS[weights]
         assert x.is_contiguous() and top_idx.is_contiguous() and top_w.is_contiguous()
         floats = self._workspace("floats", torch.float32,
                                  self._lib.strata_moe_work_floats(T, K, D, ffn_size))

@@ -38,9 +38,12 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
+#define WT_Q8_0 2         /* GGUF Q8_0 blocks (strata_moe only; see product_q8_0) */
+#define Q8_0_WEIGHTS 32   /* weights per Q8_0 block */
+#define Q8_0_BYTES 34     /* bytes per Q8_0 block: an fp16 scale, then 32 int8 quants */
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
@@ -274,6 +277,106 @@ static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xd
         }
         k0 = k1;
     } while (k0 < K);
+}
+
+typedef int8_t vq8 __attribute__((vector_size(8), aligned(1)));  /* 8 int8 quants */
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));  /* 8 floats, unaligned ok */
+
+/* IEEE half -> float, exact (normal, subnormal, zero, inf, nan). */
+static inline float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        const float f = (float)man * 0x1p-24f; /* subnormal or zero: exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* y[r][o] = sum over the row's blocks b of d_b * (q_b . x_b) for R rows of x against `out`
+ * rows of Q8_0 weights (each `in` weights: in / 32 blocks of an fp16 scale d and 32 int8 q;
+ * weight = d * q, as GGUF defines it). The weights stay in their 8.5 bits per weight: each
+ * block's quants are widened to floats in registers once for up to TOK_TILE rows. Numerics: a
+ * row's dot product runs in 8 lanes, block by block in order (each block's four lane-wise
+ * q * x products summed pairwise, scaled by d and accumulated with one FMA, so only that FMA
+ * is on the row's dependency chain), the lanes summed last in a fixed tree: the same bits for
+ * a row whatever the other rows, the tile, the thread or where the blob lies. */
+static void product_q8_0(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv,
+                         int64_t R, const uint8_t *W, int64_t in, int64_t out, float *y,
+                         int64_t ldy)
+{
+    const int64_t nb = in / Q8_0_WEIGHTS, row_bytes = nb * Q8_0_BYTES;
+    for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
+        const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
+        const float *xs[TOK_TILE];
+        for (int t = 0; t < nt; t++)
+            xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+        for (int64_t o = 0; o < out; o++) {
+            const uint8_t *blk = W + o * row_bytes;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+            __m256 acc[TOK_TILE];
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++, blk += Q8_0_BYTES) {
+                uint16_t dh;
+                memcpy(&dh, blk, 2);
+                const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+                __m256 w[4];
+                for (int i = 0; i < 4; i++)
+                    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i))));
+                for (int t = 0; t < nt; t++) {
+                    const float *xb = xs[t] + b * Q8_0_WEIGHTS;
+                    const __m256 s = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_mul_ps(w[0], _mm256_loadu_ps(xb)),
+                                      _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8))),
+                        _mm256_add_ps(_mm256_mul_ps(w[2], _mm256_loadu_ps(xb + 16)),
+                                      _mm256_mul_ps(w[3], _mm256_loadu_ps(xb + 24))));
+                    acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                float a[8];
+                _mm256_storeu_ps(a, acc[t]);
+                y[(r0 + t) * ldy + o] = ((a[0] + a[4]) + (a[1] + a[5])) +
+                                        ((a[2] + a[6]) + (a[3] + a[7]));
+            }
+#else
+            vf8 acc[TOK_TILE] = {{0}};
+            for (int64_t b = 0; b < nb; b++, blk += Q8_0_BYTES) {
+                uint16_t dh;
+                memcpy(&dh, blk, 2);
+                const float d = half_to_float(dh);
+                vf8 w[4];
+                for (int i = 0; i < 4; i++) {
+                    vq8 q;
+                    memcpy(&q, blk + 2 + 8 * i, 8);
+                    w[i] = __builtin_convertvector(q, vf8);
+                }
+                for (int t = 0; t < nt; t++) { /* independent products, a pairwise sum, and
+                                                  * one FMA on the row's chain per block */
+                    const float *xb = xs[t] + b * Q8_0_WEIGHTS;
+                    const vf8 s = (w[0] * *(const vf8 *)xb + w[1] * *(const vf8 *)(xb + 8)) +
+                                  (w[2] * *(const vf8 *)(xb + 16) + w[3] * *(const vf8 *)(xb + 24));
+                    acc[t] += d * s;
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                const vf8 a = acc[t];
+                y[(r0 + t) * ldy + o] = ((a[0] + a[4]) + (a[1] + a[5])) +
+                                        ((a[2] + a[6]) + (a[3] + a[7]));
+            }
+#endif
+        }
+    }
 }
 
 /* Columns per unit of linear_units for T rows: units of equal width (multiples of COL_BLOCK),
@@ -587,6 +690,8 @@ int64_t strata_moe_work_ints(int64_t T, int64_t K, int64_t E)
  * blob_addr[e] is the address of expert e's blob (a slot or a host-store row), elements of
  * type wtype (offsets below count elements):
  *   [gate_t D x F | up_t D x F | down_t as S column blocks S x F x (D/S)]   (cache/layout.py)
+ * or, for WT_Q8_0, the GGUF's rows of blocks as stored (cache/formats.py's BlockFormat):
+ *   [gate F rows of D | up F rows of D | down D rows of F], each of the S down units D/S rows
  * Only the experts some row routes to are read. work, iwork: strata_moe_work_* elements. */
 void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int64_t K,
                 const int64_t *top_idx, const float *top_w, int64_t E, const int64_t *blob_addr,
@@ -621,14 +726,24 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
         pos[a] = p;
     }
 
+    /* Q8_0 blobs: [gate F rows of D | up F rows of D | down D rows of F], rows of blocks */
+    const int64_t gate_bytes = F * (D / Q8_0_WEIGHTS) * Q8_0_BYTES;
+    const int64_t down_row_bytes = (F / Q8_0_WEIGHTS) * Q8_0_BYTES;
+
 #pragma omp parallel
     {
         /* gate and up: one unit per (expert, matrix), each pass shared by TOK_TILE rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < 2 * G; u++) {
             const int64_t e = groups[u / 2];
-            const void *W = welem((const void *)(intptr_t)blob_addr[e], (u % 2) * D * F, wt);
             float *dst = u % 2 ? up : gate;
+            if (wt == WT_Q8_0) {
+                const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + (u % 2) * gate_bytes;
+                product_q8_0(x, D, order + start[e], K, start[e + 1] - start[e], W, D, F,
+                             dst + start[e] * F, F);
+                continue;
+            }
+            const void *W = welem((const void *)(intptr_t)blob_addr[e], (u % 2) * D * F, wt);
             product(x, D, order + start[e], K, start[e + 1] - start[e], W, wt, D, F, F,
                     dst + start[e] * F, F);
         }
@@ -639,6 +754,13 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < S * G; u++) {
             const int64_t e = groups[u / S], s = u % S;
+            if (wt == WT_Q8_0) {
+                const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + 2 * gate_bytes +
+                                   s * Dc * down_row_bytes;
+                product_q8_0(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, F, Dc,
+                             out + start[e] * D + s * Dc, D);
+                continue;
+            }
             const void *W = welem((const void *)(intptr_t)blob_addr[e], 2 * D * F + s * F * Dc,
                                   wt);
             product(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, wt, F, Dc, Dc,

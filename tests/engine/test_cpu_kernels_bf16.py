@@ -90,7 +90,7 @@ def addresses(blobs: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("T", ROWS)
 def test_moe_bf16_equals_fp32_on_the_widened_blobs(cpu, T):
     layout, blobs, x, top_idx, top_w = moe_case(T, T)
-    Fs, bf = layout.ffn_size, torch.bfloat16
+    Fs = layout.ffn_size
     y = cpu.moe(x, top_idx, top_w, addresses(blobs), Fs, 2, weights="bf16")
     wide = blobs.float()
     assert torch.equal(y, cpu.moe(x, top_idx, top_w, addresses(wide), Fs, 2))

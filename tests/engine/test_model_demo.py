@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from safetensors.torch import load_file
 
 from services.engine.driver import SequenceDriver
@@ -53,3 +54,33 @@ def test_demo_runs_in_strata(demo_dir):
     seq = drive.start(ids)
     logits = drive.prefill(seq)
     assert logits.shape == (512,) and logits[:259].std() > 0.05  # not degenerate
+
+
+def test_a_large_checkpoint_is_written_shard_by_shard_with_the_same_weights(tmp_path,
+                                                                             monkeypatch):
+    """Over SHARD_BYTES: the embeddings and lm_head, then one shard per layer, an index, the
+    config's torch_dtype; the same tensors as the one-file checkpoint, and it loads."""
+    from services.engine.model.checkpoint import CheckpointReader
+
+    small = {"num_hidden_layers": 2, "torch_dtype": "bfloat16"}
+    one = demo.write_demo_checkpoint(tmp_path / "one", seed=3, **small)
+    monkeypatch.setattr(demo, "SHARD_BYTES", 1)
+    lines = []
+    sharded = demo.write_demo_checkpoint(tmp_path / "sharded", seed=3, progress=lines.append,
+                                         **small)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert lines[-1].startswith("demo checkpoint: wrote shard 3/3")
+    want = load_file(one / "model.safetensors")
+    got = {k: v for f in sorted(sharded.glob("model-*.safetensors")) for k, v in
+           load_file(f).items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(v.dtype == torch.bfloat16 for v in got.values())
+    config = json.loads((one / "config.json").read_text())
+    assert demo.demo_bytes(config, torch.bfloat16) == sum(
+        v.numel() * v.element_size() for v in want.values())
+    reader = CheckpointReader(sharded)
+    assert reader.num_files == 3 and len(reader.names) == len(want)
+    runner = ModelRunner(sharded, cache_slots=4, reserved_bytes=0)
+    assert runner.weight_dtype == torch.bfloat16 and runner.slots == 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 1024,
         "torch_dtype": "float32",
     },
+    # Qwen3-30B-A3B's per-layer shape (its published config.json), random bf16 weights: what a
+    # user's decode step reads. 12 layers (15.1 GiB) by default; `--layers N` for more or fewer.
+    "qwen3-30b-a3b": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "norm_topk_prob": True,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 
@@ -86,19 +106,37 @@ def demo_model_dir(preset: str = "demo") -> Path:
 
 
 def write_demo_checkpoint(
-    path: Path, *, seed: int = 0, preset: str = "demo", **config_overrides: Any
+    path: Path, *, seed: int = 0, preset: str = "demo", progress=None, **config_overrides: Any
 ) -> Path:
     """Write config, random weights (std 0.02, fixed seed), tokenizer files into `path`:
-    DEMO_CONFIG, then PRESETS[preset], then config_overrides."""
+    DEMO_CONFIG, then PRESETS[preset], then config_overrides. Stored in the config's
+    torch_dtype; a checkpoint over SHARD_BYTES is written shard by shard (the embeddings and
+    lm_head, then one shard per layer, with a safetensors index), so it never has to fit in
+    memory at once."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = {**DEMO_CONFIG, **PRESETS[preset], **config_overrides}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(
-        demo_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"}
-    )
+    dtype = getattr(torch, config.get("torch_dtype", "float32"))
+    parts = demo_weight_parts(config, seed)
+    if demo_bytes(config, dtype) <= SHARD_BYTES:
+        weights = {k: v.to(dtype) for part in parts for k, v in part.items()}
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        num = config["num_hidden_layers"] + 1
+        weight_map, total = {}, 0
+        for i, part in enumerate(parts):
+            name = f"model-{i + 1:05d}-of-{num:05d}.safetensors"
+            part = {k: v.to(dtype) for k, v in part.items()}
+            save_file(part, str(path / name), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(part, name)
+            total += sum(v.numel() * v.element_size() for v in part.values())
+            if progress:
+                progress(f"demo checkpoint: wrote shard {i + 1}/{num} ({total / 2**30:.2f} GiB)")
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     write_byte_tokenizer(path, context_window=config["max_position_embeddings"])
     (path / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [258, 256], "pad_token_id": 256, "do_sample": False}, indent=2)
@@ -107,7 +145,30 @@ def write_demo_checkpoint(
     return path
 
 
+SHARD_BYTES = 2 * 2**30  # checkpoints larger than this are written shard by shard
+
+
+def demo_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes of a demo checkpoint's weights in `dtype` (the sum of demo_weights' shapes)."""
+    D, V = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    Hd = config.get("head_dim") or D // heads
+    E, Fe, Fd = config["num_experts"], config["moe_intermediate_size"], config["intermediate_size"]
+    attention = D * Hd * (2 * heads + 2 * kv_heads) + 2 * D + 2 * Hd
+    moe = E * D + E * 3 * D * Fe
+    params = (1 if config.get("tie_word_embeddings") else 2) * V * D + D
+    params += config["num_hidden_layers"] * (attention + max(moe, 3 * D * Fd))
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
 def demo_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Every weight of a demo checkpoint (fp32), in one dict."""
+    return {k: v for part in demo_weight_parts(config, seed) for k, v in part.items()}
+
+
+def demo_weight_parts(config: dict[str, Any], seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The weights (fp32) in parts drawn in order from one generator: the embeddings, final
+    norm and lm_head, then each layer's."""
     gen = torch.Generator().manual_seed(seed)
     std = config.get("initializer_range", 0.02)
 
@@ -129,9 +190,10 @@ def demo_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         printable = [10, *range(32, 127)]
         lm_head[[t for t in printable if t < V]] *= 4.0
         w["lm_head.weight"] = lm_head
+    yield w
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        w |= {
+        w = {
             f"{p}.input_layernorm.weight": torch.ones(D),
             f"{p}.post_attention_layernorm.weight": torch.ones(D),
             f"{p}.self_attn.q_proj.weight": normal(heads * Hd, D),
@@ -148,6 +210,7 @@ def demo_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
                 f"{p}.mlp.up_proj.weight": normal(Fd, D),
                 f"{p}.mlp.down_proj.weight": normal(D, Fd),
             }
+            yield w
             continue
         w[f"{p}.mlp.gate.weight"] = normal(E, D)
         for e in range(E):
@@ -156,7 +219,7 @@ def demo_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
                 f"{p}.mlp.experts.{e}.up_proj.weight": normal(Fe, D),
                 f"{p}.mlp.experts.{e}.down_proj.weight": normal(D, Fe),
             }
-    return w
+        yield w
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -1,0 +1,67 @@
+"""One MoE layer's routed experts through the C kernel, bf16 blobs against GGUF Q8_0 blobs.
+
+    python scripts/moe_micro.py [D F] [--experts 16] [--routed 8] [--calls 50]
+
+Prints ms per call (the best of three interleaved rounds of `--calls` calls) and the weight
+bytes read per second, at 1 and 4 token rows. Threads: torch's (OMP_NUM_THREADS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from services.engine import kernels
+from services.engine.cache.layout import ExpertLayout, num_splits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("D", type=int, nargs="?", default=2048)
+    p.add_argument("F", type=int, nargs="?", default=768)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--routed", type=int, default=8)
+    p.add_argument("--calls", type=int, default=50)
+    a = p.parse_args()
+    D, F, E, K = a.D, a.F, a.experts, a.routed
+    cpu = kernels.CpuKernels(kernels.build())
+    rng = np.random.default_rng(0)
+
+    def q8_0_blob() -> np.ndarray:
+        mats = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((F, D), (F, D), (D, F))]
+        return np.concatenate([quantize(m, GGMLQuantizationType.Q8_0).reshape(-1) for m in mats])
+
+    blobs = {"bf16": (torch.randn(E, ExpertLayout(D, F).numel) * 0.1).bfloat16(),
+             "q8_0": torch.from_numpy(np.stack([q8_0_blob() for _ in range(E)]))}
+    for T in (1, 4):
+        x = torch.randn(T, D)
+        top_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+        top_w = torch.rand(T, K)
+        routed = len(set(top_idx.flatten().tolist()))
+        best: dict[str, float] = {}
+        for _ in range(3):
+            for name, b in blobs.items():
+                addr = np.array([blob.data_ptr() for blob in b], dtype=np.int64)
+
+                def call(addr=addr, name=name) -> None:
+                    cpu.moe(x, top_idx, top_w, addr, F, num_splits(D), weights=name)
+
+                for _ in range(3):
+                    call()
+                t0 = time.perf_counter()
+                for _ in range(a.calls):
+                    call()
+                dt = (time.perf_counter() - t0) / a.calls
+                best[name] = min(dt, best.get(name, dt))
+        for name, dt in best.items():
+            blob_bytes = blobs[name][0].numel() * blobs[name].element_size()
+            print(f"T={T} {name}: {dt * 1e3:.3f} ms, {routed * blob_bytes / dt / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

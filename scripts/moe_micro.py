@@ -48,14 +48,12 @@ def main() -> None:
             for name, b in blobs.items():
                 addr = np.array([blob.data_ptr() for blob in b], dtype=np.int64)
 
-                def call(addr=addr, name=name) -> None:
-                    cpu.moe(x, top_idx, top_w, addr, F, num_splits(D), weights=name)
-
+                args = (x, top_idx, top_w, addr, F, num_splits(D))
                 for _ in range(3):
-                    call()
+                    cpu.moe(*args, weights=name)
                 t0 = time.perf_counter()
                 for _ in range(a.calls):
-                    call()
+                    cpu.moe(*args, weights=name)
                 dt = (time.perf_counter() - t0) / a.calls
                 best[name] = min(dt, best.get(name, dt))
         for name, dt in best.items():

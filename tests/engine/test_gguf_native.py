@@ -42,6 +42,8 @@ def test_q8_0_blocks_dequantize_as_gguf_py_does():
     gate, up, down = (torch.from_numpy(dequantize(s, Q.Q8_0)) for s in stored)
     want = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
     assert torch.equal(fmt.forward(x, blob), want)
+    gate_up_t, down_t = fmt.views(blob)  # the logical orientation every format gives
+    assert torch.equal(gate_up_t, torch.cat([gate, up]).T) and torch.equal(down_t, down.T)
     with pytest.raises(ValueError, match="not kept as stored"):
         BlockFormat(D, F, "Q4_K")
     with pytest.raises(ValueError, match="whole blocks of 32"):

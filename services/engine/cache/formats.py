@@ -83,7 +83,8 @@ class ExpertFormat(Protocol):
 
 
 class _Common:
-    """What every format shares: its byte layout (`layout`) packs, computes and unpacks."""
+    """What every format shares: the blob size, exactness, loading a pair by reading and
+    packing it; the layout formats pack, compute and unpack through their `layout`."""
 
     name: str
     hidden_size: int
@@ -156,7 +157,7 @@ class QuantFormat(_Common):
 
 
 
-class BlockFormat:
+class BlockFormat(_Common):
     """Experts kept in the GGUF block type the file stores them in. A blob is the pair's gate
     rows, up rows and down rows of blocks (gate/up: F rows of D weights, down: D rows of F),
     the file's bytes unchanged. The C strata_moe reads the blocks in place (8.5 bits per weight
@@ -183,16 +184,9 @@ class BlockFormat:
         self.read_dtype = torch.uint8
         self.kernel_weights = self.name  # "q8_0": the C kernel reads the blocks as stored
 
-    @property
-    def blob_bytes(self) -> int:
-        return self.numel
-
     def describe(self) -> str:
         bits = 8 * self.block_bytes / self.per_block
         return f"{self.block_type} as stored in the GGUF ({bits:.2f} bits per weight)"
-
-    def exact_on(self, device: torch.device, kernel: bool) -> bool:
-        return device.type != "cuda" or kernel
 
     def load(self, reader: CheckpointReader, layer: int, expert: int,
              out: torch.Tensor) -> None:
@@ -212,6 +206,10 @@ class BlockFormat:
         D, Fs, n = self.hidden_size, self.ffn_size, self.gate_bytes
         gate, up, down = (self._dequant(blob[i * n:(i + 1) * n]).to(dtype) for i in range(3))
         return gate.view(Fs, D), up.view(Fs, D), down.view(D, Fs)
+
+    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, down = self.weights(blob, torch.float32)
+        return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
 
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.weights(blob, x.dtype)

@@ -1,0 +1,58 @@
+"""Write a demo checkpoint as a GGUF file llama.cpp and Strata both load, for side-by-side runs.
+
+    python scripts/demo_gguf.py CHECKPOINT_DIR OUT.gguf [--type Q8_0] [--f32-experts]
+
+Every 2-D tensor but the router takes --type (llama.cpp's choice; 1-D ones stay F32);
+--f32-experts stores the expert stacks dequantized instead (the same values, as floats). The
+tensors are written by the GGUF writer of tests/engine/test_gguf_import.py (llama.cpp's names,
+written there by hand). The byte-level vocabulary is padded to the embedding's rows, and one
+merge is added: llama.cpp's gpt2 vocabulary requires merges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import gguf
+from gguf.quants import dequantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from services.engine.model.checkpoint import load_model_config  # noqa: E402
+from tests.engine import test_gguf_import as writer  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--type", default="Q8_0", help="GGUF type of the 2-D tensors (gguf-py must "
+                   "quantize it: Q8_0, Q4_0, ...)")
+    p.add_argument("--f32-experts", action="store_true")
+    a = p.parse_args()
+    qtype = gguf.GGMLQuantizationType[a.type]
+    vocab = load_model_config(a.checkpoint).vocab_size
+    add_list, add_types = gguf.GGUFWriter.add_token_list, gguf.GGUFWriter.add_token_types
+
+    def token_list(self, tokens):
+        n = len(tokens)
+        add_list(self, [*tokens, "ĠĠ", *(f"<|pad_{i}|>" for i in range(n + 1, vocab))])
+
+    def token_types(self, types):
+        pad = [gguf.TokenType.UNUSED] * (vocab - len(types) - 1)
+        add_types(self, [*types, gguf.TokenType.NORMAL, *pad])
+        self.add_token_merges(["Ġ Ġ"])
+
+    gguf.GGUFWriter.add_token_list, gguf.GGUFWriter.add_token_types = token_list, token_types
+    tensors = writer.quantized(writer.source_tensors(a.checkpoint), qtype)
+    if a.f32_experts:
+        tensors = {name: ((dequantize(t, q), gguf.GGMLQuantizationType.F32)
+                          if "_exps" in name else (t, q)) for name, (t, q) in tensors.items()}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_gguf(a.checkpoint, a.out, tensors)
+    print(f"wrote {a.out} ({a.out.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -143,3 +143,25 @@ def test_the_c_kernel_reads_q8_0_blocks_as_the_reference_computes_them(T):
                            top_w[t:t + 1].clone()) for t in range(T)])
     assert torch.equal(y, alone)
     assert torch.equal(run(blobs.clone(), x, top_idx, top_w), y)
+
+
+def test_a_q8_0_lm_head_is_read_as_stored_by_the_cpu_kernels(q8_0_gguf):
+    """The lm_head (the largest matrix of a step) stays Q8_0 where the backend reads blocks:
+    strata_linear_q8_0 equals its reference (dequantize, then the product) to float rounding,
+    a row's logits are the same bits alone or batched, and the torch backend, which has no
+    such kernel, gets the dequantized matrix at load and the same greedy tokens."""
+    from services.engine.cache.formats import BlockMatrix
+
+    kernels_on = ModelRunner(q8_0_gguf, cache_slots=6, reserved_bytes=0, cpu_kernels="on")
+    head = kernels_on.model.lm_head
+    assert isinstance(head, BlockMatrix) and head.blocks.dtype == torch.uint8
+    D = kernels_on.config.hidden_size
+    assert head.blocks.shape == (kernels_on.config.vocab_size, D // 32 * 34)
+    x = torch.randn(5, D)
+    got = kernels_on.backend.linear(x, head)
+    torch.testing.assert_close(got, x @ head.dequantize().T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([kernels_on.backend.linear(x[i:i + 1].clone(), head)
+                                  for i in range(5)]), got)
+    torch_ops = ModelRunner(q8_0_gguf, cache_slots=6, reserved_bytes=0, cpu_kernels="off")
+    assert isinstance(torch_ops.model.lm_head, torch.Tensor)
+    assert greedy(kernels_on, PROMPT, n=8)[1] == greedy(torch_ops, PROMPT, n=8)[1]

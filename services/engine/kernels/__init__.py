@@ -179,6 +179,9 @@ class CpuKernels:
         lib.strata_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                                       _c_i64, _c_ptr]
         lib.strata_linear.restype = None
+        lib.strata_linear_q8_0.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
+                                           _c_ptr]
+        lib.strata_linear_q8_0.restype = None
         lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
                                    _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_moe.restype = None
@@ -216,6 +219,19 @@ class CpuKernels:
         y = torch.empty(T, S * n)
         self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), wtype, S, n,
                                 y.data_ptr())
+        return y
+
+    def linear_q8_0(self, x: torch.Tensor, blocks: torch.Tensor, in_features: int
+                    ) -> torch.Tensor:
+        """x [T, K] (fp32, rows may be strided) times the Q8_0 rows `blocks` [N, K/32*34]
+        (uint8, contiguous), transposed -> [T, N] fp32."""
+        T, N = x.shape[0], blocks.shape[0]
+        assert x.dtype == torch.float32 and x.shape[1] == in_features and x.stride(1) == 1
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+        assert in_features % 32 == 0 and blocks.shape[1] == in_features // 32 * 34
+        y = torch.empty(T, N)
+        self._lib.strata_linear_q8_0(x.data_ptr(), T, in_features, x.stride(0),
+                                     blocks.data_ptr(), N, y.data_ptr())
         return y
 
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,

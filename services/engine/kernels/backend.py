@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import kernels
+from services.engine.cache.formats import BlockMatrix
 from services.engine.cache.layout import matmul_split, split_swiglu
 
 log = logging.getLogger("strata.engine")
@@ -44,6 +45,7 @@ class TorchBackend:
     paged_attention = False  # decode attention reads the KV pool by block table
     fused_rope = False  # qk_norm_rope() runs per-head q/k norm and RoPE in place
     fused_decode_layer = False  # decode_layer(): a layer's attention half + router in one call
+    block_matrices: tuple[str, ...] = ()  # GGUF block types linear() reads as stored
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -64,9 +66,12 @@ class TorchBackend:
         routers, gates, latent projections)."""
         return (x.to(w_t.dtype) @ w_t).to(x.dtype)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
         """x [T, K] @ the split weight w [S, K, N/S] -> [T, N] (one torch.bmm: at decode the
-        S column blocks stream on S cores instead of one)."""
+        S column blocks stream on S cores instead of one); a BlockMatrix is dequantized (the
+        reference; only backends that read its blocks get one at load)."""
+        if isinstance(w, BlockMatrix):
+            return (x.float() @ w.dequantize().T).to(x.dtype)
         return matmul_split(x.to(w.dtype), w).to(x.dtype)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -122,6 +127,7 @@ class CpuBackend(TorchBackend):
     paged_attention = True
     fused_rope = True
     fused_decode_layer = True
+    block_matrices = ("Q8_0",)
 
     def __init__(self, device: torch.device, cpu: kernels.CpuKernels):
         super().__init__(device)
@@ -145,7 +151,9 @@ class CpuBackend(TorchBackend):
             return self.cpu.linear(x, w_t[None])  # one column block
         return super().matmul(x, w_t)  # (fp32: torch's product, as the reference computes)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
+        if isinstance(w, BlockMatrix):
+            return self.cpu.linear_q8_0(x.float(), w.blocks, w.in_features)
         return self.cpu.linear(x, w) if self._takes(x, w) else super().linear(x, w)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

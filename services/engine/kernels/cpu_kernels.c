@@ -419,6 +419,23 @@ void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void
     linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
 }
 
+#define Q8_0_UNIT_ROWS 64 /* output rows per work unit of strata_linear_q8_0 */
+
+/* y [T, N] = x [T, K] (rows ldx apart) times W^T for W: N rows of K weights as GGUF Q8_0
+ * blocks (an lm_head kept as stored). Each output is product_q8_0's fixed-order sum. */
+void strata_linear_q8_0(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
+                        int64_t N, float *y)
+{
+    const int64_t row_bytes = (K / Q8_0_WEIGHTS) * Q8_0_BYTES;
+    const int64_t units = (N + Q8_0_UNIT_ROWS - 1) / Q8_0_UNIT_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t o0 = u * Q8_0_UNIT_ROWS;
+        const int64_t rows = N - o0 < Q8_0_UNIT_ROWS ? N - o0 : Q8_0_UNIT_ROWS;
+        product_q8_0(x, ldx, NULL, 1, T, W + o0 * row_bytes, K, rows, y + o0, N);
+    }
+}
+
 /* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
  * pairwise, then the tail in order. */
 static float dot(const float *a, const float *b, int64_t n)

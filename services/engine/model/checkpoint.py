@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -21,6 +22,9 @@ from safetensors import safe_open
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, find_gguf
 from services.engine.model.families import parse_config
 from services.engine.model.gguf_reader import GGUFCheckpoint, load_gguf_config
+
+if TYPE_CHECKING:
+    import numpy as np
 
 EXPERTS = "model.layers.{layer}.{moe}.experts"
 
@@ -98,6 +102,10 @@ class CheckpointReader:
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self._slice(name)  # raises a CheckpointError naming a missing tensor
         return self._handles[self._file_of[name]].get_tensor(name).to(dtype)
+
+    def blocks(self, name: str) -> tuple[str, np.ndarray]:
+        """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""
+        raise CheckpointError(f"{self.model_dir.name} stores {name} as floats, not blocks")
 
     def expert_storage(self) -> str | None:
         """The block type routed experts are stored in, for a format that keeps them as

@@ -181,6 +181,11 @@ class GGUFCheckpoint:
         quantized = types - {"F32", "F16", "BF16"}
         return quantized.pop() if len(types) == 1 and quantized else None
 
+    def blocks(self, name: str) -> tuple[str, np.ndarray]:
+        """(GGUF type, uint8 rows of blocks [out, row bytes]) of a 2-D tensor as stored."""
+        t = self._tensor(self._gguf_name(name))
+        return t.tensor_type.name, np.asarray(t.data)
+
     def expert_blocks(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate, up, down) of one pair as stored: uint8 rows of blocks (gate/up [F, row
         bytes of D], down [D, row bytes of F]); one expert's slab of each stack, not copied."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
+from services.engine.cache.formats import BlockMatrix
 from services.engine.cache.layout import split_columns
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.checkpoint import CheckpointReader
@@ -34,6 +36,12 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     embed = t.matrix("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in t:
         lm_head = split_columns(embed.t()).to(backend.device)
+    elif reader.stored_dtype("lm_head.weight") in backend.block_matrices:
+        # kept as stored: the largest matrix of a step, read at its stored bits per weight
+        block_type, blocks = reader.blocks("lm_head.weight")
+        lm_head = BlockMatrix(torch.from_numpy(np.array(blocks)).to(backend.device),  # a copy
+                              config.hidden_size, block_type)
+        log.info("lm_head kept as %s as stored (%d rows)", block_type, lm_head.out_features)
     else:
         lm_head = t.split("lm_head.weight")
     # MLA rotates only the rope part of a head

@@ -150,7 +150,7 @@ def test_a_q8_0_lm_head_is_read_as_stored_by_the_cpu_kernels(q8_0_gguf):
     strata_linear_q8_0 equals its reference (dequantize, then the product) to float rounding,
     a row's logits are the same bits alone or batched, and the torch backend, which has no
     such kernel, gets the dequantized matrix at load and the same greedy tokens."""
-    from services.engine.cache.formats import BlockMatrix
+    from services.engine.model.blocks import BlockMatrix
 
     kernels_on = ModelRunner(q8_0_gguf, cache_slots=6, reserved_bytes=0, cpu_kernels="on")
     head = kernels_on.model.lm_head
@@ -165,3 +165,27 @@ def test_a_q8_0_lm_head_is_read_as_stored_by_the_cpu_kernels(q8_0_gguf):
     torch_ops = ModelRunner(q8_0_gguf, cache_slots=6, reserved_bytes=0, cpu_kernels="off")
     assert isinstance(torch_ops.model.lm_head, torch.Tensor)
     assert greedy(kernels_on, PROMPT, n=8)[1] == greedy(torch_ops, PROMPT, n=8)[1]
+
+
+def test_q8_0_attention_runs_as_stored_in_the_fused_decode_layer(q8_0_gguf):
+    """q/k/v and o stay Q8_0 rows where the CPU kernels run (prefill through
+    strata_linear_q8_0, decode steps in the fused decode layer); the decode steps' logits equal
+    the same positions scored in one prefill step, to float rounding."""
+    from services.engine.driver import SequenceDriver
+    from services.engine.model.blocks import BlockMatrix
+
+    runner = ModelRunner(q8_0_gguf, cache_slots=24, reserved_bytes=0, cpu_kernels="on")
+    attn = runner.model.layers[0].attn
+    c = runner.config
+    assert isinstance(attn.qkv, BlockMatrix) and isinstance(attn.o, BlockMatrix)
+    assert attn.qkv.out_features == (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    assert runner.model.fusable
+    seq, tokens, _ = greedy(runner, PROMPT, n=6)
+    drive = SequenceDriver(runner)
+    decoded = drive.start(seq.token_ids[:seq.prompt_len])
+    rows = [drive.prefill(decoded)]
+    for token in tokens[:-1]:
+        rows.append(drive.decode(decoded, token))
+    drive.release(decoded)
+    scored = drive.score(seq.token_ids[:seq.prompt_len + len(tokens) - 1])[seq.prompt_len - 1:]
+    torch.testing.assert_close(torch.stack(rows), scored, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,6 @@ members.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cache.layout import ExpertLayout
+from services.engine.model.blocks import dequantize_q8_0
 from services.engine.model.dtypes import dtype_name
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
 
@@ -218,34 +218,6 @@ class BlockFormat(_Common):
 
     def _dequant(self, data: torch.Tensor) -> torch.Tensor:
         return dequantize_q8_0(data)
-
-
-def dequantize_q8_0(data: torch.Tensor) -> torch.Tensor:
-    """Q8_0 bytes -> fp32 weights: each block is an fp16 scale d and 32 int8 quants q;
-    weight = d * q (exact in fp32; gguf-py's dequantize gives the same bits)."""
-    blocks = data.reshape(-1, 34)  # [n, 34]
-    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1]
-    q = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n, 32]
-    return (d * q).reshape(-1)
-
-
-@dataclass
-class BlockMatrix:
-    """A dense weight kept in its GGUF block type (an lm_head stored as Q8_0): N rows of K
-    weights, `blocks` [N, row bytes] as the file stores them. Backends with a kernel for it
-    read it as it is (CpuBackend: strata_linear_q8_0); `dequantize` is the reference."""
-
-    blocks: torch.Tensor  # uint8 [N, K / 32 * 34]
-    in_features: int  # K
-    block_type: str = "Q8_0"
-
-    @property
-    def out_features(self) -> int:
-        return self.blocks.shape[0]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in dtype."""
-        return dequantize_q8_0(self.blocks).view(self.out_features, self.in_features).to(dtype)
 
 
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,

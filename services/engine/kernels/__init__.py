@@ -50,7 +50,7 @@ import torch
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 4  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 5  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -126,12 +126,13 @@ def build(directory: Path | None = None) -> Path:
 class DecodeLayer(ctypes.Structure):
     """cpu_kernels.c's struct strata_layer: one decoder layer's weight pointers. wtype is the
     type of wqkv, wo and router (CpuKernels.weight_type: 0 fp32, the default when omitted,
-    1 bf16); the norm weights and KV pools are fp32."""
+    1 bf16), unless proj_q8_0 = 1: then wqkv and wo are GGUF Q8_0 rows (BlockMatrix); the
+    norm weights and KV pools are fp32."""
 
     _fields_ = [("in_norm", _c_ptr), ("post_norm", _c_ptr), ("wqkv", _c_ptr),
                 ("qkv_splits", _c_i64), ("q_norm", _c_ptr), ("k_norm", _c_ptr), ("wo", _c_ptr),
                 ("o_splits", _c_i64), ("k_pool", _c_ptr), ("v_pool", _c_ptr),
-                ("router", _c_ptr), ("wtype", _c_i64)]
+                ("router", _c_ptr), ("wtype", _c_i64), ("proj_q8_0", _c_i64)]
 
 
 class DecodeStep(ctypes.Structure):

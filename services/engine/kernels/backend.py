@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import kernels
-from services.engine.cache.formats import BlockMatrix
 from services.engine.cache.layout import matmul_split, split_swiglu
+from services.engine.model.blocks import BlockMatrix
 
 log = logging.getLogger("strata.engine")
 

@@ -38,7 +38,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF Q8_0 blocks (strata_moe only; see product_q8_0) */
@@ -419,21 +419,19 @@ void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void
     linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
 }
 
-#define Q8_0_UNIT_ROWS 64 /* output rows per work unit of strata_linear_q8_0 */
+#define Q8_0_UNIT_ROWS 64 /* output rows per work unit of a Q8_0 product (q8_0_units) */
+
+static void q8_0_units(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
+                       int64_t N, float *y, int64_t ldy);
 
 /* y [T, N] = x [T, K] (rows ldx apart) times W^T for W: N rows of K weights as GGUF Q8_0
- * blocks (an lm_head kept as stored). Each output is product_q8_0's fixed-order sum. */
+ * blocks (an lm_head or attention kept as stored). Each output is product_q8_0's fixed-order
+ * sum, whatever unit it falls in. */
 void strata_linear_q8_0(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
                         int64_t N, float *y)
 {
-    const int64_t row_bytes = (K / Q8_0_WEIGHTS) * Q8_0_BYTES;
-    const int64_t units = (N + Q8_0_UNIT_ROWS - 1) / Q8_0_UNIT_ROWS;
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t o0 = u * Q8_0_UNIT_ROWS;
-        const int64_t rows = N - o0 < Q8_0_UNIT_ROWS ? N - o0 : Q8_0_UNIT_ROWS;
-        product_q8_0(x, ldx, NULL, 1, T, W + o0 * row_bytes, K, rows, y + o0, N);
-    }
+#pragma omp parallel
+    q8_0_units(x, T, K, ldx, W, N, y, N);
 }
 
 /* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
@@ -636,7 +634,24 @@ struct strata_layer {
     float *k_pool, *v_pool;           /* this layer's [blocks][P][G][Hd] */
     const void *router;               /* [D][E] */
     int64_t wtype;                    /* WT_F32 or WT_BF16: wqkv's, wo's and router's type */
+    int64_t proj_q8_0;                /* 1: wqkv and wo are GGUF Q8_0 rows instead (wqkv:
+                                       * (H + 2G) Hd rows of D, wo: D rows of H Hd) */
 };
+
+/* The orphaned `omp for` of a Q8_0 product: y [T, N] (rows ldy apart) = x times the N rows of
+ * W; work units of Q8_0_UNIT_ROWS rows. */
+static void q8_0_units(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
+                       int64_t N, float *y, int64_t ldy)
+{
+    const int64_t row_bytes = (K / Q8_0_WEIGHTS) * Q8_0_BYTES;
+    const int64_t units = (N + Q8_0_UNIT_ROWS - 1) / Q8_0_UNIT_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t o0 = u * Q8_0_UNIT_ROWS;
+        const int64_t rows = N - o0 < Q8_0_UNIT_ROWS ? N - o0 : Q8_0_UNIT_ROWS;
+        product_q8_0(x, ldx, NULL, 1, T, W + o0 * row_bytes, K, rows, y + o0, ldy);
+    }
+}
 
 /* One decode step: T rows, one token each (row t: position positions[t], written at flat KV
  * slot slots[t], reading tables[t][.] for lengths[t] positions), and its buffers. */
@@ -667,8 +682,11 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
 #pragma omp parallel
     {
         rms_rows(s->x, T, D, D, s->add, L->in_norm, s->eps, s->h, D);
-        linear_units(s->h, T, D, D, L->wqkv, wt, L->qkv_splits, nqkv / L->qkv_splits, s->qkv,
-                     nqkv);
+        if (L->proj_q8_0)
+            q8_0_units(s->h, T, D, D, (const uint8_t *)L->wqkv, nqkv, s->qkv, nqkv);
+        else
+            linear_units(s->h, T, D, D, L->wqkv, wt, L->qkv_splits, nqkv / L->qkv_splits,
+                         s->qkv, nqkv);
         qk_heads(s->qkv, T, nqkv, s->H, G, Hd, L->q_norm, L->k_norm, s->eps, s->cos_table,
                  s->sin_table, s->positions);
 #pragma omp for schedule(static)
@@ -681,8 +699,11 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
         attention_rows(s->qkv, T, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P, s->tables,
                        s->table_stride, s->lengths, s->max_length, s->scale, s->attn,
                        s->scores);
-        linear_units(s->attn, T, q_size, q_size, L->wo, wt, L->o_splits, D / L->o_splits, s->o,
-                     D);
+        if (L->proj_q8_0)
+            q8_0_units(s->attn, T, q_size, q_size, (const uint8_t *)L->wo, D, s->o, D);
+        else
+            linear_units(s->attn, T, q_size, q_size, L->wo, wt, L->o_splits, D / L->o_splits,
+                         s->o, D);
         rms_rows(s->x, T, D, D, s->o, L->post_norm, s->eps, s->h, D);
         router_rows(s->h, T, D, L->router, wt, s->E, s->K, (int)s->renormalize, s->top_idx,
                     s->top_w, s->scores);

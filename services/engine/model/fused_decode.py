@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from services.engine import kernels
+from services.engine.model.blocks import BlockMatrix
 from services.engine.model.step import Step
 
 if TYPE_CHECKING:
@@ -29,13 +30,18 @@ def layer_struct(layer: DecoderLayer, kv: PagedKVCache) -> kernels.DecodeLayer:
     """A layer's weight and KV-pool pointers for strata_decode_layer."""
     a, moe = layer.attn, layer.moe
     assert moe is not None and a.plain
-    assert a.qkv.dtype == a.o.dtype == moe.router_t.dtype, "one weight dtype per layer"
+    if isinstance(a.qkv, BlockMatrix):  # kept as stored: Q8_0 rows, one column block
+        assert isinstance(a.o, BlockMatrix) and a.qkv.block_type == a.o.block_type == "Q8_0"
+        qkv, qkv_splits, o, o_splits, q8_0 = a.qkv.blocks, 1, a.o.blocks, 1, 1
+    else:
+        assert a.qkv.dtype == a.o.dtype == moe.router_t.dtype, "one weight dtype per layer"
+        qkv, qkv_splits, o, o_splits, q8_0 = a.qkv, a.qkv.shape[0], a.o, a.o.shape[0], 0
     return kernels.DecodeLayer(
-        layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), a.qkv.data_ptr(),
-        a.qkv.shape[0], None if a.q_norm is None else a.q_norm.data_ptr(),
-        None if a.k_norm is None else a.k_norm.data_ptr(), a.o.data_ptr(), a.o.shape[0],
+        layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv.data_ptr(),
+        qkv_splits, None if a.q_norm is None else a.q_norm.data_ptr(),
+        None if a.k_norm is None else a.k_norm.data_ptr(), o.data_ptr(), o_splits,
         kv.k[a.kv_layer].data_ptr(), kv.v[a.kv_layer].data_ptr(), moe.router_t.data_ptr(),
-        kernels.CpuKernels.weight_type(a.qkv.dtype))
+        kernels.CpuKernels.weight_type(moe.router_t.dtype), q8_0)
 
 
 class FusedDecode:

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import torch
 
-from services.engine.cache.formats import BlockMatrix
 from services.engine.cache.layout import split_columns
 from services.engine.kernels.backend import TorchBackend
+from services.engine.model.blocks import BlockMatrix
 from services.engine.model.checkpoint import CheckpointReader
 from services.engine.model.config import ModelConfig
 from services.engine.model.decoder import Decoder
@@ -27,7 +27,8 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     """The non-expert weights of any supported family, on the backend's device, matrices in
     `dtype` (the activations in the backend's activation dtype for it)."""
     t0 = time.perf_counter()
-    t = Tensors(reader, dtype, backend.device, backend.activation_dtype(dtype))
+    t = Tensors(reader, dtype, backend.device, backend.activation_dtype(dtype),
+                backend.block_matrices)
     build = family(config.model_type).build_layer
     layers = [build(t, config, i) for i in range(config.num_layers)]
     moes = [layer.moe for layer in layers if layer.moe is not None]

@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from services.engine.cache.layout import split_columns
+from services.engine.model.blocks import BlockMatrix
 from services.engine.model.config import ModelConfig, WeightNames
 from services.engine.model.layers.attention import Attention
 from services.engine.model.layers.decoder_layer import DecoderLayer
@@ -43,6 +45,12 @@ class TensorReader(Protocol):
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
+    def stored_dtype(self, name: str) -> str: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def blocks(self, name: str) -> tuple[str, np.ndarray]: ...
+
 
 class Tensors:
     """A checkpoint's tensors as the layers hold them, on the device: matrices in the weight
@@ -50,9 +58,10 @@ class Tensors:
     activation dtype."""
 
     def __init__(self, reader: TensorReader, dtype: torch.dtype, device: torch.device,
-                 act_dtype: torch.dtype | None = None):
+                 act_dtype: torch.dtype | None = None, blocks: tuple[str, ...] = ()):
         self.reader, self.dtype, self.device = reader, dtype, device
         self.act_dtype = act_dtype or dtype
+        self.blocks = blocks  # GGUF block types the backend's linear() reads as stored
 
     def __contains__(self, name: str) -> bool:
         return name in self.reader
@@ -74,6 +83,18 @@ class Tensors:
         w_t = torch.cat([self.reader.get(n, self.dtype).t() for n in names], dim=1)
         return split_columns(w_t).to(self.device)
 
+    def linear(self, *names: str) -> torch.Tensor | BlockMatrix:
+        """[out_i, in] weights for backend.linear, concatenated along out: kept as stored
+        (their rows of blocks, a BlockMatrix) when every one is in a block type the backend
+        reads, else split() in the weight dtype."""
+        stored = {self.reader.stored_dtype(n) for n in names} if self.blocks else set()
+        if len(stored) == 1 and stored <= set(self.blocks):
+            parts = [self.reader.blocks(n) for n in names]
+            rows = np.concatenate([np.asarray(b) for _, b in parts])  # a copy
+            return BlockMatrix(torch.from_numpy(rows).to(self.device),
+                               self.reader.shape(names[0])[1], parts[0][0])
+        return self.split(*names)
+
     def swiglu(self, prefix: str, gate: str | None = None) -> DenseMlp:
         """{prefix}.{gate,up,down}_proj as a DenseMlp (gate: a sigmoid output gate's name)."""
         gate_up = torch.stack([self.reader.get(f"{prefix}.{p}_proj.weight", self.dtype).t()
@@ -89,8 +110,8 @@ def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False) -> Att
     norms = c.qk_norm != "none"
     return Attention(
         kv_layer=i, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        qkv=t.split(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
-        o=t.split(f"{a}.o_proj.weight"), eps=c.rms_norm_eps, qk_norm=c.qk_norm,
+        qkv=t.linear(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+        o=t.linear(f"{a}.o_proj.weight"), eps=c.rms_norm_eps, qk_norm=c.qk_norm,
         q_norm=t.get(f"{a}.q_norm.weight") if norms else None,
         k_norm=t.get(f"{a}.k_norm.weight") if norms else None,
         qkv_bias=tuple(t.get(f"{a}.{p}_proj.bias") for p in "qkv") if bias else None,  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine.model.blocks import BlockMatrix
 from services.engine.model.layers.rope import apply_rope
 from services.engine.model.step import Step
 
@@ -78,8 +79,9 @@ class Attention:
     num_heads: int  # H
     num_kv_heads: int  # G
     head_dim: int  # Hd
-    qkv: torch.Tensor  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split by columns
-    o: torch.Tensor  # [S, H*Hd, D/S]
+    qkv: torch.Tensor | BlockMatrix  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split by columns
+    # (or, kept as stored, their (H+2G)*Hd rows of blocks)
+    o: torch.Tensor | BlockMatrix  # [S, H*Hd, D/S] (or D rows of blocks)
     eps: float
     qk_norm: str = "none"  # "head": a [Hd] weight per head; "proj": over all heads; "none"
     q_norm: torch.Tensor | None = None  # [Hd] or [H*Hd]

@@ -300,7 +300,15 @@ class EnginePool:
                                       pb.context_window)
                 breaker.record_success()
             except grpc.aio.AioRpcError as exc:
-                if self.statuses.get(address) is not None:
+                last = self.statuses.get(address)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and last is not None:
+                    # Slow, not gone (a loaded host): it keeps its place until the breaker
+                    # opens on consecutive failures; an engine that is down answers UNAVAILABLE.
+                    status = last
+                    log.warning("engine %s answered no GetStatus within %.1f s; it stays in "
+                                "rotation unless %d probes or calls in a row fail", address,
+                                self._probe_timeout_s, breaker.threshold)
+                elif last is not None:
                     log.warning("engine %s stopped answering GetStatus (%s: %s); routing around "
                                 "it until it answers again", address, exc.code().name,
                                 exc.details())

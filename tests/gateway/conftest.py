@@ -30,6 +30,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     abort_after: int | None = None  # send Finished(ABORT) after this many tokens
     status_code: grpc.StatusCode | None = None  # fail Generate with this at once
     ready: bool = True
+    status_delay_s: float = 0.0  # GetStatus answers this late (a loaded or hung engine)
     hold: asyncio.Event | None = None  # when set up, tokens wait until the test sets it
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)  # request id -> metadata
@@ -40,6 +41,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     max_running_seen: int = 0
 
     async def GetStatus(self, request, context):
+        if self.status_delay_s:
+            await asyncio.sleep(self.status_delay_s)
         return engine_pb2.EngineStatus(engine_id="engine-0", model=MODEL, ready=self.ready,
                                        running=self.running, context_window=self.context_window)
 

@@ -138,3 +138,28 @@ async def test_deep_health_generates_one_token_and_caches(make_gateway, engine, 
         assert len(health_calls) == 1 and health_calls[0].sampling.max_tokens == 1
         async with http.get(base + "/livez") as resp:
             assert resp.status == 200
+
+
+async def test_a_slow_status_probe_keeps_the_engine_a_hung_one_is_routed_around(make_gateway,
+                                                                                engine):
+    """GetStatus answered later than the probe timeout (a loaded host) does not take the only
+    engine out of rotation by itself: a gateway that tolerates many failed probes keeps serving
+    through a second of them. With `breaker_threshold` 3 the breaker opens after three probes in
+    a row: 503 no_engine, until the engine answers in time again."""
+    servicer, _ = engine
+    fast = dict(engine_timeout_s=0.2, health_interval_s=0.1, breaker_cooldown_s=0.3)
+    tolerant = await make_gateway(breaker_threshold=1000, **fast)
+    strict = await make_gateway(breaker_threshold=3, **fast)
+    async with aiohttp.ClientSession() as http:
+        await _wait_ready(http, tolerant)
+        await _wait_ready(http, strict)
+        servicer.status_delay_s = 0.3  # every probe times out
+        await asyncio.sleep(1.0)  # several probe rounds
+        assert (await _post(http, tolerant))[0] == 200
+        body = await _status_soon(http, strict, 503)
+        assert body["engines"][0]["breaker"] in ("open", "half_open")
+        status, headers, *_ = await _post(http, strict)
+        assert status == 503 and headers["x-strata-drop-reason"] == "no_engine"
+        servicer.status_delay_s = 0.0
+        await _status_soon(http, strict, 200)
+        assert (await _post(http, strict))[0] == 200

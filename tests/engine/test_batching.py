@@ -198,3 +198,44 @@ def test_kv_memory_below_one_window_is_refused(tiny_dir):
         make_runner(tiny_dir, kv_memory_bytes=1024)
 
 
+
+
+def test_the_runner_releases_each_sequence_on_finish_and_on_preemption(tiny_dir, monkeypatch):
+    """runner.release(seq_id) reaches the layer parts that keep per-sequence state, once per
+    finished request and once more per preemption (a KV pool of one context window, four
+    long requests: the newest are preempted and recomputed)."""
+    from services.engine.model.paged_kv import PagedKVCache
+    from services.engine.scheduler import Scheduler
+
+    class PerSequenceState:
+        def __init__(self):
+            self.released: list[int] = []
+
+        def release(self, seq_id: int) -> None:
+            self.released.append(seq_id)
+
+    probe = make_runner(tiny_dir)
+    c = probe.config
+    one_window = PagedKVCache.bytes_per_block(c.num_layers, 16, c.num_kv_heads, c.head_dim,
+                                              probe.dtype) * (c.context_window // 16)
+    runner = make_runner(tiny_dir, kv_memory_bytes=one_window)
+    state = PerSequenceState()
+    runner.model.per_sequence.append(state)
+    preempted: list[int] = []
+    preempt = Scheduler._preempt
+
+    def counting(self, seq):
+        preempted.append(seq.seq_id)
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    engine = Engine(runner, max_running=4, max_step_tokens=64)
+    engine.start()
+    try:
+        clients = run_all(engine, [request("x" * 150 + str(i), max_tokens=90)
+                                   for i in range(4)])
+    finally:
+        engine.stop()
+    assert all(cl.finished is not None for cl in clients)
+    assert preempted, "the pool of one window did not preempt anyone"
+    assert sorted(state.released) == sorted([0, 1, 2, 3] + preempted)

@@ -91,6 +91,11 @@ class CacheSize:
                 "--kv-memory or --reserve, or raise --device-memory")
 
     def log_line(self) -> str:
+        if self.how == "engine":  # the cache manager does not see the engine's other terms
+            return (f"expert cache: the engine's {self.slots} slots of "
+                    f"{format_bytes(self.slot_bytes)} ({format_bytes(self.cache_bytes)}, "
+                    f"coverage {self.coverage:.1%} of {self.total_pairs} pairs; its device "
+                    f"memory {format_bytes(self.limit_bytes)})")
         return (f"expert cache {self.how}: {self.terms()} -> {self.slots} slots of "
                 f"{format_bytes(self.slot_bytes)} ({format_bytes(self.cache_bytes)}, coverage "
                 f"{self.coverage:.1%} of {self.total_pairs} pairs)")

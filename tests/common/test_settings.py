@@ -80,4 +80,5 @@ def test_the_engine_takes_the_smaller_of_its_budget_and_the_free_memory():
         "expert cache auto: min(22.00 GiB free, --device-memory 20.00 GiB) = 20.00 GiB - "
         "3.00 GiB weights - 1.00 GiB KV - 184.00 MiB draft head - 700.00 MiB reserved = ")
     fixed = size_cache(1 * 2**30, 0, 2**20, 100, slots=500, how="engine")
-    assert fixed.slots == 100 and fixed.log_line().startswith("expert cache engine: ")
+    assert fixed.slots == 100 and fixed.log_line().startswith(
+        "expert cache: the engine's 100 slots of 1.00 MiB (100.00 MiB, coverage 100.0%")

@@ -143,7 +143,8 @@ def _model(argv: list[str]) -> int:
                       help="demo: small and quick (tests); bench: the standard shape for "
                       "`strata bench engine` figures; qwen3-30b-a3b: that model's per-layer "
                       "shape in bf16, 12 layers (15.1 GiB)")
-    demo.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    demo.add_argument("--layers", type=positive_int, help="decoder layers (default: the "
+                      "preset's)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     output = args.output or demo_model_dir(args.preset)

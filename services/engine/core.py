@@ -364,7 +364,7 @@ class Engine:
         stats = live.stats(seq, time.perf_counter())
         if seq.admitted_at is not None:
             self._log_request(stats)
-        self._account(stats)
+        self.totals.add(stats)
         live.handle.sink(Finished(reason, stats, error))
 
     def _release(self, seq: SeqState) -> None:
@@ -396,18 +396,6 @@ class Engine:
                 top.append(TopLogprob(tid, top_token, value, top_raw))
         token, raw = describe(token_id)
         return TokenLogprob(token_id, token, float(logprobs[token_id]), raw, tuple(top))
-
-    def _account(self, stats: RequestStats) -> None:
-        totals = self.totals
-        totals.requests_finished += 1
-        totals.tokens_generated += stats.completion_tokens
-        totals.decode.add(stats.decode)
-        totals.prefill.add(stats.prefill)
-        totals.drafts_proposed += stats.drafts_proposed
-        totals.drafts_accepted += stats.drafts_accepted
-        totals.verify_steps += stats.verify_steps
-        totals.rejected_lookups += stats.rejected_lookups
-        totals.draft_lookups += stats.draft_lookups
 
     def _log_request(self, s: RequestStats) -> None:
         d = s.decode

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,15 +27,17 @@ from services.engine.runner import ChunkWork, ContextWindowError, ModelRunner
 from services.engine.scheduler import Chunk, SeqState
 
 
-def chunk_work(chunk: Chunk, every_position: bool = False) -> ChunkWork:
+def chunk_work(chunk: Chunk, every_position: bool = False, logits: bool | None = None
+               ) -> ChunkWork:
     """The runner's view of a scheduled chunk. A single new token past the prompt is decode;
-    anything else (prompt tokens, a preempted sequence's recomputation) counts as prefill."""
+    anything else (prompt tokens, a preempted sequence's recomputation) counts as prefill.
+    It wants logits when it reaches the sequence's last token, unless `logits` says."""
     seq = chunk.seq
     assert seq.table is not None, f"sequence {seq.seq_id} holds no KV blocks"
     return ChunkWork([*seq.token_ids[chunk.start:chunk.end], *chunk.draft], chunk.start,
                      seq.table.block_ids,
                      prefill=not (chunk.end - chunk.start == 1 and chunk.start >= seq.prompt_len),
-                     wants_logits=chunk.samples, num_draft=len(chunk.draft), seq_id=seq.seq_id,
+                     wants_logits=chunk.samples if logits is None else logits, num_draft=len(chunk.draft), seq_id=seq.seq_id,
                      every_position=every_position)
 
 
@@ -106,7 +108,7 @@ class SequenceDriver:
             self.blocks.append(seq.table, end)
             chunks.append(Chunk(seq, seq.num_computed, end))
         # Logits for every chunk, also a prefill chunk short of the prompt's end.
-        works = [replace(chunk_work(c, every_position), wants_logits=True) for c in chunks]
+        works = [chunk_work(c, every_position, logits=True) for c in chunks]
         out = []
         for (seq, end), w, (logits, counters) in zip(work, works, self.runner.step(works, experts),
                                                      strict=True):

@@ -92,21 +92,21 @@ class CacheManagerLink:
             counts, decode = counts + self._unsent[0], decode + self._unsent[1]
             self._unsent = None
         cache = self.runner.cache  # type: ignore[attr-defined]
-        now = (cache.decode.copy(), totals.tokens_generated,  # type: ignore[attr-defined]
-               cache.link.totals())
-        (decode_before, tokens_before, (_, bytes_before, busy_before)) = self._reported
+        cache_now, tokens_now = cache.decode.copy(), totals.tokens_generated  # type: ignore[attr-defined]
+        link_now = cache.link.totals()  # (copies, bytes, busy seconds)
+        cache_before, tokens_before, link_before = self._reported
         optional: dict[str, int | float] = {}
-        busy_s = now[2][2] - busy_before
+        busy_s = link_now[2] - link_before[2]
         if busy_s > 0:  # copies finished: a busy time to divide by
-            optional |= {"link_bytes": now[2][1] - bytes_before, "link_busy_s": busy_s}
+            optional |= {"link_bytes": link_now[1] - link_before[1], "link_busy_s": busy_s}
         if load is not None:
             optional |= {"requests_running": load[0], "requests_waiting": load[1]}
         try:
             ack = await self._stub.ReportRouting(cachemgr_pb2.RoutingReport(
                 engine_id=self.engine_id, model=self.shape(), counts=counts.ravel().tolist(),
                 decode_counts=decode.ravel().tolist(),
-                decode=counters.to_proto(now[0].since(decode_before)),
-                tokens_generated=now[1] - tokens_before,
+                decode=counters.to_proto(cache_now.since(cache_before)),
+                tokens_generated=tokens_now - tokens_before,
                 slots=self.runner.slots, device_memory_bytes=self.device_memory_bytes,  # type: ignore[attr-defined]
                 reserved_bytes=self.reserved_bytes, plan_version=plan_version, **optional),
                 timeout=5.0)
@@ -122,7 +122,7 @@ class CacheManagerLink:
             log.info("cache manager at %s is back after %d failed reports", self.address,
                      self._failures)
             self._failures = 0
-        self._reported = now
+        self._reported = (cache_now, tokens_now, link_now)
         return ack.plan_version
 
     async def report_forever(self, totals: object, plan_version: Callable[[], int],

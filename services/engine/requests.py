@@ -146,3 +146,13 @@ class EngineTotals(ByPhase, _DraftFigures):
     verify_steps: int = 0
     rejected_lookups: int = 0
     draft_lookups: int = 0
+
+    def add(self, stats: RequestStats) -> None:
+        """Count one finished request: its tokens, cache counters and speculation figures."""
+        self.requests_finished += 1
+        self.tokens_generated += stats.completion_tokens
+        self.decode.add(stats.decode)
+        self.prefill.add(stats.prefill)
+        for name in ("drafts_proposed", "drafts_accepted", "verify_steps", "rejected_lookups",
+                     "draft_lookups"):
+            setattr(self, name, getattr(self, name) + getattr(stats, name))

@@ -84,3 +84,19 @@ def test_a_large_checkpoint_is_written_shard_by_shard_with_the_same_weights(tmp_
     assert reader.num_files == 3 and len(reader.names) == len(want)
     runner = ModelRunner(sharded, cache_slots=4, reserved_bytes=0)
     assert runner.weight_dtype == torch.bfloat16 and runner.slots == 4
+
+
+def test_strata_model_demo_layers_overrides_the_presets_and_refuses_a_count_below_one(
+        tmp_path, capsys):
+    import pytest
+
+    from services.cli import main
+
+    out = tmp_path / "two"
+    assert main(["model", "demo", "--layers", "2", "--output", str(out), "--json"]) == 0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["model", "demo", "--layers", "0", "--output", str(tmp_path / "none")])
+    assert "--layers" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

@@ -205,7 +205,7 @@ class BlockFormat(_Common):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [F, D], up [F, D], down [D, F]) of a blob, dequantized to `dtype`."""
         D, Fs, n = self.hidden_size, self.ffn_size, self.gate_bytes
-        gate, up, down = (self._dequant(blob[i * n:(i + 1) * n]).to(dtype) for i in range(3))
+        gate, up, down = (dequantize_q8_0(blob[i * n:(i + 1) * n]).to(dtype) for i in range(3))
         return gate.view(Fs, D), up.view(Fs, D), down.view(D, Fs)
 
     def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,9 +215,6 @@ class BlockFormat(_Common):
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.weights(blob, x.dtype)
         return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-    def _dequant(self, data: torch.Tensor) -> torch.Tensor:
-        return dequantize_q8_0(data)
 
 
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,

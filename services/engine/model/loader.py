@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from services.engine.cache.layout import split_columns
@@ -37,14 +36,11 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     embed = t.matrix("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in t:
         lm_head = split_columns(embed.t()).to(backend.device)
-    elif reader.stored_dtype("lm_head.weight") in backend.block_matrices:
-        # kept as stored: the largest matrix of a step, read at its stored bits per weight
-        block_type, blocks = reader.blocks("lm_head.weight")
-        lm_head = BlockMatrix(torch.from_numpy(np.array(blocks)).to(backend.device),  # a copy
-                              config.hidden_size, block_type)
-        log.info("lm_head kept as %s as stored (%d rows)", block_type, lm_head.out_features)
-    else:
-        lm_head = t.split("lm_head.weight")
+    else:  # kept as stored where the backend reads its blocks: the largest matrix of a step
+        lm_head = t.linear("lm_head.weight")
+        if isinstance(lm_head, BlockMatrix):
+            log.info("lm_head kept as %s as stored (%d rows)", lm_head.block_type,
+                     lm_head.out_features)
     # MLA rotates only the rope part of a head
     rope = Rope(config.qk_rope_head_dim or config.head_dim, config.rope_theta,
                 config.context_window, backend.device)

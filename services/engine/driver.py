@@ -37,7 +37,8 @@ def chunk_work(chunk: Chunk, every_position: bool = False, logits: bool | None =
     return ChunkWork([*seq.token_ids[chunk.start:chunk.end], *chunk.draft], chunk.start,
                      seq.table.block_ids,
                      prefill=not (chunk.end - chunk.start == 1 and chunk.start >= seq.prompt_len),
-                     wants_logits=chunk.samples if logits is None else logits, num_draft=len(chunk.draft), seq_id=seq.seq_id,
+                     wants_logits=chunk.samples if logits is None else logits,
+                     num_draft=len(chunk.draft), seq_id=seq.seq_id,
                      every_position=every_position)
 
 
@@ -62,7 +63,7 @@ class SequenceDriver:
 
     def close(self) -> None:
         """Hand the KV pool back (every sequence must have been released)."""
-        assert self.blocks.num_free_blocks == self.blocks.num_blocks, "sequences still live"
+        assert not self.holds_kv, "sequences still live"
         self.runner.kv.claim(None)
 
     def start(self, prompt_ids: abc.Sequence[int], max_num_tokens: int | None = None

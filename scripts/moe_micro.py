@@ -1,6 +1,7 @@
-"""One MoE layer's routed experts through the C kernel, bf16 blobs against GGUF Q8_0 blobs.
+"""One MoE layer's routed experts through the C kernel: bf16 blobs against GGUF block types.
 
     python scripts/moe_micro.py [D F] [--experts 16] [--routed 8] [--calls 50]
+                                [--types Q8_0,Q4_K,Q6_K]
 
 Prints ms per call (the best of three interleaved rounds of `--calls` calls) and the weight
 bytes read per second, at 1 and 4 token rows. Threads: torch's (OMP_NUM_THREADS).
@@ -13,11 +14,25 @@ import time
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from services.engine import kernels
 from services.engine.cache.layout import ExpertLayout, num_splits
+from services.engine.model.blocks import block_type
+
+# byte offsets of each block's fp16 scales (the rest of a block: any bits are valid)
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
+              "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random rows of blocks of a type (quants and sub-scales random, fp16 scales ~1e-3)."""
+    t = block_type(name)
+    n = rows * cols // t.weights
+    blocks = rng.integers(0, 256, size=(n, t.bytes), dtype=np.uint8)
+    for at in F16_FIELDS[name]:
+        blocks[:, at:at + 2] = (rng.uniform(-1, 1, n) * 1e-3).astype(np.float16).view(
+            np.uint8).reshape(n, 2)
+    return blocks.reshape(-1)
 
 
 def main() -> None:
@@ -27,17 +42,17 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--routed", type=int, default=8)
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--types", default="Q8_0,Q4_K,Q6_K", help="GGUF block types to time")
     a = p.parse_args()
     D, F, E, K = a.D, a.F, a.experts, a.routed
     cpu = kernels.CpuKernels(kernels.build())
     rng = np.random.default_rng(0)
 
-    def q8_0_blob() -> np.ndarray:
-        mats = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((F, D), (F, D), (D, F))]
-        return np.concatenate([quantize(m, GGMLQuantizationType.Q8_0).reshape(-1) for m in mats])
-
-    blobs = {"bf16": (torch.randn(E, ExpertLayout(D, F).numel) * 0.1).bfloat16(),
-             "q8_0": torch.from_numpy(np.stack([q8_0_blob() for _ in range(E)]))}
+    blobs = {"bf16": (torch.randn(E, ExpertLayout(D, F).numel) * 0.1).bfloat16()}
+    for name in a.types.split(","):
+        blobs[name] = torch.from_numpy(np.stack([np.concatenate(
+            [random_blocks(name, F, D, rng), random_blocks(name, F, D, rng),
+             random_blocks(name, D, F, rng)]) for _ in range(E)]))
     for T in (1, 4):
         x = torch.randn(T, D)
         top_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
@@ -49,11 +64,13 @@ def main() -> None:
                 addr = np.array([blob.data_ptr() for blob in b], dtype=np.int64)
 
                 args = (x, top_idx, top_w, addr, F, num_splits(D))
+                kw = (dict(weights="bf16") if name == "bf16"
+                      else dict(weights="blocks", block_types=(name,) * 3))
                 for _ in range(3):
-                    cpu.moe(*args, weights=name)
+                    cpu.moe(*args, **kw)
                 t0 = time.perf_counter()
                 for _ in range(a.calls):
-                    cpu.moe(*args, weights=name)
+                    cpu.moe(*args, **kw)
                 dt = (time.perf_counter() - t0) / a.calls
                 best[name] = min(dt, best.get(name, dt))
         for name, dt in best.items():

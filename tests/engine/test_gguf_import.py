@@ -240,6 +240,27 @@ def pack_q2_k(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(*shape[:-1], shape[-1] // 256 * 84)
 
 
+def pack_q6_k(x: np.ndarray) -> np.ndarray:
+    """A plain reference Q6_K packer (ggml's block_q6_K: 128 bytes of low nibbles, 64 of high
+    bit pairs, 16 int8 group scales, d) for rows of 256: per 16-value group absmax / 31."""
+    shape = x.shape
+    b = x.reshape(-1, 16, 16).astype(np.float32)  # [n, groups, 16]
+    group = np.maximum(np.abs(b).max(-1), 1e-12) / 31  # [n, 16]
+    d16 = (group.max(-1) / 127).astype(np.float16)
+    d = d16.astype(np.float32)[:, None]
+    s = np.clip(np.rint(group / d), 1, 127).astype(np.int8)  # [n, 16]
+    q = np.clip(np.rint(b / (d * s)[..., None]) + 32, 0, 63).astype(np.uint8)  # [n, 16, 16]
+    q = q.reshape(-1, 2, 4, 32)  # [n, half, chunk, 32]
+    ql = np.zeros((len(b), 2, 2, 32), np.uint8)  # [n, half, low bytes 0-31 | 32-63, 32]
+    qh = np.zeros((len(b), 2, 32), np.uint8)
+    for k in range(4):
+        ql[:, :, k % 2] |= (q[:, :, k] & 15) << (4 * (k // 2))
+        qh |= (q[:, :, k] >> 4) << (2 * k)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), s.view(np.uint8),
+                             d16[:, None].view(np.uint8)], axis=1)  # [n, 210]
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 210)
+
+
 # rel_err: the packers' rms weight error, (range / levels) / sqrt(12) for Gaussian sub-blocks
 # (Q4_K: 4.1 sigma / 15 -> 7.9%, Q2_K: 3.5 sigma / 3 -> 34%) plus 15%; with only the experts
 # quantized the logits move less than that (measured 4.3% and 12%)
@@ -247,8 +268,10 @@ def pack_q2_k(x: np.ndarray) -> np.ndarray:
                                                          (Q.Q2_K, pack_q2_k, 0.38)])
 def test_k_quant_experts(qtype, pack, rel_err, tmp_path):
     """gguf-py cannot quantize K-quants, so the expert stacks are packed by the plain reference
-    packers above (checked against gguf's own dequantize). The imported model must equal an F32
-    GGUF of the same dequantized experts (the mapping is exact) and stay near the source."""
+    packers above (checked against gguf's own dequantize). The experts are computed as stored
+    (integer products on 8-bit activations): the model must match an F32 GGUF of the same
+    dequantized experts within that rounding (test_gguf_native's stated 2%; measured 0.24%
+    for Q4_K) and stay near the source."""
     ckpt, ref = make_hf_checkpoint(tmp_path / "k-moe", seed=5, hidden_size=256,
                                    moe_intermediate_size=256, intermediate_size=256,
                                    num_hidden_layers=2, num_experts=4, head_dim=64)
@@ -266,7 +289,7 @@ def test_k_quant_experts(qtype, pack, rel_err, tmp_path):
     f32 = write_gguf(ckpt, tmp_path / "f" / "deq.gguf", deq)
     ids, want = reference_path(ref, Tokenizer(ckpt).encode(PROMPT), steps=4)
     got = greedy_logits(kq, ids, steps=4)
-    assert (got - greedy_logits(f32, ids, steps=4)).abs().max().item() <= 1e-5
+    assert rel_rms(got, greedy_logits(f32, ids, steps=4)) <= 0.02
     assert rel_rms(got, want) <= rel_err
 
 

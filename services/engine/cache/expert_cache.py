@@ -258,7 +258,7 @@ class ExpertCache:
         """Each routed expert's bytes as route() placed them: its slot (waiting for the slot's
         fill if it is in flight), a staging copy of its host blob (one buffer per staged expert
         of the layer), or the host blob itself, read in place."""
-        placed = Placed({}, {}, self._counts)
+        placed = Placed({}, {}, self._counts, layer)
         staged = 0
         for expert, (where, slot) in self._plan.items():
             if where == _SLOT:

@@ -13,16 +13,18 @@ what it may do with them:
       forward(x, blob)            one expert on its rows, torch ops on the blob's device (the
                                   reference; the per-expert path where no kernel applies)
       kernel_weights              what the address-reading kernels take these blobs as ("fp32",
-                                  "bf16", "q8_0": the C strata_moe on the CPU; the first two
+                                  "bf16", "blocks": the C strata_moe on the CPU; the first two
                                   also the Triton gpu_moe on CUDA), or None: the cache runs
                                   forward() per expert
+      at(layer)                   the format of one layer's blobs (itself, but for BlockFormat)
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
 
     DenseFormat     fp32 or bf16 weights in cache/layout.py's split layout
     QuantFormat     int8 / int4 weight-only quantization (model/quant.py), bytes
-    BlockFormat     a GGUF block type (Q8_0) as the file stores it: the pair's gate, up and
-                    down rows of blocks, byte for byte
+    BlockFormat     GGUF block types (Q8_0, Q4_K, ...) as the file stores them: the pair's
+                    gate, up and down rows of blocks, byte for byte; types may differ by layer
+                    (at(layer): one layer's format)
 
 A new format (another GGUF block type, FP8 with block scales) is one more class with these
 members.
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cache.layout import ExpertLayout
-from services.engine.model.blocks import dequantize_q8_0
+from services.engine.model.blocks import block_type, dequantize
 from services.engine.model.dtypes import dtype_name
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
 
@@ -49,7 +51,7 @@ log = logging.getLogger("strata.engine")
 
 
 class ExpertFormat(Protocol):
-    name: str  # "fp32", "bf16", "int8", "int4"
+    name: str  # "fp32", "bf16", "int8", "int4", "q8_0", "q4_k+q6_k"
     hidden_size: int  # D
     ffn_size: int  # F
     dtype: torch.dtype  # a blob's element type
@@ -67,6 +69,10 @@ class ExpertFormat(Protocol):
         ...
 
     def describe(self) -> str: ...
+
+    def at(self, layer: int) -> ExpertFormat:
+        """The format of one layer's blobs."""
+        ...
 
     def load(self, reader: CheckpointReader, layer: int, expert: int,
              out: torch.Tensor) -> None:
@@ -119,6 +125,10 @@ class _Common:
 
     kernel_weights: str | None = None
 
+    def at(self, layer: int) -> ExpertFormat:
+        """The format of `layer`'s blobs: the same for every layer, except BlockFormat's."""
+        return self  # type: ignore[return-value]
+
     def exact_on(self, device: torch.device, kernel: bool) -> bool:
         """Whether every placement gives a hit's bits on `device`: on the CPU the same code
         reads the same bytes wherever they lie; on CUDA only when the device kernel reads a
@@ -158,55 +168,88 @@ class QuantFormat(_Common):
 
 
 
+StackTypes = tuple[str, str, str]  # the GGUF block types of a layer's gate, up and down stacks
+
+
 class BlockFormat(_Common):
-    """Experts kept in the GGUF block type the file stores them in. A blob is the pair's gate
+    """Experts kept in the GGUF block types the file stores them in. A blob is the pair's gate
     rows, up rows and down rows of blocks (gate/up: F rows of D weights, down: D rows of F),
-    the file's bytes unchanged. The C strata_moe reads the blocks in place (8.5 bits per weight
-    for Q8_0, widened in registers); forward() is the torch reference, which dequantizes
-    exactly as the block type defines (gguf-py's dequantize gives the same bits) into the
-    activations' dtype, and runs where no kernel takes the blocks (CUDA for now)."""
+    the file's bytes unchanged. A file may store layers differently (Q4_K_M keeps some
+    layers' down in Q6_K): `types` maps each MoE layer to its (gate, up, down) types, a blob
+    holds the largest layer's bytes (smaller layers leave the tail unused), and `at(layer)` is
+    the format of one layer's blobs. The C strata_moe reads the blocks in place (integer
+    products, cpu_kernels.c's product_blocks); forward() is the torch reference, which
+    dequantizes exactly as the block type defines (gguf-py's dequantize gives the same bits)
+    into the activations' dtype, and runs where no kernel takes the blocks (CUDA for now)."""
 
-    # block type -> (weights per block, bytes per block)
-    BLOCKS = {"Q8_0": (32, 34)}
+    def __init__(self, hidden_size: int, ffn_size: int, types: dict[int, StackTypes],
+                 numel: int | None = None):
+        for gate, up, down in set(types.values()):
+            for name, rows_of in ((gate, hidden_size), (up, hidden_size), (down, ffn_size)):
+                per_block = block_type(name).weights  # ValueError for a type not kept
+                if rows_of % per_block:
+                    raise ValueError(f"{name} rows of {rows_of} weights are not whole blocks "
+                                     f"of {per_block}")
+        self.hidden_size, self.ffn_size, self.types = hidden_size, ffn_size, types
+        self.dtype, self.read_dtype = torch.uint8, torch.uint8
+        self.numel = numel or max(self._bytes(t)[3] for t in types.values())
+        kinds = sorted({name for t in types.values() for name in t})
+        self.name = "+".join(kinds).lower()  # "q8_0", "q4_k+q6_k"
+        self.kernel_weights = "blocks"  # the C kernel reads the blocks as stored
 
-    def __init__(self, hidden_size: int, ffn_size: int, block_type: str):
-        if block_type not in self.BLOCKS:
-            raise ValueError(f"GGUF block type {block_type} is not kept as stored (supported: "
-                             f"{', '.join(self.BLOCKS)})")
-        per_block, block_bytes = self.BLOCKS[block_type]
-        if hidden_size % per_block or ffn_size % per_block:
-            raise ValueError(f"{block_type} rows of {hidden_size} and {ffn_size} weights are "
-                             f"not whole blocks of {per_block}")
-        self.hidden_size, self.ffn_size = hidden_size, ffn_size
-        self.name, self.dtype = block_type.lower(), torch.uint8
-        self.block_type, self.per_block, self.block_bytes = block_type, per_block, block_bytes
-        self.gate_bytes = ffn_size * hidden_size // per_block * block_bytes  # also up's, down's
-        self.numel = 3 * self.gate_bytes
-        self.read_dtype = torch.uint8
-        self.kernel_weights = self.name  # "q8_0": the C kernel reads the blocks as stored
+    def _bytes(self, t: StackTypes) -> tuple[int, int, int, int]:
+        """(gate, up, down, total) bytes of one pair in the stack types t."""
+        D, Fs = self.hidden_size, self.ffn_size
+        gate, up = (Fs * block_type(n).row_bytes(D) for n in t[:2])
+        down = D * block_type(t[2]).row_bytes(Fs)
+        return gate, up, down, gate + up + down
+
+    def at(self, layer: int) -> BlockFormat:
+        """The format of `layer`'s blobs (same blob size)."""
+        if len(self.types) == 1:
+            return self
+        return BlockFormat(self.hidden_size, self.ffn_size, {layer: self.types[layer]},
+                           self.numel)
+
+    @property
+    def kernel_types(self) -> StackTypes:
+        """The (gate, up, down) types of a one-layer format's blobs."""
+        (t,) = set(self.types.values())
+        return t
 
     def describe(self) -> str:
-        bits = 8 * self.block_bytes / self.per_block
-        return f"{self.block_type} as stored in the GGUF ({bits:.2f} bits per weight)"
+        pairs = sorted(set(self.types.values()))
+        D, Fs = self.hidden_size, self.ffn_size
+        per_layer = "; ".join(
+            f"{'/'.join(t)}: {sum(1 for v in self.types.values() if v == t)} layers"
+            for t in pairs) if len(pairs) > 1 else "/".join(pairs[0])
+        return (f"as stored in the GGUF ({per_layer}; "
+                f"{8 * self.numel / (3 * D * Fs):.2f} bits per weight per slot)")
 
     def load(self, reader: CheckpointReader, layer: int, expert: int,
              out: torch.Tensor) -> None:
         row = out.numpy()  # the host row itself: the file's bytes go straight in
-        for i, part in enumerate(reader.expert_blocks(layer, expert)):
-            assert part.nbytes == self.gate_bytes, (part.shape, self.gate_bytes)
-            row[i * self.gate_bytes:(i + 1) * self.gate_bytes] = part.reshape(-1)
+        at = 0
+        for part in reader.expert_blocks(layer, expert):
+            row[at:at + part.nbytes] = part.reshape(-1)
+            at += part.nbytes
+        assert at == self._bytes(self.types[layer])[3], (layer, at)
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              out: torch.Tensor) -> None:
-        raise ValueError(f"{self.block_type} experts are loaded as stored, not packed from "
+        raise ValueError(f"{self.name.upper()} experts are loaded as stored, not packed from "
                          "floats")
 
     def weights(self, blob: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [F, D], up [F, D], down [D, F]) of a blob, dequantized to `dtype`."""
-        D, Fs, n = self.hidden_size, self.ffn_size, self.gate_bytes
-        gate, up, down = (dequantize_q8_0(blob[i * n:(i + 1) * n]).to(dtype) for i in range(3))
-        return gate.view(Fs, D), up.view(Fs, D), down.view(D, Fs)
+        """(gate [F, D], up [F, D], down [D, F]) of a one-layer format's blob, dequantized
+        to `dtype`."""
+        D, Fs, t = self.hidden_size, self.ffn_size, self.kernel_types
+        g, u, d, _ = self._bytes(t)
+        gate = dequantize(blob[:g], t[0]).to(dtype).view(Fs, D)
+        up = dequantize(blob[g:g + u], t[1]).to(dtype).view(Fs, D)
+        down = dequantize(blob[g + u:g + u + d], t[2]).to(dtype).view(D, Fs)
+        return gate, up, down
 
     def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up, down = self.weights(blob, torch.float32)
@@ -218,11 +261,13 @@ class BlockFormat(_Common):
 
 
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
-                  expert_dtype: str = "auto", stored: str | None = None) -> ExpertFormat:
+                  expert_dtype: str = "auto", stored: dict[int, StackTypes] | None = None
+                  ) -> ExpertFormat:
     """The format of `--expert-dtype` for weights served in `dtype`: auto keeps the experts
-    as they are stored — a GGUF block type kept natively (`stored`, BlockFormat.BLOCKS) as
-    its bytes, else fp32 or bf16 — and int8 / int4 quantize them."""
-    if expert_dtype == "auto" and stored in BlockFormat.BLOCKS:
+    as they are stored — GGUF block types (`stored`: each MoE layer's stack types, from
+    CheckpointReader.expert_storage) as their bytes, else fp32 or bf16 — and int8 / int4
+    quantize them."""
+    if expert_dtype == "auto" and stored:
         return BlockFormat(hidden_size, ffn_size, stored)
     if expert_dtype == "auto":
         return DenseFormat(hidden_size, ffn_size, dtype)

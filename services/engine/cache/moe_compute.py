@@ -44,6 +44,7 @@ class Placed:
     blobs: dict[int, torch.Tensor]  # expert -> its blob (a slot, a staging copy, a host row)
     ready: dict[int, torch.cuda.Event] = field(default_factory=dict)  # expert -> copy to wait
     counts: np.ndarray | None = None  # [E] rows routed to each expert
+    layer: int = 0
 
 
 class CpuMoe:
@@ -57,9 +58,10 @@ class CpuMoe:
                  placed: Placed) -> torch.Tensor:
         for expert, blob in placed.blobs.items():
             self._addr[expert] = blob.data_ptr()
-        f = self.format
+        f = self.format.at(placed.layer)
         return self.cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), self._addr, f.ffn_size,
-                            num_splits(f.hidden_size), weights=f.kernel_weights)
+                            num_splits(f.hidden_size), weights=f.kernel_weights,
+                            block_types=getattr(f, "kernel_types", None))
 
 
 class TritonMoe:
@@ -114,10 +116,10 @@ class TorchMoe:
         weight_of = top_w.flatten()[order]  # [T*K]
         xs = x[token_of]  # [T*K, D], rows grouped by expert: one gather in
         ys = torch.empty_like(xs)  # [T*K, D]
-        start = 0
+        start, fmt = 0, self.format.at(placed.layer)
         for expert, n in enumerate(placed.counts.tolist()):
             if n:
-                ys[start:start + n] = self._expert(x.device, xs[start:start + n],
+                ys[start:start + n] = self._expert(fmt, x.device, xs[start:start + n],
                                                    placed.blobs[expert],
                                                    placed.ready.get(expert))
                 start += n
@@ -125,14 +127,15 @@ class TorchMoe:
         # its experts by ascending id.
         return torch.zeros_like(x).index_add_(0, token_of, ys * weight_of[:, None])  # [T, D]
 
-    def _expert(self, device: torch.device, x: torch.Tensor, blob: torch.Tensor,
+    @staticmethod
+    def _expert(fmt: ExpertFormat, device: torch.device, x: torch.Tensor, blob: torch.Tensor,
                 ready: torch.cuda.Event | None) -> torch.Tensor:
         if ready is not None:
             torch.cuda.current_stream(device).wait_event(ready)
         if blob.device == x.device:
-            return self.format.forward(x, blob)
+            return fmt.forward(x, blob)
         # a host blob on a CUDA engine: the CPU computes it (last bits may differ)
-        return self.format.forward(x.cpu(), blob).to(x.device, non_blocking=True)
+        return fmt.forward(x.cpu(), blob).to(x.device, non_blocking=True)
 
 
 MoeCompute = CpuMoe | TritonMoe | TorchMoe

@@ -191,6 +191,7 @@ def measure_cost_model(fmt: ExpertFormat, host: HostStore, link: LinkProbe,
     CUDA with the device kernel, "host" is that kernel reading the pinned host blob in place
     over the link; without it, the CPU computing (and the activations' round trip)."""
     pair = host.pairs[0]
+    fmt = fmt.at(pair[0])  # the timed pair's layer (block types may differ by layer)
     gpu = device_kernel(fmt, device)
     if gpu is not None:
         splits = num_splits(fmt.hidden_size)

@@ -47,10 +47,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.engine.model.blocks import BlockMatrix, block_type
+
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 5  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 6  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -126,13 +128,15 @@ def build(directory: Path | None = None) -> Path:
 class DecodeLayer(ctypes.Structure):
     """cpu_kernels.c's struct strata_layer: one decoder layer's weight pointers. wtype is the
     type of wqkv, wo and router (CpuKernels.weight_type: 0 fp32, the default when omitted,
-    1 bf16), unless proj_q8_0 = 1: then wqkv and wo are GGUF Q8_0 rows (BlockMatrix); the
-    norm weights and KV pools are fp32."""
+    1 bf16), unless qkv_types[0] is a block type code (BlockType.kernel): then wqkv is the
+    q | k | v rows of blocks of a BlockMatrix (segment types qkv_types) and wo D rows of type
+    o_type; the norm weights and KV pools are fp32."""
 
     _fields_ = [("in_norm", _c_ptr), ("post_norm", _c_ptr), ("wqkv", _c_ptr),
                 ("qkv_splits", _c_i64), ("q_norm", _c_ptr), ("k_norm", _c_ptr), ("wo", _c_ptr),
                 ("o_splits", _c_i64), ("k_pool", _c_ptr), ("v_pool", _c_ptr),
-                ("router", _c_ptr), ("wtype", _c_i64), ("proj_q8_0", _c_i64)]
+                ("router", _c_ptr), ("wtype", _c_i64), ("qkv_types", _c_i64 * 3),
+                ("o_type", _c_i64)]
 
 
 class DecodeStep(ctypes.Structure):
@@ -152,6 +156,7 @@ class _Workspace(threading.local):
     ints: torch.Tensor | None = None
     attention: torch.Tensor | None = None
     router: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
 
 
 class CpuKernels:
@@ -161,8 +166,9 @@ class CpuKernels:
     on the weight widened (`w.float()`), reading half the bytes. Outputs are new tensors."""
 
     WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_kernels.c's WT_F32, WT_BF16
-    # The expert blobs strata_moe reads (ExpertFormat.kernel_weights): WT_F32, WT_BF16, WT_Q8_0
-    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "q8_0": 2}
+    # The dense expert blobs strata_moe reads (ExpertFormat.kernel_weights): WT_F32, WT_BF16;
+    # "blocks": GGUF block types as stored, their codes from the format (BlockFormat.kernel_types)
+    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "blocks": None}
 
     @classmethod
     def weight_type(cls, dtype: torch.dtype) -> int:
@@ -180,11 +186,13 @@ class CpuKernels:
         lib.strata_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                                       _c_i64, _c_ptr]
         lib.strata_linear.restype = None
-        lib.strata_linear_q8_0.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
-                                           _c_ptr]
-        lib.strata_linear_q8_0.restype = None
+        lib.strata_linear_blocks.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
+                                             _c_ptr, _c_ptr, _c_ptr, _c_ptr]
+        lib.strata_linear_blocks.restype = None
+        lib.strata_block_work_bytes.argtypes = [_c_i64, _c_i64]
+        lib.strata_block_work_bytes.restype = _c_i64
         lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
-                                   _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr]
+                                   _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_moe.restype = None
         lib.strata_moe_work_floats.argtypes = [_c_i64, _c_i64, _c_i64, _c_i64]
         lib.strata_moe_work_floats.restype = _c_i64
@@ -222,39 +230,47 @@ class CpuKernels:
                                 y.data_ptr())
         return y
 
-    def linear_q8_0(self, x: torch.Tensor, blocks: torch.Tensor, in_features: int
-                    ) -> torch.Tensor:
-        """x [T, K] (fp32, rows may be strided) times the Q8_0 rows `blocks` [N, K/32*34]
-        (uint8, contiguous), transposed -> [T, N] fp32."""
-        T, N = x.shape[0], blocks.shape[0]
-        assert x.dtype == torch.float32 and x.shape[1] == in_features and x.stride(1) == 1
-        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-        assert in_features % 32 == 0 and blocks.shape[1] == in_features // 32 * 34
-        y = torch.empty(T, N)
-        self._lib.strata_linear_q8_0(x.data_ptr(), T, in_features, x.stride(0),
-                                     blocks.data_ptr(), N, y.data_ptr())
+    def linear_blocks(self, x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
+        """x [T, K] (fp32, rows may be strided) times the rows of a BlockMatrix (its segments'
+        blocks as stored), transposed -> [T, N] fp32; x is rounded to 8 bits per value first
+        (cpu_kernels.c's product_blocks)."""
+        T, K = x.shape
+        assert x.dtype == torch.float32 and w.in_features == K and x.stride(1) == 1
+        assert w.data.dtype == torch.uint8 and w.data.is_contiguous()
+        types = np.array([block_type(t).kernel for t in w.block_types], dtype=np.int64)
+        rows = np.array([r for _, r in w.segments], dtype=np.int64)
+        work = self._workspace("blocks", torch.uint8, self._lib.strata_block_work_bytes(T, K))
+        y = torch.empty(T, w.out_features)
+        self._lib.strata_linear_blocks(x.data_ptr(), T, K, x.stride(0), w.data.data_ptr(),
+                                       len(types), types.ctypes.data, rows.ctypes.data,
+                                       y.data_ptr(), work.data_ptr())
         return y
 
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
             blob_addr: np.ndarray, ffn_size: int, splits: int,
-            weights: str = "fp32") -> torch.Tensor:
+            weights: str = "fp32", block_types: tuple[str, str, str] | None = None
+            ) -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
         blob_addr [E] (int64 address of each routed expert's blob: `weights` fp32 or bf16 in
-        cache/layout.py's split layout, or q8_0 GGUF rows of blocks) -> [T, D] weighted sums
-        (fp32)."""
+        cache/layout.py's split layout, or "blocks": GGUF rows of blocks, gate's, up's and
+        down's types `block_types`) -> [T, D] weighted sums (fp32)."""
         T, D = x.shape
         K = top_idx.shape[1]
         E = blob_addr.shape[0]
         assert x.dtype == top_w.dtype == torch.float32 and top_idx.dtype == torch.int64
         assert blob_addr.dtype == np.int64
-        wtype = self.MOE_WEIGHTS[weights]
+        if weights == "blocks":
+            assert block_types is not None
+            wtypes = np.array([block_type(t).kernel for t in block_types], dtype=np.int64)
+        else:
+            wtypes = np.full(3, self.MOE_WEIGHTS[weights], dtype=np.int64)
         assert x.is_contiguous() and top_idx.is_contiguous() and top_w.is_contiguous()
         floats = self._workspace("floats", torch.float32,
                                  self._lib.strata_moe_work_floats(T, K, D, ffn_size))
         ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
         y = torch.empty(T, D)
         self._lib.strata_moe(x.data_ptr(), T, D, ffn_size, splits, K, top_idx.data_ptr(),
-                             top_w.data_ptr(), E, blob_addr.ctypes.data, wtype, y.data_ptr(),
+                             top_w.data_ptr(), E, blob_addr.ctypes.data, wtypes.ctypes.data, y.data_ptr(),
                              floats.data_ptr(), ints.data_ptr())
         return y
 

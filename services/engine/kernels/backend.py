@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from services.engine import kernels
 from services.engine.cache.layout import matmul_split, split_swiglu
-from services.engine.model.blocks import BlockMatrix
+from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix
 
 log = logging.getLogger("strata.engine")
 
@@ -127,7 +127,7 @@ class CpuBackend(TorchBackend):
     paged_attention = True
     fused_rope = True
     fused_decode_layer = True
-    block_matrices = ("Q8_0",)
+    block_matrices = tuple(BLOCK_TYPES)
 
     def __init__(self, device: torch.device, cpu: kernels.CpuKernels):
         super().__init__(device)
@@ -153,7 +153,7 @@ class CpuBackend(TorchBackend):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
         if isinstance(w, BlockMatrix):
-            return self.cpu.linear_q8_0(x.float(), w.blocks, w.in_features)
+            return self.cpu.linear_blocks(x.float(), w)
         return self.cpu.linear(x, w) if self._takes(x, w) else super().linear(x, w)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

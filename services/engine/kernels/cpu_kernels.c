@@ -30,6 +30,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -38,12 +39,16 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 5
+#define ABI_VERSION 6
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
-#define WT_Q8_0 2         /* GGUF Q8_0 blocks (strata_moe only; see product_q8_0) */
-#define Q8_0_WEIGHTS 32   /* weights per Q8_0 block */
-#define Q8_0_BYTES 34     /* bytes per Q8_0 block: an fp16 scale, then 32 int8 quants */
+#define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
+#define WT_Q4_0 3
+#define WT_Q2_K 4
+#define WT_Q3_K 5
+#define WT_Q4_K 6
+#define WT_Q5_K 7
+#define WT_Q6_K 8
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
@@ -279,8 +284,51 @@ static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xd
     } while (k0 < K);
 }
 
-typedef int8_t vq8 __attribute__((vector_size(8), aligned(1)));  /* 8 int8 quants */
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));  /* 8 floats, unaligned ok */
+
+/* ---- GGUF block types, computed as stored ----------------------------------------------
+ *
+ * A block-type weight is N rows of `in` weights, each row its blocks in order, as GGUF stores
+ * them (services/engine/model/blocks.py has each type's layout and reference dequantization):
+ *   Q8_0, Q4_0       blocks of 32: an fp16 scale d, then 32 int8 / 16 bytes of 4-bit quants
+ *   Q2_K .. Q6_K     super-blocks of 256 (QK): an fp16 d (and dmin), sub-block scales (and
+ *                    mins) of 16 or 32 weights, 2-6 bit quants
+ * The products compute in integers, the way the fastest CPU engines do: each activation row
+ * is quantized once per call to 8 bits (struct q8rows: per block of the weight type's size a
+ * scale max|x| / 127, int8 quants rounded to nearest even, and the quants' sum per 16), then
+ * per weight block the quants are unpacked to bytes in registers and multiplied with
+ * vpmaddubsw / vpmaddwd (unsigned weight byte times signed activation byte, pairs summed in
+ * 16 bits, then in 32 bits with the sub-block scales), one float FMA per block and row.
+ * An unpacked weight u stands for d * s_j * (u - off) - dmin * m_j (s_j, m_j: its 16-weight
+ * group's scale and min; off: 32 for Q6_K, 4 for Q3_K, else 0), so a super-block's dot with
+ * an activation block of scale dx is
+ *     dx * (d * sum_j s_j * (u_j . a_j)  -  sum_j sum(a_j) * (d * off * s_j + dmin * m_j)).
+ * Numerics: a row's output is its blocks' terms accumulated in order in 8 float lanes,
+ * summed last in a fixed tree; integer parts are exact. Nothing depends on the other rows of
+ * the call, the tile, the thread or where the weights lie. Results differ from the reference
+ * dequantization's fp32 product by the activations' rounding (an error of about 0.3% of a
+ * row's norm, as in llama.cpp); tests/engine/test_block_kernels.py checks each type against
+ * the reference on the same rounded activations to fp32 accuracy. */
+
+#define QK 256 /* weights per K-quant super-block */
+
+static inline int64_t block_weights(int bt) { return bt == WT_Q8_0 || bt == WT_Q4_0 ? 32 : QK; }
+
+static inline int64_t block_bytes(int bt)
+{
+    switch (bt) {
+    case WT_Q8_0: return 34;
+    case WT_Q4_0: return 18;
+    case WT_Q2_K: return 84;
+    case WT_Q3_K: return 110;
+    case WT_Q4_K: return 144;
+    case WT_Q5_K: return 176;
+    case WT_Q6_K: return 210;
+    }
+    return 0;
+}
+
+static inline int64_t row_bytes_of(int bt, int64_t in) { return in / block_weights(bt) * block_bytes(bt); }
 
 /* IEEE half -> float, exact (normal, subnormal, zero, inf, nan). */
 static inline float half_to_float(uint16_t h)
@@ -301,82 +349,377 @@ static inline float half_to_float(uint16_t h)
     return out;
 }
 
-/* y[r][o] = sum over the row's blocks b of d_b * (q_b . x_b) for R rows of x against `out`
- * rows of Q8_0 weights (each `in` weights: in / 32 blocks of an fp16 scale d and 32 int8 q;
- * weight = d * q, as GGUF defines it). The weights stay in their 8.5 bits per weight: each
- * block's quants are widened to floats in registers once for up to TOK_TILE rows. Numerics: a
- * row's dot product runs in 8 lanes, block by block in order (each block's four lane-wise
- * q * x products summed pairwise, scaled by d and accumulated with one FMA, so only that FMA
- * is on the row's dependency chain), the lanes summed last in a fixed tree: the same bits for
- * a row whatever the other rows, the tile, the thread or where the blob lies. */
-static void product_q8_0(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv,
-                         int64_t R, const uint8_t *W, int64_t in, int64_t out, float *y,
-                         int64_t ldy)
+static inline float f16_at(const uint8_t *p)
 {
-    const int64_t nb = in / Q8_0_WEIGHTS, row_bytes = nb * Q8_0_BYTES;
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return half_to_float(h);
+#endif
+}
+
+/* R activation rows of K values quantized for a product (bs: values per scale, 32 or QK). */
+struct q8rows {
+    int8_t *q;    /* [R][K] */
+    float *d;     /* [R][K / bs] */
+    int32_t *sum; /* [R][K / 16] sum of q per 16 values */
+    int64_t K, bs;
+};
+
+/* Bytes a q8rows of R rows of K needs (for the smallest bs). */
+static int64_t q8rows_bytes(int64_t R, int64_t K) { return R * K + R * (K / 32) * 4 + R * (K / 16) * 4 + 64; }
+
+static struct q8rows q8rows_at(void *mem, int64_t R, int64_t K, int64_t bs)
+{
+    struct q8rows a = {.K = K, .bs = bs};
+    a.d = (float *)mem;
+    a.sum = (int32_t *)(a.d + R * (K / 32));
+    a.q = (int8_t *)(a.sum + R * (K / 16));
+    return a;
+}
+
+static void quantize_row(const float *x, int64_t K, int64_t bs, int8_t *q, float *d, int32_t *sum)
+{
+    for (int64_t b = 0; b < K / bs; b++) {
+        const float *xb = x + b * bs;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < bs; i++)
+            amax = fmaxf(amax, fabsf(xb[i]));
+        d[b] = amax / 127.0f;
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *qb = q + b * bs;
+#if defined(__AVX2__)
+        for (int64_t i = 0; i < bs; i += 8) { /* vcvtps2dq: nearest even, as nearbyintf */
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i),
+                                                               _mm256_set1_ps(id)));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v),
+                                              _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64((__m128i *)(qb + i), _mm_packs_epi16(w, w));
+        }
+#else
+        for (int64_t i = 0; i < bs; i++)
+            qb[i] = (int8_t)nearbyintf(xb[i] * id);
+#endif
+    }
+    for (int64_t g = 0; g < K / 16; g++) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++)
+            s += q[g * 16 + i];
+        sum[g] = s;
+    }
+}
+
+/* The orphaned `omp for` quantizing R rows (ldx apart) of x into a. */
+static void quantize_rows(const float *x, int64_t R, int64_t ldx, const struct q8rows *a)
+{
+    const int64_t K = a->K;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; r++)
+        quantize_row(x + r * ldx, K, a->bs, a->q + r * K, a->d + r * (K / a->bs),
+                     a->sum + r * (K / 16));
+}
+
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
+
+static inline u8x32 load32(const uint8_t *p)
+{
+    u8x32 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+/* Chunk c (weights 32c .. 32c + 31) of a K-quant super-block as bytes u (see the layout in
+ * model/blocks.py). Generic vectors: vpsrlw + vpand on AVX2, plain loops elsewhere. */
+static inline __attribute__((always_inline)) u8x32 unpack_k(const uint8_t *blk, const int bt,
+                                                             const int c)
+{
+    const int n = c / 4, j = c % 4;
+    switch (bt) {
+    case WT_Q4_K: {
+        const u8x32 q = load32(blk + 16 + 32 * (c / 2));
+        return c % 2 ? q >> 4 : q & 0x0f;
+    }
+    case WT_Q5_K: {
+        const u8x32 q = load32(blk + 48 + 32 * (c / 2));
+        const u8x32 hi = (load32(blk + 16) >> c) & 1;
+        return (c % 2 ? q >> 4 : q & 0x0f) | (hi << 4);
+    }
+    case WT_Q6_K: {
+        const u8x32 ql = load32(blk + 64 * n + 32 * (j % 2));
+        const u8x32 hi = (load32(blk + 128 + 32 * n) >> (2 * j)) & 3;
+        return (j < 2 ? ql & 0x0f : ql >> 4) | (hi << 4);
+    }
+    case WT_Q2_K:
+        return (load32(blk + 16 + 32 * n) >> (2 * j)) & 3;
+    default: { /* WT_Q3_K */
+        const u8x32 lo = (load32(blk + 32 + 32 * n) >> (2 * j)) & 3;
+        const u8x32 hi = (load32(blk) >> (4 * n + j)) & 1;
+        return lo | (hi << 2);
+    }
+    }
+}
+
+/* A K-quant super-block's float scale d, its 16 group scales s[] and each group's offset and
+ * min term cw[j] = d * off * s_j + dmin * m_j (in that order of operations). */
+static inline __attribute__((always_inline)) float scales_k(const uint8_t *blk, const int bt,
+                                                             int16_t s[16], float cw[16])
+{
+    switch (bt) {
+    case WT_Q4_K:
+    case WT_Q5_K: {
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        const uint8_t *sc = blk + 4;
+        for (int k = 0; k < 8; k++) {
+            int scale, min;
+            if (k < 4) {
+                scale = sc[k] & 63;
+                min = sc[k + 4] & 63;
+            } else {
+                scale = (sc[k + 4] & 0x0f) | ((sc[k - 4] >> 6) << 4);
+                min = (sc[k + 4] >> 4) | ((sc[k] >> 6) << 4);
+            }
+            s[2 * k] = s[2 * k + 1] = (int16_t)scale;
+            cw[2 * k] = cw[2 * k + 1] = dmin * (float)min;
+        }
+        return d;
+    }
+    case WT_Q6_K: {
+        const float d = f16_at(blk + 208);
+        for (int g = 0; g < 16; g++) {
+            s[g] = (int8_t)blk[192 + g];
+            cw[g] = d * 32.0f * (float)s[g];
+        }
+        return d;
+    }
+    case WT_Q2_K: {
+        const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
+        for (int g = 0; g < 16; g++) {
+            s[g] = blk[g] & 0x0f;
+            cw[g] = dmin * (float)(blk[g] >> 4);
+        }
+        return d;
+    }
+    default: { /* WT_Q3_K: 16 6-bit scales, stored minus 32: low 4 bits in the first 8 bytes
+                * (nibbles), high 2 bits in the last 4 */
+        const float d = f16_at(blk + 108);
+        const uint8_t *sc = blk + 96;
+        for (int g = 0; g < 16; g++) {
+            const int lo = g < 8 ? sc[g] & 0x0f : sc[g - 8] >> 4;
+            const int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+            s[g] = (int16_t)((lo | (hi << 4)) - 32);
+            cw[g] = d * 4.0f * (float)s[g];
+        }
+        return d;
+    }
+    }
+}
+
+/* Block b of a 32-weight type as signed bytes (Q8_0 as stored, Q4_0 nibble - 8). */
+static inline __attribute__((always_inline)) i8x32 unpack_32(const uint8_t *blk, const int bt)
+{
+    if (bt == WT_Q8_0) {
+        i8x32 q;
+        memcpy(&q, blk + 2, 32);
+        return q;
+    }
+    u8x16 q;
+    memcpy(&q, blk + 2, 16);
+    const u8x32 both = __builtin_shufflevector(q & 0x0f, q >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                               10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                               22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    return (i8x32)both - 8;
+}
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* 8 int32 lanes: lane k = sum over bytes 4k .. 4k+3 of u * a * (its half's scale: s0 for
+ * bytes 0-15, s1 for 16-31): vpmaddubsw then vpmaddwd. u is at most 63, |a| at most 127:
+ * the 16-bit pair sums cannot saturate. */
+static inline __attribute__((always_inline)) i32x8 dot_u8(u8x32 u, const int8_t *a, int16_t s0,
+                                                            int16_t s1)
+{
+#if defined(__AVX2__)
+    const __m256i p = _mm256_maddubs_epi16((__m256i)u, _mm256_loadu_si256((const __m256i *)a));
+    return (i32x8)_mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0)));
+#else
+    i32x8 r;
+    for (int k = 0; k < 8; k++) {
+        const int s = k < 4 ? s0 : s1;
+        int32_t acc = 0;
+        for (int i = 4 * k; i < 4 * k + 4; i++)
+            acc += (int32_t)u[i] * a[i];
+        r[k] = acc * s;
+    }
+    return r;
+#endif
+}
+
+/* 8 int32 lanes of signed w times signed a (lane k: bytes 4k .. 4k+3). */
+static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t *a)
+{
+#if defined(__AVX2__)
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a);
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
+                                           _mm256_sign_epi8(av, (__m256i)w));
+    return (i32x8)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#else
+    i32x8 r;
+    for (int k = 0; k < 8; k++) {
+        int32_t acc = 0;
+        for (int i = 4 * k; i < 4 * k + 4; i++)
+            acc += (int32_t)w[i] * a[i];
+        r[k] = acc;
+    }
+    return r;
+#endif
+}
+
+static inline float hsum8(vf8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+/* y[r][o] for R activation rows (a's row r, or xrow[r] / xdiv) against `out` rows of W, a
+ * block type bt (a constant at the call sites in product_blocks), `in` weights each. The rows
+ * run in tiles of TOK_TILE sharing each block's unpacking. */
+static inline __attribute__((always_inline)) void product_of(const struct q8rows *a,
+                                                             const int64_t *xrow, int64_t xdiv,
+                                                             int64_t R, const uint8_t *W,
+                                                             const int bt, int64_t out,
+                                                             float *y, int64_t ldy)
+{
+    const int64_t K = a->K, bw = block_weights(bt), nb = K / bw, bb = block_bytes(bt);
+    const int64_t row_bytes = nb * bb;
     for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
         const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
-        const float *xs[TOK_TILE];
+        int64_t rows[TOK_TILE];
         for (int t = 0; t < nt; t++)
-            xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+            rows[t] = xrow ? xrow[r0 + t] / xdiv : r0 + t;
         for (int64_t o = 0; o < out; o++) {
             const uint8_t *blk = W + o * row_bytes;
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-            __m256 acc[TOK_TILE];
-            for (int t = 0; t < nt; t++)
-                acc[t] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++, blk += Q8_0_BYTES) {
-                uint16_t dh;
-                memcpy(&dh, blk, 2);
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
-                __m256 w[4];
-                for (int i = 0; i < 4; i++)
-                    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i))));
-                for (int t = 0; t < nt; t++) {
-                    const float *xb = xs[t] + b * Q8_0_WEIGHTS;
-                    const __m256 s = _mm256_add_ps(
-                        _mm256_add_ps(_mm256_mul_ps(w[0], _mm256_loadu_ps(xb)),
-                                      _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8))),
-                        _mm256_add_ps(_mm256_mul_ps(w[2], _mm256_loadu_ps(xb + 16)),
-                                      _mm256_mul_ps(w[3], _mm256_loadu_ps(xb + 24))));
-                    acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
-                }
-            }
-            for (int t = 0; t < nt; t++) {
-                float a[8];
-                _mm256_storeu_ps(a, acc[t]);
-                y[(r0 + t) * ldy + o] = ((a[0] + a[4]) + (a[1] + a[5])) +
-                                        ((a[2] + a[6]) + (a[3] + a[7]));
-            }
-#else
             vf8 acc[TOK_TILE] = {{0}};
-            for (int64_t b = 0; b < nb; b++, blk += Q8_0_BYTES) {
-                uint16_t dh;
-                memcpy(&dh, blk, 2);
-                const float d = half_to_float(dh);
-                vf8 w[4];
-                for (int i = 0; i < 4; i++) {
-                    vq8 q;
-                    memcpy(&q, blk + 2 + 8 * i, 8);
-                    w[i] = __builtin_convertvector(q, vf8);
+            for (int64_t b = 0; b < nb; b++, blk += bb) {
+                if (bw == 32) {
+                    const float dw = f16_at(blk);
+                    const i8x32 w = unpack_32(blk, bt);
+                    for (int t = 0; t < nt; t++) {
+                        const i32x8 p = dot_i8(w, a->q + rows[t] * K + b * 32);
+                        acc[t] += (dw * a->d[rows[t] * nb + b]) * __builtin_convertvector(p, vf8);
+                    }
+                    continue;
                 }
-                for (int t = 0; t < nt; t++) { /* independent products, a pairwise sum, and
-                                                  * one FMA on the row's chain per block */
-                    const float *xb = xs[t] + b * Q8_0_WEIGHTS;
-                    const vf8 s = (w[0] * *(const vf8 *)xb + w[1] * *(const vf8 *)(xb + 8)) +
-                                  (w[2] * *(const vf8 *)(xb + 16) + w[3] * *(const vf8 *)(xb + 24));
-                    acc[t] += d * s;
+                int16_t s[16];
+                float cw[16];
+                const float d = scales_k(blk, bt, s, cw);
+                i32x8 isum[TOK_TILE] = {{0}};
+                for (int c = 0; c < 8; c++) {
+                    const u8x32 u = unpack_k(blk, bt, c);
+                    for (int t = 0; t < nt; t++)
+                        isum[t] += dot_u8(u, a->q + rows[t] * K + b * QK + 32 * c, s[2 * c],
+                                          s[2 * c + 1]);
+                }
+                vf8 cw0, cw1;
+                memcpy(&cw0, cw, 32);
+                memcpy(&cw1, cw + 8, 32);
+                for (int t = 0; t < nt; t++) {
+                    const float dx = a->d[rows[t] * nb + b];
+                    const int32_t *sums = a->sum + rows[t] * (K / 16) + b * 16;
+                    i32x8 s0, s1;
+                    memcpy(&s0, sums, 32);
+                    memcpy(&s1, sums + 8, 32);
+                    acc[t] += (d * dx) * __builtin_convertvector(isum[t], vf8);
+                    acc[t] -= dx * (cw0 * __builtin_convertvector(s0, vf8) +
+                                    cw1 * __builtin_convertvector(s1, vf8));
                 }
             }
-            for (int t = 0; t < nt; t++) {
-                const vf8 a = acc[t];
-                y[(r0 + t) * ldy + o] = ((a[0] + a[4]) + (a[1] + a[5])) +
-                                        ((a[2] + a[6]) + (a[3] + a[7]));
-            }
-#endif
+            for (int t = 0; t < nt; t++)
+                y[(r0 + t) * ldy + o] = hsum8(acc[t]);
         }
     }
+}
+
+/* product_of specialized per block type. */
+static void product_blocks(const struct q8rows *a, const int64_t *xrow, int64_t xdiv, int64_t R,
+                           const uint8_t *W, int bt, int64_t out, float *y, int64_t ldy)
+{
+    switch (bt) {
+    case WT_Q8_0: product_of(a, xrow, xdiv, R, W, WT_Q8_0, out, y, ldy); break;
+    case WT_Q4_0: product_of(a, xrow, xdiv, R, W, WT_Q4_0, out, y, ldy); break;
+    case WT_Q2_K: product_of(a, xrow, xdiv, R, W, WT_Q2_K, out, y, ldy); break;
+    case WT_Q3_K: product_of(a, xrow, xdiv, R, W, WT_Q3_K, out, y, ldy); break;
+    case WT_Q4_K: product_of(a, xrow, xdiv, R, W, WT_Q4_K, out, y, ldy); break;
+    case WT_Q5_K: product_of(a, xrow, xdiv, R, W, WT_Q5_K, out, y, ldy); break;
+    case WT_Q6_K: product_of(a, xrow, xdiv, R, W, WT_Q6_K, out, y, ldy); break;
+    }
+}
+
+#define BLOCK_UNIT_ROWS 64 /* output rows per work unit of a block-type product */
+
+/* A block-type matrix of up to 3 row segments (q | k | v kept in their own types), all rows
+ * `in` weights: segment i is rows[i] rows of type types[i], stored one after another. */
+struct block_matrix {
+    const uint8_t *W;
+    int64_t nseg, types[3], rows[3];
+};
+
+/* The orphaned work of y [T, N] (rows ldy apart, N the segments' rows) = x [T, in] (rows ldx
+ * apart) times m's rows: the rows quantized into `qmem` for each segment's block size (the
+ * first of each size, a barrier after), then units of BLOCK_UNIT_ROWS rows of a segment. */
+static void block_units(const float *x, int64_t T, int64_t in, int64_t ldx,
+                        const struct block_matrix *m, void *qmem, float *y, int64_t ldy)
+{
+    struct q8rows a32 = q8rows_at(qmem, T, in, 32), a256 = q8rows_at(
+        (char *)qmem + q8rows_bytes(T, in), T, in, QK);
+    int need32 = 0, need256 = 0;
+    for (int64_t i = 0; i < m->nseg; i++)
+        *(block_weights((int)m->types[i]) == 32 ? &need32 : &need256) = 1;
+    if (need32)
+        quantize_rows(x, T, ldx, &a32);
+    if (need256)
+        quantize_rows(x, T, ldx, &a256);
+    int64_t units = 0;
+    for (int64_t i = 0; i < m->nseg; i++)
+        units += (m->rows[i] + BLOCK_UNIT_ROWS - 1) / BLOCK_UNIT_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t i = 0, first = 0, row0 = 0, rest = u;
+        const uint8_t *W = m->W;
+        for (;; i++) { /* the unit's segment */
+            const int64_t n = (m->rows[i] + BLOCK_UNIT_ROWS - 1) / BLOCK_UNIT_ROWS;
+            if (rest < n)
+                break;
+            rest -= n;
+            first += m->rows[i];
+            W += m->rows[i] * row_bytes_of((int)m->types[i], in);
+        }
+        const int bt = (int)m->types[i];
+        row0 = rest * BLOCK_UNIT_ROWS;
+        const int64_t rows = m->rows[i] - row0 < BLOCK_UNIT_ROWS ? m->rows[i] - row0
+                                                                  : BLOCK_UNIT_ROWS;
+        product_blocks(block_weights(bt) == 32 ? &a32 : &a256, NULL, 1, T,
+                       W + row0 * row_bytes_of(bt, in), bt, rows, y + first + row0, ldy);
+    }
+}
+
+/* Bytes of block_units' qmem for T rows of `in`. */
+int64_t strata_block_work_bytes(int64_t T, int64_t in) { return 2 * q8rows_bytes(T, in); }
+
+/* y [T, N] = x [T, K] (rows ldx apart) times W^T for a block-type matrix of nseg segments
+ * (types[i], rows[i]; an lm_head or attention kept as stored). work: strata_block_work_bytes. */
+void strata_linear_blocks(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
+                          int64_t nseg, const int64_t *types, const int64_t *rows, float *y,
+                          void *work)
+{
+    struct block_matrix m = {.W = W, .nseg = nseg};
+    int64_t N = 0;
+    for (int64_t i = 0; i < nseg; i++) {
+        m.types[i] = types[i];
+        m.rows[i] = rows[i];
+        N += rows[i];
+    }
+#pragma omp parallel
+    block_units(x, T, K, ldx, &m, work, y, N);
 }
 
 /* Columns per unit of linear_units for T rows: units of equal width (multiples of COL_BLOCK),
@@ -417,21 +760,6 @@ void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void
 {
 #pragma omp parallel
     linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
-}
-
-#define Q8_0_UNIT_ROWS 64 /* output rows per work unit of a Q8_0 product (q8_0_units) */
-
-static void q8_0_units(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
-                       int64_t N, float *y, int64_t ldy);
-
-/* y [T, N] = x [T, K] (rows ldx apart) times W^T for W: N rows of K weights as GGUF Q8_0
- * blocks (an lm_head or attention kept as stored). Each output is product_q8_0's fixed-order
- * sum, whatever unit it falls in. */
-void strata_linear_q8_0(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
-                        int64_t N, float *y)
-{
-#pragma omp parallel
-    q8_0_units(x, T, K, ldx, W, N, y, N);
 }
 
 /* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
@@ -623,7 +951,9 @@ void strata_router(const float *x, int64_t T, int64_t D, const void *Wr, int64_t
 }
 
 /* One decoder layer's weights (split layouts as in services/engine/cache/layout.py): wqkv, wo
- * and router of type wtype; the norm weights and the KV pools fp32. */
+ * and router of type wtype; the norm weights and the KV pools fp32. When qkv_types[0] is a
+ * block type, wqkv is GGUF rows of blocks instead: the q rows (H Hd, type qkv_types[0]), then
+ * k's and v's (G Hd each, their types); when o_type is one, wo is D rows of that type. */
 struct strata_layer {
     const float *in_norm, *post_norm; /* [D] */
     const void *wqkv;                 /* [S][D][(H + 2G) Hd / S]: q | k | v */
@@ -634,24 +964,8 @@ struct strata_layer {
     float *k_pool, *v_pool;           /* this layer's [blocks][P][G][Hd] */
     const void *router;               /* [D][E] */
     int64_t wtype;                    /* WT_F32 or WT_BF16: wqkv's, wo's and router's type */
-    int64_t proj_q8_0;                /* 1: wqkv and wo are GGUF Q8_0 rows instead (wqkv:
-                                       * (H + 2G) Hd rows of D, wo: D rows of H Hd) */
+    int64_t qkv_types[3], o_type;     /* block types of wqkv's segments and wo, or WT_F32 */
 };
-
-/* The orphaned `omp for` of a Q8_0 product: y [T, N] (rows ldy apart) = x times the N rows of
- * W; work units of Q8_0_UNIT_ROWS rows. */
-static void q8_0_units(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
-                       int64_t N, float *y, int64_t ldy)
-{
-    const int64_t row_bytes = (K / Q8_0_WEIGHTS) * Q8_0_BYTES;
-    const int64_t units = (N + Q8_0_UNIT_ROWS - 1) / Q8_0_UNIT_ROWS;
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t o0 = u * Q8_0_UNIT_ROWS;
-        const int64_t rows = N - o0 < Q8_0_UNIT_ROWS ? N - o0 : Q8_0_UNIT_ROWS;
-        product_q8_0(x, ldx, NULL, 1, T, W + o0 * row_bytes, K, rows, y + o0, ldy);
-    }
-}
 
 /* One decode step: T rows, one token each (row t: position positions[t], written at flat KV
  * slot slots[t], reading tables[t][.] for lengths[t] positions), and its buffers. */
@@ -679,11 +993,18 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
     const int64_t T = s->T, D = s->D, Hd = s->Hd, G = s->G;
     const int64_t nqkv = (s->H + 2 * G) * Hd, q_size = s->H * Hd, kv_size = G * Hd;
     const int wt = (int)L->wtype;
+    const int qkv_blocks = L->qkv_types[0] >= WT_Q8_0, o_blocks = L->o_type >= WT_Q8_0;
+    const struct block_matrix qkv_m = {
+        .W = L->wqkv, .nseg = 3, .types = {L->qkv_types[0], L->qkv_types[1], L->qkv_types[2]},
+        .rows = {q_size, kv_size, kv_size}};
+    const struct block_matrix o_m = {.W = L->wo, .nseg = 1, .types = {L->o_type}, .rows = {D}};
+    void *qmem = qkv_blocks || o_blocks ? malloc((size_t)strata_block_work_bytes(T, D > q_size ? D : q_size))
+                        : NULL;
 #pragma omp parallel
     {
         rms_rows(s->x, T, D, D, s->add, L->in_norm, s->eps, s->h, D);
-        if (L->proj_q8_0)
-            q8_0_units(s->h, T, D, D, (const uint8_t *)L->wqkv, nqkv, s->qkv, nqkv);
+        if (qkv_blocks)
+            block_units(s->h, T, D, D, &qkv_m, qmem, s->qkv, nqkv);
         else
             linear_units(s->h, T, D, D, L->wqkv, wt, L->qkv_splits, nqkv / L->qkv_splits,
                          s->qkv, nqkv);
@@ -699,8 +1020,8 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
         attention_rows(s->qkv, T, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P, s->tables,
                        s->table_stride, s->lengths, s->max_length, s->scale, s->attn,
                        s->scores);
-        if (L->proj_q8_0)
-            q8_0_units(s->attn, T, q_size, q_size, (const uint8_t *)L->wo, D, s->o, D);
+        if (o_blocks)
+            block_units(s->attn, T, q_size, q_size, &o_m, qmem, s->o, D);
         else
             linear_units(s->attn, T, q_size, q_size, L->wo, wt, L->o_splits, D / L->o_splits,
                          s->o, D);
@@ -708,13 +1029,15 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
         router_rows(s->h, T, D, L->router, wt, s->E, s->K, (int)s->renormalize, s->top_idx,
                     s->top_w, s->scores);
     }
+    free(qmem);
     count_experts(s->top_idx, T * s->K, s->E, s->counts);
 }
 
-/* Workspace sizes (elements) strata_moe needs for T rows. */
+/* Workspace sizes (elements) strata_moe needs for T rows: the products' floats, then the
+ * quantized activations of block-type experts (x for gate and up, h for down). */
 int64_t strata_moe_work_floats(int64_t T, int64_t K, int64_t D, int64_t F)
 {
-    return T * K * (3 * F + D);
+    return T * K * (3 * F + D) + (2 * q8rows_bytes(T, D) + q8rows_bytes(T * K, F)) / 4 + 1;
 }
 
 int64_t strata_moe_work_ints(int64_t T, int64_t K, int64_t E)
@@ -722,21 +1045,32 @@ int64_t strata_moe_work_ints(int64_t T, int64_t K, int64_t E)
     return 3 * E + 1 + 2 * T * K;
 }
 
+/* a's rows from `first` on. */
+static struct q8rows q8rows_from(struct q8rows a, int64_t first)
+{
+    a.q += first * a.K;
+    a.d += first * (a.K / a.bs);
+    a.sum += first * (a.K / 16);
+    return a;
+}
+
 /* The routed experts of one MoE layer on T rows:
  *   y[t] = sum over k, in ascending expert id, of top_w[t][k] * expert_{top_idx[t][k]}(x[t])
  *   expert_e(v) = down_e(silu(gate_e v) * up_e v)
- * blob_addr[e] is the address of expert e's blob (a slot or a host-store row), elements of
- * type wtype (offsets below count elements):
+ * blob_addr[e] is the address of expert e's blob (a slot or a host-store row). For wtypes
+ * WT_F32 / WT_BF16 (all three alike) its elements are of that type (offsets count elements):
  *   [gate_t D x F | up_t D x F | down_t as S column blocks S x F x (D/S)]   (cache/layout.py)
- * or, for WT_Q8_0, the GGUF's rows of blocks as stored (cache/formats.py's BlockFormat):
+ * For block types (wtypes[0..2]: gate's, up's, down's), the GGUF's rows of blocks as stored
+ * (cache/formats.py's BlockFormat):
  *   [gate F rows of D | up F rows of D | down D rows of F], each of the S down units D/S rows
  * Only the experts some row routes to are read. work, iwork: strata_moe_work_* elements. */
 void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int64_t K,
                 const int64_t *top_idx, const float *top_w, int64_t E, const int64_t *blob_addr,
-                int64_t wtype, float *y, float *work, int64_t *iwork)
+                const int64_t *wtypes, float *y, float *work, int64_t *iwork)
 {
     const int64_t A = T * K, Dc = D / S;
-    const int wt = (int)wtype;
+    const int wt = (int)wtypes[0], blocks = wt >= WT_Q8_0;
+    const int gt = (int)wtypes[0], ut = (int)wtypes[1], dt = (int)wtypes[2];
     int64_t *start = iwork;           /* [E + 1] first grouped position of each expert */
     int64_t *cursor = start + E + 1;  /* [E] */
     int64_t *groups = cursor + E;     /* [G] experts with rows, ascending */
@@ -746,6 +1080,7 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
     float *up = gate + A * F;         /* [A][F] */
     float *h = up + A * F;            /* [A][F] silu(gate) * up */
     float *out = h + A * F;           /* [A][D] each assignment's expert output */
+    char *qmem = (char *)(out + A * D); /* block types: x quantized per block size, then h */
 
     /* Group assignments by expert, ascending; rows ascending within an expert. */
     memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
@@ -764,21 +1099,32 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
         pos[a] = p;
     }
 
-    /* Q8_0 blobs: [gate F rows of D | up F rows of D | down D rows of F], rows of blocks */
-    const int64_t gate_bytes = F * (D / Q8_0_WEIGHTS) * Q8_0_BYTES;
-    const int64_t down_row_bytes = (F / Q8_0_WEIGHTS) * Q8_0_BYTES;
+    /* Block-type blobs: [gate F rows of D | up F rows of D | down D rows of F] */
+    const int64_t gate_bytes = blocks ? F * row_bytes_of(gt, D) : 0;
+    const int64_t up_bytes = blocks ? F * row_bytes_of(ut, D) : 0;
+    const int64_t down_row_bytes = blocks ? row_bytes_of(dt, F) : 0;
+    const struct q8rows x32 = q8rows_at(qmem, T, D, 32);
+    const struct q8rows x256 = q8rows_at(qmem + q8rows_bytes(T, D), T, D, QK);
+    const struct q8rows hq = q8rows_at(qmem + 2 * q8rows_bytes(T, D), A, F, block_weights(dt));
 
 #pragma omp parallel
     {
+        if (blocks) {
+            if (block_weights(gt) == 32 || block_weights(ut) == 32)
+                quantize_rows(x, T, D, &x32);
+            if (block_weights(gt) == QK || block_weights(ut) == QK)
+                quantize_rows(x, T, D, &x256);
+        }
         /* gate and up: one unit per (expert, matrix), each pass shared by TOK_TILE rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < 2 * G; u++) {
             const int64_t e = groups[u / 2];
             float *dst = u % 2 ? up : gate;
-            if (wt == WT_Q8_0) {
+            if (blocks) {
+                const int bt = u % 2 ? ut : gt;
                 const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + (u % 2) * gate_bytes;
-                product_q8_0(x, D, order + start[e], K, start[e + 1] - start[e], W, D, F,
-                             dst + start[e] * F, F);
+                product_blocks(block_weights(bt) == 32 ? &x32 : &x256, order + start[e], K,
+                               start[e + 1] - start[e], W, bt, F, dst + start[e] * F, F);
                 continue;
             }
             const void *W = welem((const void *)(intptr_t)blob_addr[e], (u % 2) * D * F, wt);
@@ -788,15 +1134,18 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < A * F; i++)
             h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        if (blocks)
+            quantize_rows(h, A, F, &hq);
         /* down: one unit per (expert, column block) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < S * G; u++) {
             const int64_t e = groups[u / S], s = u % S;
-            if (wt == WT_Q8_0) {
-                const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + 2 * gate_bytes +
-                                   s * Dc * down_row_bytes;
-                product_q8_0(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, F, Dc,
-                             out + start[e] * D + s * Dc, D);
+            if (blocks) {
+                const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + gate_bytes +
+                                   up_bytes + s * Dc * down_row_bytes;
+                const struct q8rows he = q8rows_from(hq, start[e]);
+                product_blocks(&he, NULL, 1, start[e + 1] - start[e], W, dt, Dc,
+                               out + start[e] * D + s * Dc, D);
                 continue;
             }
             const void *W = welem((const void *)(intptr_t)blob_addr[e], 2 * D * F + s * F * Dc,

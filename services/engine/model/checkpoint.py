@@ -107,9 +107,9 @@ class CheckpointReader:
         """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""
         raise CheckpointError(f"{self.model_dir.name} stores {name} as floats, not blocks")
 
-    def expert_storage(self) -> str | None:
-        """The block type routed experts are stored in, for a format that keeps them as
-        stored (GGUF files; safetensors experts are plain floats: None)."""
+    def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
+        """Each MoE layer's (gate, up, down) expert block types, for a format that keeps them
+        as stored (GGUF files; safetensors experts are plain floats: None)."""
         return None
 
     def expert_weights(

@@ -11,13 +11,14 @@ the function the per-op kernels compute, so results equal theirs bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from services.engine import kernels
-from services.engine.model.blocks import BlockMatrix
+from services.engine.model.blocks import BlockMatrix, block_type
 from services.engine.model.step import Step
 
 if TYPE_CHECKING:
@@ -30,18 +31,26 @@ def layer_struct(layer: DecoderLayer, kv: PagedKVCache) -> kernels.DecodeLayer:
     """A layer's weight and KV-pool pointers for strata_decode_layer."""
     a, moe = layer.attn, layer.moe
     assert moe is not None and a.plain
-    if isinstance(a.qkv, BlockMatrix):  # kept as stored: Q8_0 rows, one column block
-        assert isinstance(a.o, BlockMatrix) and a.qkv.block_type == a.o.block_type == "Q8_0"
-        qkv, qkv_splits, o, o_splits, q8_0 = a.qkv.blocks, 1, a.o.blocks, 1, 1
+    wtype = kernels.CpuKernels.weight_type(moe.router_t.dtype)
+    qkv_types, o_type = [0, 0, 0], 0  # WT_F32: not a block type
+    if isinstance(a.qkv, BlockMatrix):  # kept as stored: q | k | v rows, one column block
+        assert len(a.qkv.segments) == 3
+        qkv_types = [block_type(t).kernel for t in a.qkv.block_types]
+        qkv, qkv_splits = a.qkv.data, 1
     else:
-        assert a.qkv.dtype == a.o.dtype == moe.router_t.dtype, "one weight dtype per layer"
-        qkv, qkv_splits, o, o_splits, q8_0 = a.qkv, a.qkv.shape[0], a.o, a.o.shape[0], 0
+        assert kernels.CpuKernels.weight_type(a.qkv.dtype) == wtype, "one weight dtype per layer"
+        qkv, qkv_splits = a.qkv, a.qkv.shape[0]
+    if isinstance(a.o, BlockMatrix):
+        o_type, o, o_splits = block_type(a.o.block_types[0]).kernel, a.o.data, 1
+    else:
+        assert kernels.CpuKernels.weight_type(a.o.dtype) == wtype, "one weight dtype per layer"
+        o, o_splits = a.o, a.o.shape[0]
     return kernels.DecodeLayer(
         layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv.data_ptr(),
         qkv_splits, None if a.q_norm is None else a.q_norm.data_ptr(),
         None if a.k_norm is None else a.k_norm.data_ptr(), o.data_ptr(), o_splits,
         kv.k[a.kv_layer].data_ptr(), kv.v[a.kv_layer].data_ptr(), moe.router_t.data_ptr(),
-        kernels.CpuKernels.weight_type(moe.router_t.dtype), q8_0)
+        wtype, (ctypes.c_int64 * 3)(*qkv_types), o_type)
 
 
 class FusedDecode:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine.model.blocks import BLOCK_TYPES
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames
 from services.engine.model.families import parse_config
 
@@ -173,13 +174,20 @@ class GGUFCheckpoint:
         assert gate.shape == (ffn_size, hidden_size) and down.shape == (hidden_size, ffn_size)
         return gate, up, down
 
-    def expert_storage(self) -> str | None:
-        """The GGUF block type every routed-expert stack is stored in (Q8_0, ...), or None
-        when they are float or not all of one type."""
-        types = {t.tensor_type.name for name, t in self._tensors.items()
-                 if name.endswith(EXPERT_STACKS)}
-        quantized = types - {"F32", "F16", "BF16"}
-        return quantized.pop() if len(types) == 1 and quantized else None
+    def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
+        """Each MoE layer's (gate, up, down) expert-stack types when every one is a block type
+        Strata computes as stored (model/blocks.py), else None (float stacks, or a type it
+        does not: they are read as floats)."""
+        types = {}
+        for name, t in self._tensors.items():
+            if name.endswith(EXPERT_STACKS):
+                types.setdefault(int(name.split(".")[1]), {})[name.split(".")[2]] = \
+                    t.tensor_type.name
+        stacks = {layer: tuple(kinds[s.split(".")[0]] for s in EXPERT_STACKS)
+                  for layer, kinds in types.items()}
+        if not stacks or any(n not in BLOCK_TYPES for t in stacks.values() for n in t):
+            return None
+        return stacks  # type: ignore[return-value]
 
     def blocks(self, name: str) -> tuple[str, np.ndarray]:
         """(GGUF type, uint8 rows of blocks [out, row bytes]) of a 2-D tensor as stored."""

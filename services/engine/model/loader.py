@@ -39,7 +39,7 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     else:  # kept as stored where the backend reads its blocks: the largest matrix of a step
         lm_head = t.linear("lm_head.weight")
         if isinstance(lm_head, BlockMatrix):
-            log.info("lm_head kept as %s as stored (%d rows)", lm_head.block_type,
+            log.info("lm_head kept as %s as stored (%d rows)", lm_head.block_types[0],
                      lm_head.out_features)
     # MLA rotates only the rope part of a head
     rope = Rope(config.qk_rope_head_dim or config.head_dim, config.rope_theta,

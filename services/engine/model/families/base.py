@@ -87,12 +87,12 @@ class Tensors:
         """[out_i, in] weights for backend.linear, concatenated along out: kept as stored
         (their rows of blocks, a BlockMatrix) when every one is in a block type the backend
         reads, else split() in the weight dtype."""
-        stored = {self.reader.stored_dtype(n) for n in names} if self.blocks else set()
-        if len(stored) == 1 and stored <= set(self.blocks):
-            parts = [self.reader.blocks(n) for n in names]
-            rows = np.concatenate([np.asarray(b) for _, b in parts])  # a copy
-            return BlockMatrix(torch.from_numpy(rows).to(self.device),
-                               self.reader.shape(names[0])[1], parts[0][0])
+        stored = [self.reader.stored_dtype(n) for n in names] if self.blocks else []
+        if stored and set(stored) <= set(self.blocks):
+            parts = [self.reader.blocks(n)[1] for n in names]
+            data = np.concatenate([np.asarray(b).reshape(-1) for b in parts])  # a copy
+            return BlockMatrix(torch.from_numpy(data).to(self.device), self.reader.shape(names[0])[1],
+                               tuple((t, b.shape[0]) for t, b in zip(stored, parts, strict=True)))
         return self.split(*names)
 
     def swiglu(self, prefix: str, gate: str | None = None) -> DenseMlp:

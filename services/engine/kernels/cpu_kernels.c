@@ -425,7 +425,7 @@ typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x32 __attribute__((vector_size(32)));
 
-static inline u8x32 load32(const uint8_t *p)
+static inline __attribute__((always_inline)) u8x32 load32(const uint8_t *p)
 {
     u8x32 v;
     memcpy(&v, p, 32);
@@ -578,63 +578,98 @@ static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t 
 #endif
 }
 
-static inline float hsum8(vf8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+static inline __attribute__((always_inline)) float hsum8(vf8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
-/* y[r][o] for R activation rows (a's row r, or xrow[r] / xdiv) against `out` rows of W, a
- * block type bt (a constant at the call sites in product_blocks), `in` weights each. The rows
- * run in tiles of TOK_TILE sharing each block's unpacking. */
+/* y[t][o] (rows ldy apart) for NT activation rows (a's rows rows[t]) against `out` rows of
+ * W, a block type bt (NT and bt constants at every call site, so the loops unroll and the
+ * accumulators stay in registers). */
+static inline __attribute__((always_inline)) void tile_blocks(const struct q8rows *a,
+                                                              const int64_t *rows, const int NT,
+                                                              const uint8_t *W, const int bt,
+                                                              int64_t out, float *y,
+                                                              int64_t ldy)
+{
+    const int64_t K = a->K, bw = block_weights(bt), nb = K / bw, bb = block_bytes(bt);
+    const int8_t *aq[TOK_TILE];
+    const float *ad[TOK_TILE];
+    const int32_t *as[TOK_TILE];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        aq[t] = a->q + rows[t] * K;
+        ad[t] = a->d + rows[t] * nb;
+        as[t] = a->sum + rows[t] * (K / 16);
+    }
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *blk = W + o * nb * bb;
+        vf8 acc[TOK_TILE];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            acc[t] = (vf8){0};
+        for (int64_t b = 0; b < nb; b++, blk += bb) {
+            if (bw == 32) {
+                const float dw = f16_at(blk);
+                const i8x32 w = unpack_32(blk, bt);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const i32x8 p = dot_i8(w, aq[t] + b * 32);
+                    acc[t] += (dw * ad[t][b]) * __builtin_convertvector(p, vf8);
+                }
+                continue;
+            }
+            int16_t s[16];
+            float cw[16];
+            const float d = scales_k(blk, bt, s, cw);
+            i32x8 isum[TOK_TILE];
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++)
+                isum[t] = (i32x8){0};
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const u8x32 u = unpack_k(blk, bt, c);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++)
+                    isum[t] += dot_u8(u, aq[t] + b * QK + 32 * c, s[2 * c], s[2 * c + 1]);
+            }
+            vf8 cw0, cw1;
+            memcpy(&cw0, cw, 32);
+            memcpy(&cw1, cw + 8, 32);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const float dx = ad[t][b];
+                i32x8 s0, s1;
+                memcpy(&s0, as[t] + b * 16, 32);
+                memcpy(&s1, as[t] + b * 16 + 8, 32);
+                acc[t] += (d * dx) * __builtin_convertvector(isum[t], vf8);
+                acc[t] -= dx * (cw0 * __builtin_convertvector(s0, vf8) +
+                                cw1 * __builtin_convertvector(s1, vf8));
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            y[t * ldy + o] = hsum8(acc[t]);
+    }
+}
+
+/* y[r][o] for R activation rows (a's row r, or xrow[r] / xdiv) against `out` rows of W (type
+ * bt, a constant at the call sites in product_blocks), in tiles of TOK_TILE rows sharing
+ * each block's unpacking. */
 static inline __attribute__((always_inline)) void product_of(const struct q8rows *a,
                                                              const int64_t *xrow, int64_t xdiv,
                                                              int64_t R, const uint8_t *W,
                                                              const int bt, int64_t out,
                                                              float *y, int64_t ldy)
 {
-    const int64_t K = a->K, bw = block_weights(bt), nb = K / bw, bb = block_bytes(bt);
-    const int64_t row_bytes = nb * bb;
     for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
         const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
         int64_t rows[TOK_TILE];
         for (int t = 0; t < nt; t++)
             rows[t] = xrow ? xrow[r0 + t] / xdiv : r0 + t;
-        for (int64_t o = 0; o < out; o++) {
-            const uint8_t *blk = W + o * row_bytes;
-            vf8 acc[TOK_TILE] = {{0}};
-            for (int64_t b = 0; b < nb; b++, blk += bb) {
-                if (bw == 32) {
-                    const float dw = f16_at(blk);
-                    const i8x32 w = unpack_32(blk, bt);
-                    for (int t = 0; t < nt; t++) {
-                        const i32x8 p = dot_i8(w, a->q + rows[t] * K + b * 32);
-                        acc[t] += (dw * a->d[rows[t] * nb + b]) * __builtin_convertvector(p, vf8);
-                    }
-                    continue;
-                }
-                int16_t s[16];
-                float cw[16];
-                const float d = scales_k(blk, bt, s, cw);
-                i32x8 isum[TOK_TILE] = {{0}};
-                for (int c = 0; c < 8; c++) {
-                    const u8x32 u = unpack_k(blk, bt, c);
-                    for (int t = 0; t < nt; t++)
-                        isum[t] += dot_u8(u, a->q + rows[t] * K + b * QK + 32 * c, s[2 * c],
-                                          s[2 * c + 1]);
-                }
-                vf8 cw0, cw1;
-                memcpy(&cw0, cw, 32);
-                memcpy(&cw1, cw + 8, 32);
-                for (int t = 0; t < nt; t++) {
-                    const float dx = a->d[rows[t] * nb + b];
-                    const int32_t *sums = a->sum + rows[t] * (K / 16) + b * 16;
-                    i32x8 s0, s1;
-                    memcpy(&s0, sums, 32);
-                    memcpy(&s1, sums + 8, 32);
-                    acc[t] += (d * dx) * __builtin_convertvector(isum[t], vf8);
-                    acc[t] -= dx * (cw0 * __builtin_convertvector(s0, vf8) +
-                                    cw1 * __builtin_convertvector(s1, vf8));
-                }
-            }
-            for (int t = 0; t < nt; t++)
-                y[(r0 + t) * ldy + o] = hsum8(acc[t]);
+        float *yt = y + r0 * ldy;
+        switch (nt) {
+        case 1: tile_blocks(a, rows, 1, W, bt, out, yt, ldy); break;
+        case 2: tile_blocks(a, rows, 2, W, bt, out, yt, ldy); break;
+        case 3: tile_blocks(a, rows, 3, W, bt, out, yt, ldy); break;
+        default: tile_blocks(a, rows, 4, W, bt, out, yt, ldy); break;
         }
     }
 }

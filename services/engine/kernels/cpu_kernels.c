@@ -443,36 +443,59 @@ static inline __attribute__((always_inline)) u8x32 unpack_k(const uint8_t *blk, 
         const u8x32 q = load32(blk + 16 + 32 * (c / 2));
         return c % 2 ? q >> 4 : q & 0x0f;
     }
-    case WT_Q5_K: {
-        const u8x32 q = load32(blk + 48 + 32 * (c / 2));
-        const u8x32 hi = (load32(blk + 16) >> c) & 1;
-        return (c % 2 ? q >> 4 : q & 0x0f) | (hi << 4);
+    case WT_Q5_K: { /* high bit c of each byte moved straight to bit 4: one shift, one and */
+        const u8x32 q = load32(blk + 48 + 32 * (c / 2)), qh = load32(blk + 16);
+        const u8x32 hi = (c <= 4 ? qh << (4 - c) : qh >> (c - 4)) & 0x10;
+        return (c % 2 ? q >> 4 : q & 0x0f) | hi;
     }
-    case WT_Q6_K: {
-        const u8x32 ql = load32(blk + 64 * n + 32 * (j % 2));
-        const u8x32 hi = (load32(blk + 128 + 32 * n) >> (2 * j)) & 3;
-        return (j < 2 ? ql & 0x0f : ql >> 4) | (hi << 4);
+    case WT_Q6_K: { /* bit pair j moved straight to bits 4-5 */
+        const u8x32 ql = load32(blk + 64 * n + 32 * (j % 2)), qh = load32(blk + 128 + 32 * n);
+        const u8x32 hi = (j < 2 ? qh << (4 - 2 * j) : qh >> (2 * j - 4)) & 0x30;
+        return (j < 2 ? ql & 0x0f : ql >> 4) | hi;
     }
     case WT_Q2_K:
         return (load32(blk + 16 + 32 * n) >> (2 * j)) & 3;
     default: { /* WT_Q3_K */
-        const u8x32 lo = (load32(blk + 32 + 32 * n) >> (2 * j)) & 3;
-        const u8x32 hi = (load32(blk) >> (4 * n + j)) & 1;
-        return lo | (hi << 2);
+        const u8x32 lo = (load32(blk + 32 + 32 * n) >> (2 * j)) & 3, hm = load32(blk);
+        const int bit = 4 * n + j; /* high bit `bit` of each byte moved straight to bit 2 */
+        return lo | ((bit <= 2 ? hm << (2 - bit) : hm >> (bit - 2)) & 4);
     }
     }
 }
 
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+
+/* Each of 16 group values (bytes) to int16 s[] and to floats times f (cw0: groups 0-7, cw1:
+ * 8-15, one multiply each). */
+static inline __attribute__((always_inline)) void groups_i8(i8x16 v, float f, int16_t s[16],
+                                                             vf8 *cw0, vf8 *cw1)
+{
+    const i16x16 w = __builtin_convertvector(v, i16x16);
+    memcpy(s, &w, 32);
+    const i8x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const i8x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    *cw0 = f * __builtin_convertvector(lo, vf8);
+    *cw1 = f * __builtin_convertvector(hi, vf8);
+}
+
 /* A K-quant super-block's float scale d, its 16 group scales s[] and each group's offset and
- * min term cw[j] = d * off * s_j + dmin * m_j (in that order of operations). */
+ * min term cw[j] = d * off * s_j + dmin * m_j (cw0: groups 0-7, cw1: 8-15). Generic vectors
+ * throughout: a block's scales cost a handful of instructions, not a loop per group. */
 static inline __attribute__((always_inline)) float scales_k(const uint8_t *blk, const int bt,
-                                                             int16_t s[16], float cw[16])
+                                                             int16_t s[16], vf8 *cw0, vf8 *cw1)
 {
     switch (bt) {
     case WT_Q4_K:
-    case WT_Q5_K: {
+    case WT_Q5_K: { /* 8 6-bit scales and mins: sub-blocks 0-3 in the low 6 bits of bytes
+                     * 0-3 / 4-7; 4-7 in bytes 8-11's nibbles plus those bytes' top 2 bits
+                     * (scalar: measured faster here than the byte-vector version) */
         const float d = f16_at(blk), dmin = f16_at(blk + 2);
         const uint8_t *sc = blk + 4;
+        float cw[16];
         for (int k = 0; k < 8; k++) {
             int scale, min;
             if (k < 4) {
@@ -485,34 +508,45 @@ static inline __attribute__((always_inline)) float scales_k(const uint8_t *blk, 
             s[2 * k] = s[2 * k + 1] = (int16_t)scale;
             cw[2 * k] = cw[2 * k + 1] = dmin * (float)min;
         }
+        memcpy(cw0, cw, 32);
+        memcpy(cw1, cw + 8, 32);
         return d;
     }
     case WT_Q6_K: {
         const float d = f16_at(blk + 208);
-        for (int g = 0; g < 16; g++) {
-            s[g] = (int8_t)blk[192 + g];
-            cw[g] = d * 32.0f * (float)s[g];
-        }
+        i8x16 v;
+        memcpy(&v, blk + 192, 16);
+        groups_i8(v, d * 32.0f, s, cw0, cw1);
         return d;
     }
     case WT_Q2_K: {
         const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
-        for (int g = 0; g < 16; g++) {
-            s[g] = blk[g] & 0x0f;
-            cw[g] = dmin * (float)(blk[g] >> 4);
-        }
+        u8x16 v;
+        memcpy(&v, blk, 16);
+        const i16x16 w = __builtin_convertvector(v & 15, i16x16);
+        memcpy(s, &w, 32);
+        const u8x16 m = v >> 4;
+        const u8x8 m0 = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7);
+        const u8x8 m1 = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+        *cw0 = dmin * __builtin_convertvector(m0, vf8);
+        *cw1 = dmin * __builtin_convertvector(m1, vf8);
         return d;
     }
-    default: { /* WT_Q3_K: 16 6-bit scales, stored minus 32: low 4 bits in the first 8 bytes
-                * (nibbles), high 2 bits in the last 4 */
+    default: { /* WT_Q3_K: 16 6-bit scales, stored + 32: the low 4 bits are bytes 0-7's low
+                * (groups 0-7) then high (8-15) nibbles; the high 2 bits, bit pair g / 4 of
+                * byte 8 + g % 4 */
         const float d = f16_at(blk + 108);
-        const uint8_t *sc = blk + 96;
-        for (int g = 0; g < 16; g++) {
-            const int lo = g < 8 ? sc[g] & 0x0f : sc[g - 8] >> 4;
-            const int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
-            s[g] = (int16_t)((lo | (hi << 4)) - 32);
-            cw[g] = d * 4.0f * (float)s[g];
-        }
+        u8x8 L;
+        u8x4 H;
+        memcpy(&L, blk + 96, 8);
+        memcpy(&H, blk + 104, 4);
+        const u8x16 lo = __builtin_shufflevector(L & 15, L >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                 10, 11, 12, 13, 14, 15);
+        const u8x8 h01 = __builtin_shufflevector(H & 3, (H >> 2) & 3, 0, 1, 2, 3, 4, 5, 6, 7);
+        const u8x8 h23 = __builtin_shufflevector((H >> 4) & 3, H >> 6, 0, 1, 2, 3, 4, 5, 6, 7);
+        const u8x16 hi = __builtin_shufflevector(h01, h23, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                 11, 12, 13, 14, 15);
+        groups_i8((i8x16)(lo | (hi << 4)) - 32, d * 4.0f, s, cw0, cw1);
         return d;
     }
     }
@@ -617,8 +651,8 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
                 continue;
             }
             int16_t s[16];
-            float cw[16];
-            const float d = scales_k(blk, bt, s, cw);
+            vf8 cw0, cw1;
+            const float d = scales_k(blk, bt, s, &cw0, &cw1);
             i32x8 isum[TOK_TILE];
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++)
@@ -630,9 +664,6 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
                 for (int t = 0; t < NT; t++)
                     isum[t] += dot_u8(u, aq[t] + b * QK + 32 * c, s[2 * c], s[2 * c + 1]);
             }
-            vf8 cw0, cw1;
-            memcpy(&cw0, cw, 32);
-            memcpy(&cw1, cw + 8, 32);
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 const float dx = ad[t][b];

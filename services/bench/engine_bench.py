@@ -6,7 +6,7 @@
                         [--cuda-graphs on|off] [--threads N]
                         [--dtype auto|bf16|fp32 [...]] [--expert-dtype auto|int8|int4]
                         [--cpu-kernels auto|on|off]
-                        [--compare-hf] [--json] [--out DIR]
+                        [--compare-hf] [--peer-llama-cpp DIR] [--json] [--out DIR]
     strata bench engine --from-json FILE --out DIR      (the report of a saved result)
 
 1. Load the model with services.engine.runner.ModelRunner on `--device` (expert cache at
@@ -19,6 +19,9 @@
    same prompts, same G, EOS off; decode tok/s = B * (G - 1) / (t(G) - t(1))). A shared VM's
    bandwidth drifts by 2x within minutes, so each round's decode is set against the bandwidth
    and the HF speed of the same round, and the medians of those per-round ratios are reported.
+   With `--peer-llama-cpp DIR` (a llama.cpp build; `--model` a GGUF file) each round also runs
+   llama.cpp's own benchmark on the same file (bench/llama_cpp_peer.py), and Strata's decode
+   and prefill over llama.cpp's are reported the same way: medians of per-round ratios.
 3. Active weight bytes per decode token: the non-expert weights the step reads (attention,
    norms, routers, dense MLPs, lm_head; the embedding row only) once per step, plus the distinct
    routed experts of every MoE layer (K per token at batch 1; at batch B the B*K routed pairs of a
@@ -96,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-kernels", choices=kernels.MODES, default="auto", help="the engine's "
                    "C kernels for CPU decode (off: torch ops only, for comparison)")
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate()")
+    p.add_argument("--peer-llama-cpp", type=Path, metavar="DIR", help="a llama.cpp build "
+                   "(scripts/build_llama_cpp.sh): each round also runs llama-bench (batch 1) or "
+                   "llama-batched-bench on the same GGUF, and the ratios are reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", type=Path, help="also write engine.json, engine.md and (several "
                    "runs) engine-spill.png, decode tok/s against spill, into this directory")
@@ -221,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     batch_prompts = prompts(args.batch, args.prompt_tokens)
     runs: list[dict[str, Any]] = []
     hf = None
+    peer = None
+    if args.peer_llama_cpp is not None:
+        from services.bench.llama_cpp_peer import LlamaCppPeer, PeerError
+
+        try:
+            peer = LlamaCppPeer(args.peer_llama_cpp, Path(model_dir), args.batch,
+                                args.prompt_tokens, args.gen_tokens, torch.get_num_threads())
+        except PeerError as e:
+            raise SystemExit(str(e)) from e
+        progress(f"peer: {peer.describe()}")
     dtypes = list(dict.fromkeys(args.dtype))
     for prefetch in dict.fromkeys(args.prefetch):
         for coverage in dict.fromkeys(args.coverage):
@@ -231,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 hf = HfGenerate(model_dir, batch_prompts, args.gen_tokens, device)
             for i in range(args.repeat):  # the settings' rounds interleaved
                 for b in benches:
-                    timed_round(b, args, batch_prompts, hf,
+                    timed_round(b, args, batch_prompts, hf, peer,
                                 f"round {i + 1}/{args.repeat}" + (f" {b.dtype}"
                                                                   if len(benches) > 1 else ""))
             for b in benches:
@@ -355,7 +371,7 @@ def prepare(args: argparse.Namespace, model_dir: Path, device: torch.device,
 
 
 def timed_round(b: Bench, args: argparse.Namespace, batch_prompts: list[list[int]],
-                hf: HfGenerate | None, label: str) -> None:
+                hf: HfGenerate | None, peer: Any, label: str) -> None:
     """Step 2 of the module docstring: one round of `b`, appended to b.rounds."""
     runner, c = b.runner, b.runner.config
     device = runner.device
@@ -377,6 +393,13 @@ def timed_round(b: Bench, args: argparse.Namespace, batch_prompts: list[list[int
                  hf_tokens_match=hf_tokens == tokens)
         r["hf_ratio"] = r["decode_tok_s"] / r["hf_decode_tok_s"]
         line += f"; HF decode {r['hf_decode_tok_s']:.1f} tok/s -> {r['hf_ratio']:.2f}x"
+    if peer is not None:
+        lc = peer.run()
+        r.update(llama_prefill_tok_s=lc["prefill_tok_s"], llama_decode_tok_s=lc["decode_tok_s"],
+                 llama_ratio=r["decode_tok_s"] / lc["decode_tok_s"],
+                 llama_prefill_ratio=args.batch * args.prompt_tokens / p_s / lc["prefill_tok_s"])
+        line += (f"; llama.cpp decode {lc['decode_tok_s']:.1f} tok/s -> {r['llama_ratio']:.2f}x,"
+                 f" prefill {lc['prefill_tok_s']:.0f} tok/s -> {r['llama_prefill_ratio']:.2f}x")
     b.rounds.append(r)
     progress(line)
 
@@ -432,6 +455,12 @@ def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, 
         result["hf_ratio"] = median("hf_ratio")
         result["hf_ratio_runs"] = [r["hf_ratio"] for r in rounds]
         result["hf_tokens_match"] = all(r["hf_tokens_match"] for r in rounds)
+    if "llama_decode_tok_s" in rounds[0]:
+        result["llama_decode_tok_s"] = median("llama_decode_tok_s")
+        result["llama_prefill_tok_s"] = median("llama_prefill_tok_s")
+        result["llama_ratio"] = median("llama_ratio")
+        result["llama_prefill_ratio"] = median("llama_prefill_ratio")
+        result["llama_ratio_runs"] = [r["llama_ratio"] for r in rounds]
     return result
 
 
@@ -515,6 +544,12 @@ def render(r: dict[str, Any]) -> str:
                      f"{r['hf_prefill_tok_s']:.1f} tok/s prefill -> Strata {r['hf_ratio']:.2f}x"
                      f" (median of the rounds' ratios)"
                      f" (greedy tokens {'match' if r['hf_tokens_match'] else 'DIFFER'})")
+    if "llama_decode_tok_s" in r:
+        lines.append(f"llama.cpp   {r['llama_decode_tok_s']:10.1f} tok/s decode, "
+                     f"{r['llama_prefill_tok_s']:.1f} tok/s prefill -> Strata decode "
+                     f"{r['llama_ratio']:.2f}x, prefill {r['llama_prefill_ratio']:.2f}x (medians "
+                     f"of the rounds' ratios: "
+                     + " / ".join(f"{x:.2f}" for x in r["llama_ratio_runs"]) + ")")
     return "\n".join(lines)
 
 

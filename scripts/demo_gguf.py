@@ -5,8 +5,10 @@
 Every 2-D tensor but the router takes --type (llama.cpp's choice; 1-D ones stay F32);
 --f32-experts stores the expert stacks dequantized instead (the same values, as floats). The
 tensors are written by the GGUF writer of tests/engine/test_gguf_import.py (llama.cpp's names,
-written there by hand). The byte-level vocabulary is padded to the embedding's rows, and one
-merge is added: llama.cpp's gpt2 vocabulary requires merges.
+written there by hand), one at a time: a checkpoint larger than memory streams through (the
+largest tensor, an expert stack, is read and converted alone). The byte-level vocabulary is
+padded to the embedding's rows, and one merge is added: llama.cpp's gpt2 vocabulary requires
+merges.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import sys
 from pathlib import Path
 
 import gguf
-from gguf.quants import dequantize
+import numpy as np
+from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from services.engine.model.checkpoint import load_model_config  # noqa: E402
@@ -45,10 +48,20 @@ def main() -> None:
         self.add_token_merges(["Ġ Ġ"])
 
     gguf.GGUFWriter.add_token_list, gguf.GGUFWriter.add_token_types = token_list, token_types
-    tensors = writer.quantized(writer.source_tensors(a.checkpoint), qtype)
-    if a.f32_experts:
-        tensors = {name: ((dequantize(t, q), gguf.GGMLQuantizationType.F32)
-                          if "_exps" in name else (t, q)) for name, (t, q) in tensors.items()}
+    F32 = gguf.GGMLQuantizationType.F32
+    tensors = {}
+    for name, (shape, load) in writer.source_loaders(a.checkpoint).items():
+        keep = len(shape) == 1 or "ffn_gate_inp" in name  # llama.cpp's choice: F32
+        if a.f32_experts and "_exps" in name:
+            def load_f32(load=load):  # the stored type's values, widened
+                return dequantize(quantize(load(), qtype), qtype)
+            tensors[name] = (writer.Lazy(shape, np.dtype(np.float32), load_f32), F32)
+        elif keep:
+            tensors[name] = (writer.Lazy(shape, np.dtype(np.float32), load), F32)
+        else:
+            row = quantize(np.zeros((1, shape[-1]), np.float32), qtype)  # one row's bytes
+            tensors[name] = (writer.Lazy((*shape[:-1], row.shape[-1]), row.dtype,
+                                         lambda load=load: quantize(load(), qtype)), qtype)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_gguf(a.checkpoint, a.out, tensors)
     print(f"wrote {a.out} ({a.out.stat().st_size / 2**20:.1f} MiB)")

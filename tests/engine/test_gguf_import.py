@@ -4,6 +4,8 @@ names and metadata) loads through model/gguf_reader.py and matches the source ch
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,36 +46,68 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
-def source_tensors(ckpt: Path) -> dict[str, np.ndarray]:
-    """GGUF name -> fp32 array (torch order) of an HF checkpoint, experts stacked [E, ...]."""
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor written later: the stored array's shape and dtype (quantized: uint8 rows of
+    blocks), and what reads it (one tensor in memory at a time)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    load: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def source_loaders(ckpt: Path) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """GGUF name -> (shape, a function reading the fp32 array, torch order) of an HF
+    checkpoint, experts stacked [E, ...]; nothing is read until a function is called."""
     config = load_model_config(ckpt)
     reader = CheckpointReader(ckpt, weight_names(config))
-    out = {}
+    out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
     for name in reader.names:
         if ".experts." in name or name.endswith(("gate_up_proj", "experts.down_proj")):
             continue
         base, kind = name.rsplit(".", 1)
-        a = reader.get(name).numpy()
+        shape = tuple(reader.shape(name))
         if base in TOP:
-            out[f"{TOP[base]}.{kind}"] = a
+            out[f"{TOP[base]}.{kind}"] = (shape, lambda n=name: reader.get(n).numpy())
             continue
         layer, rest = base.removeprefix("model.layers.").split(".", 1)
-        if config.model_type == "mixtral" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
-            a = permute(a, config.num_heads if "q_proj" in rest else config.num_kv_heads)
+
+        def load(n: str = name, rest: str = rest) -> np.ndarray:
+            a = reader.get(n).numpy()
+            if config.model_type == "mixtral" and rest in ("self_attn.q_proj",
+                                                           "self_attn.k_proj"):
+                a = permute(a, config.num_heads if "q_proj" in rest else config.num_kv_heads)
+            if rest == "mlp.shared_expert_gate":
+                a = a.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is {n_embd}
+            return a
+
         if rest == "mlp.shared_expert_gate":
-            a = a.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is {n_embd}
-        out[f"blk.{layer}.{LAYER[rest]}.{kind}"] = a
-    D, F = config.hidden_size, config.moe_intermediate_size
+            shape = (int(np.prod(shape)),)
+        out[f"blk.{layer}.{LAYER[rest]}.{kind}"] = (shape, load)
+    D, F, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
     for layer in config.moe_layers:
-        pairs = [reader.expert_weights(layer, e, D, F) for e in range(config.num_experts)]
         for i, proj in enumerate(("gate", "up", "down")):
-            out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack(
-                [p[i] for p in pairs]).numpy()
+            def stack(layer: int = layer, i: int = i) -> np.ndarray:
+                return torch.stack([reader.expert_weights(layer, e, D, F)[i]
+                                    for e in range(E)]).numpy()
+
+            out[f"blk.{layer}.ffn_{proj}_exps.weight"] = (
+                (E, D, F) if proj == "down" else (E, F, D), stack)
     return out
 
 
-def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
-    """tensors: GGUF name -> (array, its type); quantized arrays are raw uint8 blocks."""
+def source_tensors(ckpt: Path) -> dict[str, np.ndarray]:
+    """GGUF name -> fp32 array (torch order) of an HF checkpoint, experts stacked [E, ...]."""
+    return {name: load() for name, (_, load) in source_loaders(ckpt).items()}
+
+
+def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy, Q]]) -> Path:
+    """tensors: GGUF name -> (array, its type); quantized arrays are raw uint8 blocks. A Lazy
+    array is read when its turn to be written comes (one tensor in memory at a time)."""
     c = load_model_config(ckpt)
     w = gguf.GGUFWriter(str(out), ARCH[c.model_type])
     w.add_block_count(c.num_layers)
@@ -104,10 +138,15 @@ def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray, Q]]) 
     w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
     w.add_chat_template(json.loads((ckpt / "tokenizer_config.json").read_text())["chat_template"])
     for name, (array, qtype) in tensors.items():
-        w.add_tensor(name, array, raw_dtype=None if qtype == Q.F32 else qtype)
+        w.add_tensor_info(name, array.shape, array.dtype, array.nbytes,
+                          raw_dtype=None if qtype == Q.F32 else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, (array, _) in tensors.items():  # in the order of their infos
+        data = array.load() if isinstance(array, Lazy) else array
+        assert data.shape == tuple(array.shape), (name, data.shape, array.shape)
+        w.write_tensor_data(data)
     w.close()
     return out
 

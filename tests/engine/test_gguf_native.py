@@ -233,6 +233,11 @@ def test_a_q4_k_m_file_is_held_and_computed_as_stored(q4_k_m_gguf, tmp_path):
     assert isinstance(runner.model.lm_head, BlockMatrix)
     assert runner.model.lm_head.block_types == ("Q6_K",)
     assert runner.model.fusable
+    embed = runner.model.embed  # the table stays Q4_K: a lookup dequantizes its rows
+    assert isinstance(embed, BlockMatrix) and embed.block_types == ("Q4_K",)
+    ids = torch.tensor([[3, 200], [7, 7]])
+    assert torch.equal(runner.model.embed_rows(ids).float(), embed.dequantize()[ids])
+    assert embed.nbytes == runner.config.vocab_size * (D // 256 * 144)  # 4.5 bits a weight
     reference = dequantized_file(ckpt, tensors, tmp_path / "k-moe-dequantized.gguf")
     ids = Tokenizer(ckpt).encode(PROMPT)
     got = greedy_logits(path, ids, steps=0, dtype="fp32")

@@ -196,6 +196,23 @@ class BlockMatrix:
     def block_types(self) -> tuple[str, ...]:
         return tuple(t for t, _ in self.segments)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [*ids.shape, K]: the rows `ids` dequantized (an embedding lookup; one
+        segment)."""
+        (name, n), = self.segments
+        row_bytes = block_type(name).row_bytes(self.in_features)
+        picked = self.data.view(n, row_bytes)[ids.reshape(-1).to(self.data.device)]
+        return dequantize(picked, name).view(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def row_bytes(self) -> int:
+        """Bytes of one row (one segment)."""
+        (name, _), = self.segments
+        return block_type(name).row_bytes(self.in_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in dtype."""
         parts, at = [], 0

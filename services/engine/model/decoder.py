@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.kernels.backend import TorchBackend
+from services.engine.model.blocks import BlockMatrix
 from services.engine.model.config import ModelConfig
 from services.engine.model.fused_decode import FusedDecode, layer_struct
 from services.engine.model.layers.decoder_layer import DecoderLayer
@@ -34,19 +35,20 @@ if TYPE_CHECKING:
 
 
 class Decoder:
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, rope: Rope,
-                 backend: TorchBackend):
+    def __init__(self, config: ModelConfig, embed: torch.Tensor | BlockMatrix,
+                 layers: list[DecoderLayer], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor | BlockMatrix, rope: Rope, backend: TorchBackend,
+                 weight_dtype: torch.dtype | None = None):
         self.config = config
         self.backend = backend
         self.device = backend.device
-        self.embed = embed  # [V, D]
+        self.embed = embed  # [V, D] (or kept in its GGUF block type: embed_rows dequantizes)
         self.layers = layers
         self.final_norm = final_norm  # [D]
         self.lm_head = lm_head  # [S, D, V/S]
         self.rope = rope
-        self.weight_dtype = embed.dtype
-        self.dtype = backend.activation_dtype(embed.dtype)  # activations, norms, KV cache
+        self.weight_dtype = weight_dtype or embed.dtype  # type: ignore[union-attr]
+        self.dtype = backend.activation_dtype(self.weight_dtype)  # activations, norms, KV cache
         self.moe_layers = [layer.index for layer in layers if layer.moe is not None]
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
         self._structs: tuple[PagedKVCache, list[kernels.DecodeLayer]] | None = None
@@ -73,7 +75,7 @@ class Decoder:
         cos, sin = self.rope.rows(positions)
         step = Step(positions, self.rope, cos, sin, slots, others, decode, kv, experts,
                     self.backend)
-        x = self.embed[token_ids].to(self.dtype)  # [T, D]
+        x = self.embed_rows(token_ids)  # [T, D]
         if (self.fusable and decode is not None and decode.all_rows
                 and decode.lengths is not None):
             step.fused = FusedDecode(x, step, self.layers, self._layer_structs(kv))
@@ -116,20 +118,29 @@ class Decoder:
         cos, sin = self.rope.rows(positions)
         step = Step(positions, self.rope, cos, sin, slots, [], decode, kv, experts,
                     self.backend, route_top=route_top)
-        x = self.run_layers(self.embed[token_ids].to(self.dtype), step)
+        x = self.run_layers(self.embed_rows(token_ids), step)
         return x, self.logits(x)
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token_ids [...] -> [..., D] in the activation dtype."""
+        if isinstance(self.embed, BlockMatrix):
+            return self.embed.rows(token_ids).to(self.dtype)
+        return self.embed[token_ids].to(self.dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of every non-expert weight on the device (what the budget rule subtracts)."""
         weights = self._weights()
-        if not any(t is self.embed for t in weights):
-            weights.append(self.embed)
+        embed = self.embed.data if isinstance(self.embed, BlockMatrix) else self.embed
+        if not any(t is embed for t in weights):
+            weights.append(embed)
         return sum(t.numel() * t.element_size() for t in weights)
 
     def non_expert_bytes_per_step(self) -> int:
         """Bytes of the non-expert weights one step reads: every layer's attention, norms,
         router and dense or shared MLP, the final norm and lm_head, one embedding row."""
         weights = sum(t.numel() * t.element_size() for t in self._weights())
+        if isinstance(self.embed, BlockMatrix):
+            return weights + self.embed.row_bytes()
         return weights + self.embed.shape[1] * self.embed.element_size()
 
     def _weights(self) -> list[torch.Tensor]:

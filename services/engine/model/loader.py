@@ -33,8 +33,13 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     moes = [layer.moe for layer in layers if layer.moe is not None]
     for moe, nxt in zip(moes, moes[1:], strict=False):
         moe.next_router = nxt  # next-layer prefetch applies nxt's router to moe's input
-    embed = t.matrix("model.embed_tokens.weight")
-    if config.tie_word_embeddings or "lm_head.weight" not in t:
+    tied = config.tie_word_embeddings or "lm_head.weight" not in t
+    embed = (t.matrix if tied else t.embedding)("model.embed_tokens.weight")
+    if isinstance(embed, BlockMatrix):
+        log.info("embeddings kept as %s as stored (%d rows, dequantized per lookup)",
+                 embed.block_types[0], embed.out_features)
+    if tied:
+        assert isinstance(embed, torch.Tensor)
         lm_head = split_columns(embed.t()).to(backend.device)
     else:  # kept as stored where the backend reads its blocks: the largest matrix of a step
         lm_head = t.linear("lm_head.weight")
@@ -44,7 +49,8 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     # MLA rotates only the rope part of a head
     rope = Rope(config.qk_rope_head_dim or config.head_dim, config.rope_theta,
                 config.context_window, backend.device)
-    model = Decoder(config, embed, layers, t.get("model.norm.weight"), lm_head, rope, backend)
+    model = Decoder(config, embed, layers, t.get("model.norm.weight"), lm_head, rope, backend,
+                    dtype)
     log.info("loaded non-expert weights of %d layers in %.1f s", config.num_layers,
              time.perf_counter() - t0)
     return model

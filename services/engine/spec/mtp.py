@@ -52,7 +52,7 @@ class MtpDraft(DraftSource):
     def __init__(self, runner: Any, head: MtpHead):
         self.runner = runner  # services.engine.runner.ModelRunner of the main model
         self.head = head
-        self.memory_bytes = head.config.num_params() * runner.model.embed.element_size()
+        self.memory_bytes = head.config.num_params() * runner.model.weight_dtype.itemsize
         self.keep = head.config.window + KEEP_EXTRA
         self._seqs: dict[int, _History] = {}
         runner.hidden_sink = self.record
@@ -136,7 +136,7 @@ class MtpDraft(DraftSource):
         model, device = self.runner.model, self.runner.device
         B = len(active)
         T = min(W, max(len(h) for _, _, h, _ in active))
-        D = model.embed.shape[1]
+        D = model.config.hidden_size
         h_in = torch.zeros(B, T, D, dtype=model.dtype, device=device)  # [B, T, D]
         ids = torch.zeros(B, T, dtype=torch.long)
         positions = torch.zeros(B, T, dtype=torch.long)
@@ -148,7 +148,7 @@ class MtpDraft(DraftSource):
             end = first + len(h)
             positions[j, T - m:] = torch.arange(end - m, end)
             valid[j, T - m:] = True
-        e = model.embed[ids.to(device)].to(model.dtype)  # [B, T, D]
+        e = model.embed_rows(ids.to(device))  # [B, T, D]
         g = self.head(h_in, e, positions.to(device), valid.to(device))[:, -1]  # [B, D]
         logits = model.logits(g)  # [B, V] through the main model's final norm and lm_head
         logits[:, self.runner.num_usable_tokens:] = float("-inf")

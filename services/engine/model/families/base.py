@@ -10,6 +10,7 @@ columns the way the backends take them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from services.engine.cache.layout import split_columns
-from services.engine.model.blocks import BlockMatrix
+from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix
 from services.engine.model.config import ModelConfig, WeightNames
 from services.engine.model.layers.attention import Attention
 from services.engine.model.layers.decoder_layer import DecoderLayer
@@ -52,6 +53,15 @@ class TensorReader(Protocol):
     def blocks(self, name: str) -> tuple[str, np.ndarray]: ...
 
 
+def file_backed(rows: np.ndarray) -> torch.Tensor:
+    """uint8 [bytes] over a tensor's bytes where the reader maps them (a GGUF file's pages,
+    read in place: no copy, pages loaded as lookups touch them). The mapping is read-only;
+    nothing writes weights, so torch's warning about non-writable arrays is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(rows).reshape(-1))
+
+
 class Tensors:
     """A checkpoint's tensors as the layers hold them, on the device: matrices in the weight
     dtype (linear weights pre-transposed and split by columns), vectors (norms, biases) in the
@@ -74,6 +84,16 @@ class Tensors:
         """A matrix as stored ([out, in], e.g. the embeddings) in the weight dtype."""
         return self.reader.get(name, self.dtype).to(self.device)
 
+    def embedding(self, name: str) -> torch.Tensor | BlockMatrix:
+        """An embedding table [V, D]: kept in its block type (rows dequantized per lookup, by
+        torch ops on any backend) when stored in one, else matrix()."""
+        stored = self.reader.stored_dtype(name)
+        if stored in BLOCK_TYPES:
+            _, rows = self.reader.blocks(name)
+            return BlockMatrix(file_backed(rows).to(self.device), self.reader.shape(name)[1],
+                               ((stored, rows.shape[0]),))
+        return self.matrix(name)
+
     def get_t(self, name: str) -> torch.Tensor:
         """A [out, in] weight as a contiguous [in, out] on the device."""
         return self.reader.get(name, self.dtype).t().contiguous().to(self.device)
@@ -90,8 +110,9 @@ class Tensors:
         stored = [self.reader.stored_dtype(n) for n in names] if self.blocks else []
         if stored and set(stored) <= set(self.blocks):
             parts = [self.reader.blocks(n)[1] for n in names]
-            data = np.concatenate([np.asarray(b).reshape(-1) for b in parts])  # a copy
-            return BlockMatrix(torch.from_numpy(data).to(self.device), self.reader.shape(names[0])[1],
+            data = (file_backed(parts[0]) if len(parts) == 1 else  # one tensor: read in place
+                    torch.from_numpy(np.concatenate([np.asarray(b).reshape(-1) for b in parts])))
+            return BlockMatrix(data.to(self.device), self.reader.shape(names[0])[1],
                                tuple((t, b.shape[0]) for t, b in zip(stored, parts, strict=True)))
         return self.split(*names)
 

@@ -219,20 +219,14 @@ class BlockFormat(_Common):
 
     def describe(self) -> str:
         pairs = sorted(set(self.types.values()))
-        D, Fs = self.hidden_size, self.ffn_size
         per_layer = "; ".join(
             f"{'/'.join(t)}: {sum(1 for v in self.types.values() if v == t)} layers"
             for t in pairs) if len(pairs) > 1 else "/".join(pairs[0])
-        return (f"as stored in the GGUF ({per_layer}; "
-                f"{8 * self.numel / (3 * D * Fs):.2f} bits per weight per slot)")
+        return f"as stored in the GGUF ({per_layer})"
 
     def load(self, reader: CheckpointReader, layer: int, expert: int,
              out: torch.Tensor) -> None:
-        row = out.numpy()  # the host row itself: the file's bytes go straight in
-        at = 0
-        for part in reader.expert_blocks(layer, expert):
-            row[at:at + part.nbytes] = part.reshape(-1)
-            at += part.nbytes
+        at = reader.read_expert_blocks(layer, expert, out.numpy())  # straight into the row
         assert at == self._bytes(self.types[layer])[3], (layer, at)
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,

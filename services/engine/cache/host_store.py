@@ -66,12 +66,15 @@ class HostStore:
         for row, (layer, expert) in enumerate(self.pairs):
             fmt.load(reader, layer, expert, out=self.blobs[row])
             if (row + 1) % step == 0 or row + 1 == len(self.pairs):
+                seconds = time.perf_counter() - t0
                 log.info(
-                    "loading experts into the host store: %d/%d pairs (%.0f MiB) in %.1f s",
+                    "loading experts into the host store: %d/%d pairs (%.0f MiB) in %.1f s "
+                    "(%.0f MiB/s)",
                     row + 1,
                     len(self.pairs),
                     (row + 1) * self.slot_bytes / 2**20,
-                    time.perf_counter() - t0,
+                    seconds,
+                    (row + 1) * self.slot_bytes / 2**20 / max(seconds, 1e-9),
                 )
 
 

@@ -107,6 +107,10 @@ class CheckpointReader:
         """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""
         raise CheckpointError(f"{self.model_dir.name} stores {name} as floats, not blocks")
 
+    def read_expert_blocks(self, layer: int, expert: int, out: np.ndarray) -> int:
+        """One pair's stored blocks into `out` (GGUF files only)."""
+        raise CheckpointError(f"{self.model_dir.name} stores experts as floats, not blocks")
+
     def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
         """Each MoE layer's (gate, up, down) expert block types, for a format that keeps them
         as stored (GGUF files; safetensors experts are plain floats: None)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,27 @@ class GGUFCheckpoint:
         bytes of D], down [D, row bytes of F]); one expert's slab of each stack, not copied."""
         return tuple(np.asarray(self._tensor(f"blk.{layer}.{stack}").data[expert])
                      for stack in EXPERT_STACKS)  # type: ignore[return-value]
+
+    def read_expert_blocks(self, layer: int, expert: int, out: np.ndarray) -> int:
+        """Read one pair's (gate, up, down) slabs as stored into `out` (uint8, one after
+        another) with positioned reads from the file, not through its mapping: the host store
+        holds the only resident copy (the kernel's page cache keeps the file's pages as cache,
+        reclaimable, not mapped into this process). Returns the bytes read."""
+        at = 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for stack in EXPERT_STACKS:
+                t = self._tensor(f"blk.{layer}.{stack}")
+                slab = int(t.n_bytes) // int(t.data.shape[0])
+                view = memoryview(out[at:at + slab])
+                got = os.preadv(fd, [view], int(t.data_offset) + expert * slab)
+                if got != slab:
+                    raise CheckpointError(f"{self.path.name}: short read of {stack} expert "
+                                          f"{expert} of layer {layer} ({got} of {slab} bytes)")
+                at += slab
+        finally:
+            os.close(fd)
+        return at
 
     @staticmethod
     def _dequant(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:

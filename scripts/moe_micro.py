@@ -21,7 +21,7 @@ from services.engine.model.blocks import block_type
 
 # byte offsets of each block's fp16 scales (the rest of a block: any bits are valid)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
 
 
 def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -32,6 +32,8 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
     for at in F16_FIELDS[name]:
         blocks[:, at:at + 2] = (rng.uniform(-1, 1, n) * 1e-3).astype(np.float16).view(
             np.uint8).reshape(n, 2)
+    if name == "MXFP4":  # its E8M0 exponent byte: scales around 2^-8
+        blocks[:, 0] = rng.integers(116, 124, n)
     return blocks.reshape(-1)
 
 

@@ -25,7 +25,8 @@ from services.engine.model.blocks import (  # noqa: E402
 
 TYPES = list(BLOCK_TYPES)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's fp16 scales
+              "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+              "MXFP4": ()}  # byte offsets of each block's fp16 scales
 
 
 def random_rows(name: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
@@ -37,6 +38,8 @@ def random_rows(name: str, rows: int, in_features: int, rng: np.random.Generator
     for at in F16_FIELDS[name]:
         scale = (rng.uniform(0.2, 1.0, n) * rng.choice([-1, 1], n) * 1e-3).astype(np.float16)
         blocks[:, at:at + 2] = scale.view(np.uint8).reshape(n, 2)
+    if name == "MXFP4":  # an E8M0 exponent byte: 2^(e - 128) around 2^-8
+        blocks[:, 0] = rng.integers(116, 124, n)
     return blocks.reshape(rows, -1)
 
 
@@ -117,7 +120,8 @@ def test_linear_blocks_with_segments_of_different_types(cpu):
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"),
-                                   ("Q2_K", "Q3_K", "Q5_K"), ("Q4_0", "Q4_K", "Q8_0")])
+                                   ("Q2_K", "Q3_K", "Q5_K"), ("Q4_0", "Q4_K", "Q8_0"),
+                                   ("IQ4_XS", "IQ4_NL", "MXFP4")])
 @pytest.mark.parametrize("T", [1, 5])
 def test_moe_kernel_reads_block_experts_as_the_reference_computes(cpu, types, T):
     """strata_moe on blobs of (gate, up, down) types equals the reference — each expert's

@@ -255,3 +255,30 @@ def test_q4_k_m_greedy_output_is_identical_across_cache_sizes(q4_k_m_gguf, place
         _, tokens, logits = greedy(runner, PROMPT, n=8)
         results.append((tokens, logits))
     assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)
+
+
+def test_mxfp4_experts_are_computed_as_stored(source, tmp_path):  # noqa: F811
+    """gpt-oss's expert format: MXFP4 stacks (gguf-py quantizes them) in a file whose other
+    2-D tensors are Q8_0 serve as stored, within the stated tolerance of the dequantized
+    file's fp32 forward, with greedy output identical across cache sizes."""
+    from services.engine.model.tokenizer import Tokenizer
+    from tests.engine.test_gguf_import import rel_rms
+
+    ckpt, _ = source
+    floats = source_tensors(ckpt)
+    tensors = {name: ((quantize(floats[name], Q.MXFP4), Q.MXFP4) if "_exps" in name else (a, q))
+               for name, (a, q) in quantized(floats, Q.Q8_0).items()}
+    path = write_gguf(ckpt, tmp_path / "tiny-mxfp4.gguf", tensors)
+    runner = ModelRunner(path, cache_slots=6, reserved_bytes=0)
+    D, F = runner.config.hidden_size, runner.config.moe_intermediate_size
+    assert runner.cache.format.name == "mxfp4" and runner.slot_bytes == 3 * D * F // 32 * 17
+    reference = dequantized_file(ckpt, tensors, tmp_path / "tiny-mxfp4-dequantized.gguf")
+    ids = Tokenizer(ckpt).encode(PROMPT)
+    got = greedy_logits(path, ids, steps=0, dtype="fp32")
+    assert rel_rms(got, greedy_logits(reference, ids, steps=0, dtype="fp32")) <= 0.02
+    outputs = []
+    for slots in (0, 24):
+        r = ModelRunner(path, cache_slots=slots, reserved_bytes=0)
+        r.fill_cache(r.layer_order_pairs())
+        outputs.append(greedy(r, PROMPT, n=8)[1:])
+    assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])

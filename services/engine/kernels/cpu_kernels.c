@@ -49,6 +49,9 @@
 #define WT_Q4_K 6
 #define WT_Q5_K 7
 #define WT_Q6_K 8
+#define WT_IQ4_NL 9       /* non-linear 4-bit: quants index a 16-entry int8 table */
+#define WT_MXFP4 10       /* OCP microscaling FP4 (E2M1 values, an E8M0 scale per 32) */
+#define WT_IQ4_XS 11      /* IQ4_NL's table in super-blocks of 256, 6-bit sub-block scales */
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
@@ -291,6 +294,8 @@ typedef float vf8 __attribute__((vector_size(32), aligned(4)));  /* 8 floats, un
  * A block-type weight is N rows of `in` weights, each row its blocks in order, as GGUF stores
  * them (services/engine/model/blocks.py has each type's layout and reference dequantization):
  *   Q8_0, Q4_0       blocks of 32: an fp16 scale d, then 32 int8 / 16 bytes of 4-bit quants
+ *   IQ4_NL, MXFP4    blocks of 32: 4-bit indices into a 16-value table (fp16 d / E8M0 scale)
+ *   IQ4_XS           super-blocks of 256: IQ4_NL's table, 6-bit signed sub-block scales
  *   Q2_K .. Q6_K     super-blocks of 256 (QK): an fp16 d (and dmin), sub-block scales (and
  *                    mins) of 16 or 32 weights, 2-6 bit quants
  * The products compute in integers, the way the fastest CPU engines do: each activation row
@@ -315,7 +320,10 @@ typedef float vf8 __attribute__((vector_size(32), aligned(4)));  /* 8 floats, un
 #define PF_BYTES 1024 /* how far ahead a block product prefetches its weight stream */
 #endif
 
-static inline int64_t block_weights(int bt) { return bt == WT_Q8_0 || bt == WT_Q4_0 ? 32 : QK; }
+static inline int64_t block_weights(int bt)
+{
+    return bt == WT_Q8_0 || bt == WT_Q4_0 || bt == WT_IQ4_NL || bt == WT_MXFP4 ? 32 : QK;
+}
 
 static inline int64_t block_bytes(int bt)
 {
@@ -327,6 +335,9 @@ static inline int64_t block_bytes(int bt)
     case WT_Q4_K: return 144;
     case WT_Q5_K: return 176;
     case WT_Q6_K: return 210;
+    case WT_IQ4_NL: return 18;
+    case WT_MXFP4: return 17;
+    case WT_IQ4_XS: return 136;
     }
     return 0;
 }
@@ -567,6 +578,19 @@ static inline __attribute__((always_inline)) float scales_k(const uint8_t *blk, 
         *cw1 = dmin * u8_to_f(m1);
         return d;
     }
+    case WT_IQ4_XS: { /* 8 6-bit sub-block scales, stored + 32: low 4 bits the nibbles of
+                       * bytes 4-7 (sub-block k: byte 4 + k / 2, low nibble for even k), high 2
+                       * bits bit pair k of the uint16 at byte 2 */
+        const float d = f16_at(blk);
+        uint16_t h;
+        memcpy(&h, blk + 2, 2);
+        for (int k = 0; k < 8; k++) {
+            const int ls = ((blk[4 + k / 2] >> (4 * (k % 2))) & 15) | (((h >> (2 * k)) & 3) << 4);
+            s[2 * k] = s[2 * k + 1] = (int16_t)(ls - 32);
+        }
+        *cw0 = *cw1 = (vf8){0};
+        return d;
+    }
     default: { /* WT_Q3_K: 16 6-bit scales, stored + 32: the low 4 bits are bytes 0-7's low
                 * (groups 0-7) then high (8-15) nibbles; the high 2 bits, bit pair g / 4 of
                 * byte 8 + g % 4 */
@@ -587,7 +611,48 @@ static inline __attribute__((always_inline)) float scales_k(const uint8_t *blk, 
     }
 }
 
-/* Block b of a 32-weight type as signed bytes (Q8_0 as stored, Q4_0 nibble - 8). */
+/* The value tables of the non-linear 4-bit types (ggml's kvalues_iq4nl; kvalues_mxfp4: the
+ * E2M1 values doubled, the scale halved to match). */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 16 bytes of nibbles as 32 table values: weight j the low nibble of byte j, weight j + 16 its
+ * high nibble (vpshufb on AVX2). */
+static inline __attribute__((always_inline)) i8x32 nibbles_to(const uint8_t *qs,
+                                                              const int8_t table[16])
+{
+    u8x16 q;
+    memcpy(&q, qs, 16);
+#if defined(__AVX2__)
+    const __m128i t = _mm_loadu_si128((const __m128i *)table);
+    const __m128i lo = _mm_shuffle_epi8(t, (__m128i)(q & 0x0f));
+    const __m128i hi = _mm_shuffle_epi8(t, (__m128i)(q >> 4));
+    return (i8x32)_mm256_set_m128i(hi, lo);
+#else
+    i8x32 w;
+    for (int j = 0; j < 16; j++) {
+        w[j] = table[q[j] & 0x0f];
+        w[j + 16] = table[q[j] >> 4];
+    }
+    return w;
+#endif
+}
+
+/* A 32-weight block's scale: fp16, or MXFP4's E8M0 exponent e as 2^(e - 128) (the table's
+ * doubled values), exact. */
+static inline __attribute__((always_inline)) float scale_32(const uint8_t *blk, const int bt)
+{
+    if (bt != WT_MXFP4)
+        return f16_at(blk);
+    const uint32_t bits = blk[0] < 2 ? 0x00200000u << blk[0] : (uint32_t)(blk[0] - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
+}
+
+/* Block b of a 32-weight type as signed bytes (Q8_0 as stored, Q4_0 nibble - 8, IQ4_NL and
+ * MXFP4 their tables' values). */
 static inline __attribute__((always_inline)) i8x32 unpack_32(const uint8_t *blk, const int bt)
 {
     if (bt == WT_Q8_0) {
@@ -595,6 +660,10 @@ static inline __attribute__((always_inline)) i8x32 unpack_32(const uint8_t *blk,
         memcpy(&q, blk + 2, 32);
         return q;
     }
+    if (bt == WT_IQ4_NL)
+        return nibbles_to(blk + 2, IQ4_VALUES);
+    if (bt == WT_MXFP4)
+        return nibbles_to(blk + 1, MXFP4_VALUES);
     u8x16 q;
     memcpy(&q, blk + 2, 16);
     const u8x32 both = __builtin_shufflevector(q & 0x0f, q >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
@@ -627,21 +696,24 @@ static inline __attribute__((always_inline)) i32x8 dot_u8(u8x32 u, const int8_t 
 #endif
 }
 
-/* 8 int32 lanes of signed w times signed a (lane k: bytes 4k .. 4k+3). */
-static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t *a)
+/* 8 int32 lanes of signed w times signed a (lane k: bytes 4k .. 4k+3) times the half's
+ * scale (s0: bytes 0-15, s1: 16-31): vpmaddubsw on |w| and a signed like w, then vpmaddwd
+ * (|w| <= 128, |a| <= 127: the pair sums fit 16 bits). */
+static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t *a, int16_t s0,
+                                                            int16_t s1)
 {
 #if defined(__AVX2__)
     const __m256i av = _mm256_loadu_si256((const __m256i *)a);
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
                                            _mm256_sign_epi8(av, (__m256i)w));
-    return (i32x8)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return (i32x8)_mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0)));
 #else
     i32x8 r;
     for (int k = 0; k < 8; k++) {
         int32_t acc = 0;
         for (int i = 4 * k; i < 4 * k + 4; i++)
             acc += (int32_t)w[i] * a[i];
-        r[k] = acc;
+        r[k] = acc * (k < 4 ? s0 : s1);
     }
     return r;
 #endif
@@ -678,11 +750,11 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
             for (int64_t off = 0; off < bb; off += 64) /* the stream, PF_BYTES ahead */
                 __builtin_prefetch(blk + PF_BYTES + off, 0, 0);
             if (bw == 32) {
-                const float dw = f16_at(blk);
+                const float dw = scale_32(blk, bt);
                 const i8x32 w = unpack_32(blk, bt);
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
-                    const i32x8 p = dot_i8(w, aq[t] + b * 32);
+                    const i32x8 p = dot_i8(w, aq[t] + b * 32, 1, 1);
                     acc[t] += (dw * ad[t][b]) * __builtin_convertvector(p, vf8);
                 }
                 continue;
@@ -696,6 +768,13 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
                 isum[t] = (i32x8){0};
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
+                if (bt == WT_IQ4_XS) { /* signed table values: sub-block c is qs[16c ..) */
+                    const i8x32 w = nibbles_to(blk + 8 + 16 * c, IQ4_VALUES);
+#pragma GCC unroll 4
+                    for (int t = 0; t < NT; t++)
+                        isum[t] += dot_i8(w, aq[t] + b * QK + 32 * c, s[2 * c], s[2 * c + 1]);
+                    continue;
+                }
                 const u8x32 u = unpack_k(blk, bt, c);
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++)
@@ -708,8 +787,9 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
                 memcpy(&s0, as[t] + b * 16, 32);
                 memcpy(&s1, as[t] + b * 16 + 8, 32);
                 acc[t] += (d * dx) * __builtin_convertvector(isum[t], vf8);
-                acc[t] -= dx * (cw0 * __builtin_convertvector(s0, vf8) +
-                                cw1 * __builtin_convertvector(s1, vf8));
+                if (bt != WT_IQ4_XS) /* no offsets or mins */
+                    acc[t] -= dx * (cw0 * __builtin_convertvector(s0, vf8) +
+                                    cw1 * __builtin_convertvector(s1, vf8));
             }
         }
 #pragma GCC unroll 4
@@ -754,6 +834,9 @@ static void product_blocks(const struct q8rows *a, const int64_t *xrow, int64_t 
     case WT_Q4_K: product_of(a, xrow, xdiv, R, W, WT_Q4_K, out, y, ldy); break;
     case WT_Q5_K: product_of(a, xrow, xdiv, R, W, WT_Q5_K, out, y, ldy); break;
     case WT_Q6_K: product_of(a, xrow, xdiv, R, W, WT_Q6_K, out, y, ldy); break;
+    case WT_IQ4_NL: product_of(a, xrow, xdiv, R, W, WT_IQ4_NL, out, y, ldy); break;
+    case WT_MXFP4: product_of(a, xrow, xdiv, R, W, WT_MXFP4, out, y, ldy); break;
+    case WT_IQ4_XS: product_of(a, xrow, xdiv, R, W, WT_IQ4_XS, out, y, ldy); break;
     }
 }
 

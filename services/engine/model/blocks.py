@@ -17,6 +17,11 @@ each dequantization below gives gguf-py's `dequantize` bits, tests/engine/test_b
     Q5_K   W 256, B 176: as Q4_K, then high bits[32] before q[128]
     Q6_K   W 256, B 210: low 4 bits[128], high 2 bits[64], int8      w = d * s_g * (q - 32)
                          scales[16], fp16 d
+    IQ4_NL W 32,  B 18:  fp16 d, 16 bytes of 4-bit indices (as Q4_0) w = d * IQ4[q]
+    MXFP4  W 32,  B 17:  E8M0 exponent e, 16 bytes of indices        w = 2^(e - 128) * FP4[q]
+    IQ4_XS W 256, B 136: fp16 d, uint16 high scale bits, 4 bytes of  w = d * (s - 32) * IQ4[q]
+                         low scale nibbles, 128 bytes of indices     (per 32-weight sub-block,
+                                                                     its 16 bytes as IQ4_NL's)
 
 g is a weight's group of 16 within its super-block. The K-quants lay a super-block out in
 chunks of 32 weights (chunk c = weights 32c .. 32c + 31): Q4_K/Q5_K chunk c is the low (even c)
@@ -52,7 +57,12 @@ class BlockType:
 BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q8_0", 32, 34, 2), BlockType("Q4_0", 32, 18, 3), BlockType("Q2_K", 256, 84, 4),
     BlockType("Q3_K", 256, 110, 5), BlockType("Q4_K", 256, 144, 6),
-    BlockType("Q5_K", 256, 176, 7), BlockType("Q6_K", 256, 210, 8))}
+    BlockType("Q5_K", 256, 176, 7), BlockType("Q6_K", 256, 210, 8),
+    BlockType("IQ4_NL", 32, 18, 9), BlockType("MXFP4", 32, 17, 10),
+    BlockType("IQ4_XS", 256, 136, 11))}
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1, doubled
 
 
 def block_type(name: str) -> BlockType:
@@ -148,8 +158,36 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * s)[..., None] * q).reshape(-1, 256)
 
 
+def _table(q: torch.Tensor, values: tuple[int, ...]) -> torch.Tensor:
+    """16 bytes of indices per row -> [n, 32] table values (low nibbles first)."""
+    table = torch.tensor(values, dtype=torch.float32, device=q.device)
+    return table[torch.cat([q & 15, q >> 4], dim=1).long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _table(b[:, 2:18], IQ4_VALUES)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    e = b[:, :1].long()  # 2^(e - 128): ggml's e8m0_to_fp32_half, exact (e = 0 is 2^-128)
+    d = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 128)
+    return d * _table(b[:, 1:17], FP4_VALUES)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b, 0)
+    high = b[:, 2:4].contiguous().view(torch.int16).long() & 0xFFFF  # [n, 1]
+    low = b[:, 4:8].long()
+    k = torch.arange(8, device=b.device)
+    ls = ((low[:, k // 2] >> (4 * (k % 2))) & 15) | (((high >> (2 * k)) & 3) << 4)  # [n, 8]
+    dl = d * (ls - 32).float()  # [n, 8]
+    q = torch.stack([_table(b[:, 8 + 16 * j:24 + 16 * j], IQ4_VALUES) for j in range(8)], 1)
+    return (dl[..., None] * q).reshape(-1, 256)
+
+
 _DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k,
-               "Q5_K": _q5_k, "Q6_K": _q6_k}
+               "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4,
+               "IQ4_XS": _iq4_xs}
 
 
 def dequantize(data: torch.Tensor, type_name: str) -> torch.Tensor:

@@ -122,3 +122,49 @@ def size_cache(limit_bytes: int, reserved_bytes: int, slot_bytes: int, total_pai
                      weight_bytes, kv_bytes, free_bytes, configured_bytes,
                      "auto" if slots is None else how)
     return replace(size, slots=size.room_slots if slots is None else min(slots, total_pairs))
+
+
+class HostMemoryError(BudgetError):
+    """The host does not hold the host store and the weights loaded beside it."""
+
+
+def host_memory_available() -> int | None:
+    """What can be allocated without swapping, in bytes: /proc/meminfo's MemAvailable, less
+    where a cgroup v2 limit (a container's memory limit) leaves less; None where the kernel
+    does not say."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            room = max(0, int(limit) - current)
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_host_memory(host_store_bytes: int, weight_bytes: int, available: int | None,
+                      expert_format: str) -> None:
+    """Refuse a model before anything is allocated when its host store (every pair's blob)
+    plus its non-expert weights exceed the host's available memory; the message states both,
+    and what would fit."""
+    need = host_store_bytes + weight_bytes
+    if available is None or need <= available:
+        return
+    raise HostMemoryError(
+        f"the model does not fit this host's memory: host store {format_bytes(host_store_bytes)}"
+        f" (every expert pair, {expert_format}) + non-expert weights "
+        f"{format_bytes(weight_bytes)} = {format_bytes(need)}, and "
+        f"{format_bytes(available)} is available; serve a smaller quantization of it (a "
+        f"Q4_K_M or Q2_K GGUF holds experts at 4.9 / 2.6 bits per weight), --expert-dtype "
+        f"int4 or int8 for a bf16/fp32 checkpoint, or a host with more memory")

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from services.common.counters import CacheCounters
-from services.common.sizing import CacheSize, device_limit, size_cache
+from services.common.sizing import (
+    CacheSize,
+    check_host_memory,
+    device_limit,
+    host_memory_available,
+    size_cache,
+)
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.formats import device_kernel, expert_format
 from services.engine.cache.host_store import HostStore
@@ -135,6 +141,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         graph_batches: abc.Sequence[int] = DEFAULT_GRAPH_BATCHES,
         cpu_kernels: str = "auto",
+        host_memory_bytes: int | None = None,  # host memory to fit (default: MemAvailable)
     ):
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
@@ -169,6 +176,12 @@ class ModelRunner:
         self.backend = select_backend(self.device, cpu_kernels)
         log.info("compute backend: %s", self.backend.describe())
         self.weight_dtype = resolve_dtype(dtype, reader)  # weights, host store, slots
+        fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
+                            expert_dtype, reader.expert_storage())
+        check_host_memory(c.total_pairs * fmt.blob_bytes,
+                          fixed_bytes_of(model_dir, self.weight_dtype)[0],
+                          host_memory_available() if host_memory_bytes is None
+                          else host_memory_bytes, fmt.describe())
         self.model = load_model(reader, c, self.backend, self.weight_dtype)
         self.dtype = self.model.dtype  # activations and the KV cache (the backend's choice)
         log.info("weights in %s, activations and KV cache in %s", dtype_name(self.weight_dtype),
@@ -176,8 +189,6 @@ class ModelRunner:
         self.num_usable_tokens = min(c.vocab_size, self.tokenizer.vocab_size)
         self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype)
 
-        fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
-                            expert_dtype, reader.expert_storage())
         self.expert_dtype = expert_dtype
         self.slot_bytes = fmt.blob_bytes
         log.info("experts %s: %d bytes per slot (%.2f bits per weight)", fmt.describe(),

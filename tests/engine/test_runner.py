@@ -283,3 +283,25 @@ def test_bf16_greedy_output_is_identical_across_cache_sizes_and_placements(tiny_
         _, tokens, logits = greedy(runner, PROMPT, n=12)
         results.append((tokens, logits))
     assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)
+
+
+def test_a_model_larger_than_host_memory_is_refused_before_loading(tiny_dir, caplog):
+    """The host store and the non-expert weights are set against the host's memory before
+    anything is loaded: the error states both sizes, what is available, and what would fit."""
+    from services.common.sizing import HostMemoryError
+
+    runner = ModelRunner(tiny_dir, cache_slots=0, reserved_bytes=0)
+    host = runner.cache.host.total_bytes
+    weights = fixed_bytes_of(tiny_dir, runner.weight_dtype)[0]
+    runner.close()
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    caplog.clear()
+    with pytest.raises(HostMemoryError) as e:
+        ModelRunner(tiny_dir, cache_slots=0, reserved_bytes=0,
+                    host_memory_bytes=host + weights - 1)
+    text = str(e.value)
+    assert format_bytes(host) in text and format_bytes(weights) in text
+    assert format_bytes(host + weights - 1) in text and "--expert-dtype" in text
+    assert "loaded non-expert weights" not in caplog.text  # refused before loading
+    ModelRunner(tiny_dir, cache_slots=0, reserved_bytes=0,
+                host_memory_bytes=host + weights).close()  # exactly enough: served

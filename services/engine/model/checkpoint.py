@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -27,6 +29,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 EXPERTS = "model.layers.{layer}.{moe}.experts"
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
 
 
 def open_checkpoint(model_dir: Path, names: WeightNames | None = None) -> CheckpointReader:
@@ -59,6 +66,7 @@ class CheckpointReader:
         for f, handle in self._handles.items():
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self._file_of[name] = f
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}  # file -> (data start, header)
 
     def _shard_files(self) -> list[str]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -116,6 +124,32 @@ class CheckpointReader:
         as stored (GGUF files; safetensors experts are plain floats: None)."""
         return None
 
+    def _read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """A tensor (or its `index`-th slab along dim 0) read with a positioned read from its
+        shard, not through safetensors' mapping: loading every expert of a checkpoint leaves
+        only the host store resident, the shards' pages reclaimable page cache."""
+        f = self._file_of[name]
+        if f not in self._headers:
+            with open(self.model_dir / f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                self._headers[f] = (8 + size, json.loads(fh.read(size)))
+        start, header = self._headers[f]
+        entry = header[name]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
+        if index is not None:
+            slab = (end - begin) // shape[0]
+            begin, end, shape = begin + index * slab, begin + (index + 1) * slab, shape[1:]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        fd = os.open(self.model_dir / f, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [memoryview(out.numpy())], start + begin)
+        finally:
+            os.close(fd)
+        if got != end - begin:
+            raise CheckpointError(f"{f}: short read of {name} ({got} of {end - begin} bytes)")
+        return out.view(dtype).view(shape)
+
     def expert_weights(
         self,
         layer: int,
@@ -130,7 +164,7 @@ class CheckpointReader:
         per_expert = f"{prefix}.{expert}.{n.gate}.weight"
         if per_expert in self:
             return tuple(
-                self.get(f"{prefix}.{expert}.{p}.weight", dtype)  # type: ignore[return-value]
+                self._read(f"{prefix}.{expert}.{p}.weight").to(dtype)  # type: ignore[misc]
                 for p in (n.gate, n.up, n.down)
             )
         fused_gu = next(
@@ -145,10 +179,10 @@ class CheckpointReader:
                 f"checkpoint {self.model_dir.name} has no weights for expert "
                 f"{expert} of layer {layer} (neither per-expert nor fused keys)"
             )
-        gate_up = self._slice(fused_gu)[expert].to(dtype)
+        gate_up = self._read(fused_gu, expert).to(dtype)
         if gate_up.shape != (2 * ffn_size, hidden_size):  # some writers store [D, 2F]
             gate_up = gate_up.t()
-        down = self._slice(fused_down)[expert].to(dtype)
+        down = self._read(fused_down, expert).to(dtype)
         if down.shape != (hidden_size, ffn_size):
             down = down.t()
         return gate_up[:ffn_size], gate_up[ffn_size:], down

@@ -682,6 +682,8 @@ static inline __attribute__((always_inline)) i32x8 dot_u8(u8x32 u, const int8_t 
 {
 #if defined(__AVX2__)
     const __m256i p = _mm256_maddubs_epi16((__m256i)u, _mm256_loadu_si256((const __m256i *)a));
+    if (__builtin_constant_p(s0 == s1) && s0 == s1) /* one scale per 32 (Q4_K, Q5_K) */
+        return (i32x8)_mm256_madd_epi16(p, _mm256_set1_epi16(s0));
     return (i32x8)_mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0)));
 #else
     i32x8 r;
@@ -706,6 +708,8 @@ static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t 
     const __m256i av = _mm256_loadu_si256((const __m256i *)a);
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
                                            _mm256_sign_epi8(av, (__m256i)w));
+    if (__builtin_constant_p(s0 == s1) && s0 == s1)
+        return (i32x8)_mm256_madd_epi16(p, _mm256_set1_epi16(s0));
     return (i32x8)_mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0)));
 #else
     i32x8 r;
@@ -768,17 +772,22 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
                 isum[t] = (i32x8){0};
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
+                /* one scale per 32 weights (Q4_K, Q5_K, IQ4_XS): the same value twice, which
+                 * dot_* see as such (a broadcast instead of two and an insert) */
+                const int16_t s0 = s[2 * c];
+                const int16_t s1 = bt == WT_Q4_K || bt == WT_Q5_K || bt == WT_IQ4_XS
+                                       ? s0 : s[2 * c + 1];
                 if (bt == WT_IQ4_XS) { /* signed table values: sub-block c is qs[16c ..) */
                     const i8x32 w = nibbles_to(blk + 8 + 16 * c, IQ4_VALUES);
 #pragma GCC unroll 4
                     for (int t = 0; t < NT; t++)
-                        isum[t] += dot_i8(w, aq[t] + b * QK + 32 * c, s[2 * c], s[2 * c + 1]);
+                        isum[t] += dot_i8(w, aq[t] + b * QK + 32 * c, s0, s1);
                     continue;
                 }
                 const u8x32 u = unpack_k(blk, bt, c);
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++)
-                    isum[t] += dot_u8(u, aq[t] + b * QK + 32 * c, s[2 * c], s[2 * c + 1]);
+                    isum[t] += dot_u8(u, aq[t] + b * QK + 32 * c, s0, s1);
             }
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {

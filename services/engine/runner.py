@@ -81,12 +81,13 @@ def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     reader = open_checkpoint(Path(model_dir), weight_names(config))
     weight_dtype = resolve_dtype(dtype, reader)
     element = torch.empty((), dtype=weight_dtype).element_size()
-    params = sum(math.prod(reader.shape(name)) for name in reader.names)
-    experts = config.total_pairs * 3 * config.hidden_size * config.moe_intermediate_size
+    # routed experts are the host store's, per expert or stacked (a GGUF reader lists none)
+    params = sum(math.prod(reader.shape(name)) for name in reader.names
+                 if ".experts." not in name)
     block = 16
     kv = kv_windows * -(-config.context_window // block) * PagedKVCache.bytes_per_block(
         config.num_layers, block, config.num_kv_heads, config.head_dim, weight_dtype)
-    return (params - experts) * element, kv
+    return params * element, kv
 
 
 class PromptError(ValueError):

@@ -282,3 +282,14 @@ def test_mxfp4_experts_are_computed_as_stored(source, tmp_path):  # noqa: F811
         r.fill_cache(r.layer_order_pairs())
         outputs.append(greedy(r, PROMPT, n=8)[1:])
     assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_plan_counts_a_gguf_s_non_expert_weights_as_the_same_checkpoint_s(q8_0_gguf, source):  # noqa: F811
+    """`strata plan`'s weight term for a GGUF (whose reader lists the expert stacks under no
+    per-expert name) equals the Hugging Face checkpoint's at the same dtype: every tensor but
+    the routed experts, once."""
+    from services.engine.runner import fixed_bytes_of
+
+    ckpt, _ = source
+    for dtype in (torch.float32, torch.bfloat16):
+        assert fixed_bytes_of(q8_0_gguf, dtype)[0] == fixed_bytes_of(ckpt, dtype)[0] > 0

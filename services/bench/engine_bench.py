@@ -288,11 +288,15 @@ def write_report(out_dir: Path, out: dict[str, Any]) -> dict[str, Any]:
                 f"{r0['bandwidth_bound_tok_s']:.0f} tok/s\n")
     report.section("Runs", table(
         ["dtype", "prefetch", "coverage", "decode hit rate", "decode spill", "decode tok/s",
-         "rounds tok/s", "prefill tok/s", "of the bound", "HF decode tok/s"],
+         "rounds tok/s", "prefill tok/s", "of the bound", "HF decode tok/s",
+         "llama.cpp decode tok/s", "Strata / llama.cpp (decode, prefill)"],
         [[r.get("dtype", "fp32"), fmt_flag(r.get("prefetch")), f"{r['coverage']:.0%}",
           f"{r.get('decode_hit_rate', 1.0):.1%}", f"{r.get('decode_spill', 0.0):.1%}",
           r["decode_tok_s"], " / ".join(f"{x:.0f}" for x in r["decode_runs_tok_s"]),
-          r["prefill_tok_s"], f"{r['bound_fraction']:.1%}", r.get("hf_decode_tok_s")]
+          r["prefill_tok_s"], f"{r['bound_fraction']:.1%}", r.get("hf_decode_tok_s"),
+          r.get("llama_decode_tok_s"),
+          f"{r['llama_ratio']:.2f}x, {r['llama_prefill_ratio']:.2f}x"
+          if "llama_ratio" in r else None]
          for r in runs]))
     for key, value in out.get("spill_penalty", {}).items():
         report.text(f"Spill penalty, {key.replace('_', ' ')}: "
@@ -309,6 +313,17 @@ def write_report(out_dir: Path, out: dict[str, Any]) -> dict[str, Any]:
                title="decode speed by weight dtype", ylim=(0, None))
         ax.legend()
         report.figure("dtype", fig, "decode tok/s per round, by weight dtype")
+    if "llama_runs_tok_s" in r0:
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        rounds = range(1, len(r0["decode_runs_tok_s"]) + 1)
+        ax.plot(rounds, r0["decode_runs_tok_s"], "o-", label="Strata")
+        ax.plot(rounds, r0["llama_runs_tok_s"], "s--", label="llama.cpp, same file")
+        ax.set(xlabel="round (the engines interleaved)", ylabel="decode tok/s",
+               title=f"decode at batch {r0['batch']}: Strata {r0['llama_ratio']:.2f}x "
+                     "llama.cpp", ylim=(0, None))
+        ax.set_xticks(list(rounds))
+        ax.legend()
+        report.figure("peer", fig, "decode tok/s per round, Strata and llama.cpp")
     if len({r["decode_spill"] for r in runs}) > 1:
         fig, ax = plt.subplots(figsize=(5.5, 3.4))
         for prefetch in dict.fromkeys(r.get("prefetch") for r in runs):
@@ -461,6 +476,7 @@ def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, 
         result["llama_ratio"] = median("llama_ratio")
         result["llama_prefill_ratio"] = median("llama_prefill_ratio")
         result["llama_ratio_runs"] = [r["llama_ratio"] for r in rounds]
+        result["llama_runs_tok_s"] = [r["llama_decode_tok_s"] for r in rounds]
     return result
 
 

@@ -68,6 +68,12 @@ class ExpertFormat(Protocol):
         """What the address-reading MoE kernels take these blobs as, or None."""
         ...
 
+    @property
+    def kernel_types(self) -> tuple[str, str, str] | None:
+        """For kernel_weights "blocks": the (gate, up, down) block types of a one-layer
+        format's blobs (at(layer)); else None."""
+        ...
+
     def describe(self) -> str: ...
 
     def at(self, layer: int) -> ExpertFormat:
@@ -124,6 +130,7 @@ class _Common:
         return self.numel * self.dtype.itemsize
 
     kernel_weights: str | None = None
+    kernel_types: tuple[str, str, str] | None = None  # block types, for kernel_weights "blocks"
 
     def at(self, layer: int) -> ExpertFormat:
         """The format of `layer`'s blobs: the same for every layer, except BlockFormat's."""
@@ -196,6 +203,7 @@ class BlockFormat(_Common):
         kinds = sorted({name for t in types.values() for name in t})
         self.name = "+".join(kinds).lower()  # "q8_0", "q4_k+q6_k"
         self.kernel_weights = "blocks"  # the C kernel reads the blocks as stored
+        self._layers: dict[int, BlockFormat] = {}  # at(layer)'s formats, made once
 
     def _bytes(self, t: StackTypes) -> tuple[int, int, int, int]:
         """(gate, up, down, total) bytes of one pair in the stack types t."""
@@ -206,13 +214,15 @@ class BlockFormat(_Common):
 
     def at(self, layer: int) -> BlockFormat:
         """The format of `layer`'s blobs (same blob size)."""
-        if len(self.types) == 1:
+        if len(set(self.types.values())) == 1:
             return self
-        return BlockFormat(self.hidden_size, self.ffn_size, {layer: self.types[layer]},
-                           self.numel)
+        if layer not in self._layers:
+            self._layers[layer] = BlockFormat(self.hidden_size, self.ffn_size,
+                                              {layer: self.types[layer]}, self.numel)
+        return self._layers[layer]
 
     @property
-    def kernel_types(self) -> StackTypes:
+    def kernel_types(self) -> StackTypes:  # type: ignore[override]
         """The (gate, up, down) types of a one-layer format's blobs."""
         (t,) = set(self.types.values())
         return t

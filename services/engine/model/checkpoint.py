@@ -11,6 +11,7 @@ Tensors are converted to the dtype asked for (model/dtypes.py picks it) on the C
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -109,7 +110,33 @@ class CheckpointReader:
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self._slice(name)  # raises a CheckpointError naming a missing tensor
-        return self._handles[self._file_of[name]].get_tensor(name).to(dtype)
+        return self._values(name, self._handles[self._file_of[name]].get_tensor(name)).to(dtype)
+
+    @functools.cached_property
+    def fp8_block(self) -> tuple[int, int]:
+        """config.json's quantization_config.weight_block_size (FP8 checkpoints with block
+        scales: DeepSeek-V3, Kimi-K2, MiniMax-M2, Qwen3-*-FP8); [128, 128] when unstated."""
+        path = self.model_dir / "config.json"
+        q = json.loads(path.read_text()).get("quantization_config") or {} if path.is_file() else {}
+        block = q.get("weight_block_size") or [128, 128]
+        return int(block[0]), int(block[1])
+
+    def _values(self, name: str, t: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        """A stored tensor's values: an FP8 weight times its block scales (`<name>_scale_inv`,
+        one per weight_block_size block, as DeepSeek's weight_dequant multiplies them; slab
+        `index` of a stacked one), in fp32; anything else as it is."""
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return t
+        scale_name = f"{name}_scale_inv"
+        if scale_name not in self:
+            raise CheckpointError(f"{name} is stored in {t.dtype} without {scale_name}: only "
+                                  "FP8 weights with block scales are read")
+        scale = self._read(scale_name, index).float()
+        bo, bi = self.fp8_block
+        rows, cols = t.shape[-2:]
+        full = scale.repeat_interleave(bo, dim=-2)[..., :rows, :].repeat_interleave(
+            bi, dim=-1)[..., :cols]
+        return t.float() * full
 
     def blocks(self, name: str) -> tuple[str, np.ndarray]:
         """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""
@@ -164,8 +191,8 @@ class CheckpointReader:
         per_expert = f"{prefix}.{expert}.{n.gate}.weight"
         if per_expert in self:
             return tuple(
-                self._read(f"{prefix}.{expert}.{p}.weight").to(dtype)  # type: ignore[misc]
-                for p in (n.gate, n.up, n.down)
+                self._values(name, self._read(name)).to(dtype)  # type: ignore[misc]
+                for name in (f"{prefix}.{expert}.{p}.weight" for p in (n.gate, n.up, n.down))
             )
         fused_gu = next(
             (n for n in (f"{prefix}.gate_up_proj", f"{prefix}.gate_up_proj.weight") if n in self),
@@ -179,10 +206,10 @@ class CheckpointReader:
                 f"checkpoint {self.model_dir.name} has no weights for expert "
                 f"{expert} of layer {layer} (neither per-expert nor fused keys)"
             )
-        gate_up = self._read(fused_gu, expert).to(dtype)
+        gate_up = self._values(fused_gu, self._read(fused_gu, expert), expert).to(dtype)
         if gate_up.shape != (2 * ffn_size, hidden_size):  # some writers store [D, 2F]
             gate_up = gate_up.t()
-        down = self._read(fused_down, expert).to(dtype)
+        down = self._values(fused_down, self._read(fused_down, expert), expert).to(dtype)
         if down.shape != (hidden_size, ffn_size):
             down = down.t()
         return gate_up[:ffn_size], gate_up[ffn_size:], down

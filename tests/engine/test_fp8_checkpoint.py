@@ -1,0 +1,105 @@
+"""FP8 checkpoints with block scales (the DeepSeek-V3 / Kimi-K2 / MiniMax-M2 / Qwen3-*-FP8
+layout: an float8_e4m3fn `weight` and an fp32 `weight_scale_inv` per weight_block_size block)
+are read as their values, weight times its block's scale — the same numbers as the checkpoint
+dequantized — never as the bare FP8 codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.engine.model.checkpoint import CheckpointError
+from services.engine.runner import ModelRunner
+from tests.engine.conftest import make_hf_checkpoint
+from tests.engine.test_runner import greedy
+
+BLOCK = (32, 16)  # small blocks, so the tiny matrices hold several, including ragged edges
+PROMPT = "def fp8(x):"
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 codes, block scales) of a [..., out, in] weight: per BLOCK block, amax / 448."""
+    *lead, rows, cols = w.shape
+    bo, bi = BLOCK
+    ro, ri = -(-rows // bo), -(-cols // bi)
+    padded = torch.zeros(*lead, ro * bo, ri * bi)
+    padded[..., :rows, :cols] = w
+    blocks = padded.reshape(*lead, ro, bo, ri, bi)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0  # [..., ro, ri]
+    codes = (blocks / scale[..., :, None, :, None]).reshape(*lead, ro * bo, ri * bi)
+    return codes[..., :rows, :cols].to(torch.float8_e4m3fn).contiguous(), scale.float()
+
+
+def dequantized(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = codes.shape[-2:]
+    full = scale.repeat_interleave(BLOCK[0], -2)[..., :rows, :].repeat_interleave(
+        BLOCK[1], -1)[..., :cols]
+    return codes.float() * full
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory):
+    """(an FP8 checkpoint, the same values as an fp32 checkpoint): every projection and expert
+    matrix in FP8 with block scales; embeddings, lm_head, router and norms as they are."""
+    root = tmp_path_factory.mktemp("fp8")
+    src, _ = make_hf_checkpoint(root / "src", seed=11)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    fp8, ref = {}, {}
+    for name, w in tensors.items():
+        quantize = (w.dim() >= 2 and name.endswith(("proj.weight", "gate_up_proj", "down_proj"))
+                    and "mlp.gate." not in name)
+        if not quantize:
+            fp8[name], ref[name] = w, w.float()
+            continue
+        codes, scale = fp8_blocks(w.float())
+        weight = name if name.endswith("weight") else name  # fused stacks keep their name
+        fp8[weight], fp8[f"{weight}_scale_inv"] = codes, scale
+        ref[name] = dequantized(codes, scale)
+    out = {}
+    for kind, tensors_of in (("fp8", fp8), ("ref", ref)):
+        d = root / kind
+        d.mkdir()
+        for f in src.iterdir():
+            if f.suffix != ".safetensors" and f.is_file():
+                (d / f.name).write_bytes(f.read_bytes())
+        save_file(tensors_of, str(d / "model.safetensors"))
+        for index in d.glob("*.index.json"):
+            index.unlink()
+        out[kind] = d
+    config = json.loads((out["fp8"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    (out["fp8"] / "config.json").write_text(json.dumps(config))
+    assert any(t.dtype == torch.float8_e4m3fn for t in fp8.values())
+    return out["fp8"], out["ref"]
+
+
+def test_fp8_weights_are_read_as_their_values(fp8_pair):
+    """The same logits, bit for bit, as the checkpoint of the dequantized values (fp32
+    serving), and the same greedy tokens."""
+    fp8, ref = fp8_pair
+    a = ModelRunner(fp8, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
+    b = ModelRunner(ref, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
+    _, tokens_a, logits_a = greedy(a, PROMPT, n=8)
+    _, tokens_b, logits_b = greedy(b, PROMPT, n=8)
+    assert tokens_a == tokens_b and torch.equal(logits_a, logits_b)
+
+
+def test_fp8_without_its_scales_is_refused(fp8_pair, tmp_path):
+    fp8, _ = fp8_pair
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(fp8).iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(broken / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith("_scale_inv")},
+              str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="without .*weight_scale_inv"):
+        ModelRunner(broken, cache_slots=0, reserved_bytes=0)

@@ -229,9 +229,12 @@ class BlockFormat(_Common):
 
     def describe(self) -> str:
         pairs = sorted(set(self.types.values()))
-        per_layer = "; ".join(
-            f"{'/'.join(t)}: {sum(1 for v in self.types.values() if v == t)} layers"
-            for t in pairs) if len(pairs) > 1 else "/".join(pairs[0])
+        def layers(t: StackTypes) -> str:
+            n = sum(1 for v in self.types.values() if v == t)
+            return f"{n} layer{'s' if n != 1 else ''}"
+
+        per_layer = ("; ".join(f"{'/'.join(t)}: {layers(t)}" for t in pairs) if len(pairs) > 1
+                     else "/".join(pairs[0]))
         return f"as stored in the GGUF ({per_layer})"
 
     def load(self, reader: CheckpointReader, layer: int, expert: int,

@@ -67,7 +67,7 @@ def test_layers_stored_in_different_types_share_the_largest_blob():
     assert fmt.blob_bytes == 2 * q4 + q6 and fmt.at(1).blob_bytes == fmt.blob_bytes
     assert fmt.at(0).kernel_types == ("Q4_K", "Q4_K", "Q6_K")
     assert fmt.at(1).kernel_types == ("Q4_K",) * 3
-    assert fmt.name == "q4_k+q6_k" and "Q4_K/Q4_K/Q6_K: 1 layer;" in fmt.describe()
+    assert fmt.name == "q4_k+q6_k" and "Q4_K/Q4_K/Q6_K: 1 layer)" in fmt.describe()
 
 
 @pytest.fixture(scope="module")

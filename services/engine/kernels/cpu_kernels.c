@@ -15,14 +15,17 @@
  * Shape legend: T rows (tokens), D hidden, F expert FFN, S column splits, K routed per token,
  * E experts of the layer, A = T*K routed (token, expert) assignments.
  *
- * Numerics: every output element is one fp32 dot product, accumulated over the input index in
- * order with a fused multiply-add, starting from zero. A row's result never depends on which
- * other rows share the call, on the tile it falls in, on the thread that computes it, or on
- * the address its weights are read from (a slot or the host store): batch shapes, cache sizes
- * and placements give bit-identical outputs.
+ * Numerics: every output element of an fp32 / bf16 product is one fp32 dot product,
+ * accumulated over the input index in order with a fused multiply-add, starting from zero;
+ * a block-type product (product_blocks, below) is integer dots per block on 8-bit-rounded
+ * activations, one float FMA per block, in order. Either way a row's result never depends
+ * on which other rows share the call, on the tile it falls in, on the thread that computes
+ * it, or on the address its weights are read from (a slot or the host store): batch shapes,
+ * cache sizes and placements give bit-identical outputs.
  *
  * Weights (the products' W, the experts' blobs, the router, a layer's wqkv / wo / router) are
- * fp32 or bf16 (`wtype`: WT_F32 0, WT_BF16 1; bf16 = the top 16 bits of an fp32). A bf16
+ * fp32 or bf16 (`wtype`: WT_F32 0, WT_BF16 1; bf16 = the top 16 bits of an fp32), or GGUF
+ * block types kept as stored (WT_Q8_0 .. WT_IQ4_XS; experts, lm_head, wqkv, wo). A bf16
  * weight is widened to fp32 exactly (its bits shifted up) right after it is loaded, then the
  * same fp32 FMA sequence runs: the bf16 kernel on w gives bit-identical outputs to the fp32
  * kernel on w widened, and reads half the bytes. Activations, outputs, norm weights, tables,

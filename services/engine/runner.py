@@ -69,7 +69,7 @@ def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     reader = open_checkpoint(Path(model_dir), weight_names(config))
     return expert_format(config.hidden_size, config.moe_intermediate_size,
                          resolve_dtype(dtype, reader), expert_dtype,
-                         reader.expert_storage()).blob_bytes
+                         reader.expert_storage(), reader.fp8_block).blob_bytes
 
 
 def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
@@ -178,7 +178,7 @@ class ModelRunner:
         log.info("compute backend: %s", self.backend.describe())
         self.weight_dtype = resolve_dtype(dtype, reader)  # weights, host store, slots
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
-                            expert_dtype, reader.expert_storage())
+                            expert_dtype, reader.expert_storage(), reader.fp8_block)
         check_host_memory(c.total_pairs * fmt.blob_bytes,
                           fixed_bytes_of(model_dir, self.weight_dtype)[0],
                           host_memory_available() if host_memory_bytes is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -81,15 +82,76 @@ def fp8_pair(tmp_path_factory):
     return out["fp8"], out["ref"]
 
 
-def test_fp8_weights_are_read_as_their_values(fp8_pair):
-    """The same logits, bit for bit, as the checkpoint of the dequantized values (fp32
-    serving), and the same greedy tokens."""
+def test_fp8_experts_are_held_as_stored_and_compute_their_values(fp8_pair):
+    """The routed experts stay FP8 (one byte a weight plus the block scales) in the host store
+    and the slots; the model computes what the checkpoint of the dequantized values computes,
+    to fp32 rounding (the kernel converts the codes exactly and applies each block's scale
+    once per block), with the same greedy tokens; greedy output is identical across cache
+    sizes."""
+    from services.engine.cache.formats import Fp8Format
+
     fp8, ref = fp8_pair
     a = ModelRunner(fp8, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
+    assert isinstance(a.cache.format, Fp8Format) and a.cache.format.kernel_block == BLOCK
+    assert a.cache.cpu_kernels  # strata_moe reads the codes
+    D, F = a.config.hidden_size, a.config.moe_intermediate_size
+    assert a.slot_bytes == 3 * D * F + 4 * (2 * -(-F // BLOCK[0]) * -(-D // BLOCK[1])
+                                            + -(-D // BLOCK[0]) * -(-F // BLOCK[1]))
     b = ModelRunner(ref, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
     _, tokens_a, logits_a = greedy(a, PROMPT, n=8)
     _, tokens_b, logits_b = greedy(b, PROMPT, n=8)
-    assert tokens_a == tokens_b and torch.equal(logits_a, logits_b)
+    assert tokens_a == tokens_b
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
+    outputs = []
+    for slots in (0, 10):
+        r = ModelRunner(fp8, cache_slots=slots, reserved_bytes=0)
+        r.fill_cache(r.layer_order_pairs())
+        outputs.append(greedy(r, PROMPT, n=8)[1:])
+    assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_the_c_kernel_reads_fp8_blobs_as_the_reference_computes(T):
+    """strata_moe on Fp8Format blobs (random codes, subnormal ones included, and block
+    scales) equals the format's torch reference to fp32 rounding; a row alone gives the same
+    bits as in a batch."""
+    from services.engine import kernels
+    from services.engine.cache.formats import Fp8Format
+    from services.engine.cache.layout import num_splits
+
+    try:
+        cpu = kernels.CpuKernels(kernels.build())
+    except (kernels.KernelBuildError, OSError) as exc:
+        pytest.skip(f"the CPU kernels do not build here: {exc}")
+    D, F, E, K = 96, 80, 5, 2
+    fmt = Fp8Format(D, F, BLOCK)
+    g = torch.Generator().manual_seed(T)
+    blobs = []
+    for _ in range(E):
+        codes = torch.randint(0, 256, (3 * D * F,), generator=g, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes (e4m3 has no infinities)
+        scales = torch.rand(sum(fmt.scales), generator=g) * 1e-2 + 1e-3
+        blobs.append(torch.cat([codes, scales.view(torch.uint8)]))
+    blobs = torch.stack(blobs)
+    assert blobs.shape[1] == fmt.blob_bytes
+    x = torch.randn(T, D, generator=g)
+    top_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    top_w = torch.rand(T, K, generator=g)
+
+    def run(x, top_idx, top_w):
+        addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
+        return cpu.moe(x, top_idx, top_w, addr, F, num_splits(D), weights="fp8",
+                       fp8_block=BLOCK)
+
+    y = run(x, top_idx, top_w)
+    want = torch.zeros(T, D)
+    for t in range(T):
+        for k in sorted(range(K), key=lambda k: int(top_idx[t, k])):
+            want[t] += top_w[t, k] * fmt.forward(x[t:t + 1], blobs[int(top_idx[t, k])])[0]
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    alone = torch.cat([run(x[t:t + 1].clone(), top_idx[t:t + 1].clone(),
+                           top_w[t:t + 1].clone()) for t in range(T)])
+    assert torch.equal(alone, y)
 
 
 def test_fp8_without_its_scales_is_refused(fp8_pair, tmp_path):

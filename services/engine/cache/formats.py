@@ -22,6 +22,7 @@ what it may do with them:
 
     DenseFormat     fp32 or bf16 weights in cache/layout.py's split layout
     QuantFormat     int8 / int4 weight-only quantization (model/quant.py), bytes
+    Fp8Format       float8 e4m3 codes and block scales as an FP8 checkpoint stores them
     BlockFormat     GGUF block types (Q8_0, Q4_K, ...) as the file stores them: the pair's
                     gate, up and down rows of blocks, byte for byte; types may differ by layer
                     (at(layer): one layer's format)
@@ -72,6 +73,11 @@ class ExpertFormat(Protocol):
     def kernel_types(self) -> tuple[str, str, str] | None:
         """For kernel_weights "blocks": the (gate, up, down) block types of a one-layer
         format's blobs (at(layer)); else None."""
+        ...
+
+    @property
+    def kernel_block(self) -> tuple[int, int] | None:
+        """For kernel_weights "fp8": the scale blocks' rows and columns; else None."""
         ...
 
     def describe(self) -> str: ...
@@ -131,6 +137,7 @@ class _Common:
 
     kernel_weights: str | None = None
     kernel_types: tuple[str, str, str] | None = None  # block types, for kernel_weights "blocks"
+    kernel_block: tuple[int, int] | None = None  # FP8 scale blocks, for kernel_weights "fp8"
 
     def at(self, layer: int) -> ExpertFormat:
         """The format of `layer`'s blobs: the same for every layer, except BlockFormat's."""
@@ -267,13 +274,77 @@ class BlockFormat(_Common):
         return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
+FP8_STORED = "FP8_E4M3"  # CheckpointReader.expert_storage()'s type for FP8 experts
+
+
+class Fp8Format(_Common):
+    """Experts kept as a Hugging Face FP8 checkpoint stores them: float8 e4m3 codes with an fp32
+    scale per bo x bi block (`weight_scale_inv`; weight = code * scale). A blob is the pair's
+    gate, up and down codes (F x D, F x D, D x F: one byte a weight), then their scales in the
+    same order, row-major blocks. The C strata_moe reads the codes in place (converted to fp32
+    in registers, fp32 products, one FMA by the block's scale per block); forward() is the
+    torch reference (dequantize, then the MLP), where no kernel takes the codes (CUDA)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, block: tuple[int, int] = (128, 128)):
+        bo, bi = block
+        if hidden_size % 8 or ffn_size % 8 or bi % 8:
+            raise ValueError(f"FP8 experts need rows and scale blocks of multiples of 8 weights "
+                             f"(hidden {hidden_size}, FFN {ffn_size}, block {bo}x{bi})")
+        self.hidden_size, self.ffn_size, self.kernel_block = hidden_size, ffn_size, (bo, bi)
+        D, Fs = hidden_size, ffn_size
+        self.scales = (-(-Fs // bo) * -(-D // bi),) * 2 + (-(-D // bo) * -(-Fs // bi),)
+        self.numel = 3 * D * Fs + 4 * sum(self.scales)
+        self.name, self.dtype, self.read_dtype = "fp8", torch.uint8, torch.uint8
+        self.kernel_weights = "fp8"
+
+    def describe(self) -> str:
+        bo, bi = self.kernel_block  # type: ignore[misc]
+        return f"float8 e4m3 as stored in the checkpoint ({bo}x{bi} block scales)"
+
+    def load(self, reader: CheckpointReader, layer: int, expert: int,
+             out: torch.Tensor) -> None:
+        at = reader.read_expert_fp8(layer, expert, out.numpy())  # straight into the row
+        assert at == self.numel, (layer, expert, at, self.numel)
+
+    def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+             out: torch.Tensor) -> None:
+        raise ValueError("FP8 experts are loaded as stored, not packed from floats")
+
+    def weights(self, blob: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [F, D], up [F, D], down [D, F]) of a blob, dequantized to `dtype`."""
+        D, Fs = self.hidden_size, self.ffn_size
+        bo, bi = self.kernel_block  # type: ignore[misc]
+        n = D * Fs
+        scales = blob[3 * n:].view(torch.float32)
+        out, at = [], 0
+        for i, (rows, cols) in enumerate(((Fs, D), (Fs, D), (D, Fs))):
+            codes = blob[i * n:(i + 1) * n].view(torch.float8_e4m3fn).view(rows, cols)
+            s = scales[at:at + self.scales[i]].view(-(-rows // bo), -(-cols // bi))
+            at += self.scales[i]
+            full = s.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+            out.append((codes.float() * full).to(dtype))
+        return out[0], out[1], out[2]
+
+    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, down = self.weights(blob, torch.float32)
+        return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
+
+    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.weights(blob, x.dtype)
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
-                  expert_dtype: str = "auto", stored: dict[int, StackTypes] | None = None
-                  ) -> ExpertFormat:
+                  expert_dtype: str = "auto", stored: dict[int, StackTypes] | None = None,
+                  fp8_block: tuple[int, int] = (128, 128)) -> ExpertFormat:
     """The format of `--expert-dtype` for weights served in `dtype`: auto keeps the experts
     as they are stored — GGUF block types (`stored`: each MoE layer's stack types, from
     CheckpointReader.expert_storage) as their bytes, else fp32 or bf16 — and int8 / int4
     quantize them."""
+    if expert_dtype == "auto" and stored and all(
+            t == (FP8_STORED,) * 3 for t in stored.values()):
+        return Fp8Format(hidden_size, ffn_size, fp8_block)
     if expert_dtype == "auto" and stored:
         return BlockFormat(hidden_size, ffn_size, stored)
     if expert_dtype == "auto":

@@ -168,7 +168,7 @@ class CpuKernels:
     WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_kernels.c's WT_F32, WT_BF16
     # The dense expert blobs strata_moe reads (ExpertFormat.kernel_weights): WT_F32, WT_BF16;
     # "blocks": GGUF block types as stored, their codes from the format (BlockFormat.kernel_types)
-    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "blocks": None}
+    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "blocks": None, "fp8": 12}  # fp8: WT_FP8
 
     @classmethod
     def weight_type(cls, dtype: torch.dtype) -> int:
@@ -248,12 +248,13 @@ class CpuKernels:
 
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
             blob_addr: np.ndarray, ffn_size: int, splits: int,
-            weights: str = "fp32", block_types: tuple[str, str, str] | None = None
-            ) -> torch.Tensor:
+            weights: str = "fp32", block_types: tuple[str, str, str] | None = None,
+            fp8_block: tuple[int, int] | None = None) -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
         blob_addr [E] (int64 address of each routed expert's blob: `weights` fp32 or bf16 in
-        cache/layout.py's split layout, or "blocks": GGUF rows of blocks, gate's, up's and
-        down's types `block_types`) -> [T, D] weighted sums (fp32)."""
+        cache/layout.py's split layout, "blocks": GGUF rows of blocks, gate's, up's and
+        down's types `block_types`, or "fp8": float8 e4m3 codes then their scales per
+        `fp8_block` block, cache/formats.py's Fp8Format) -> [T, D] weighted sums (fp32)."""
         T, D = x.shape
         K = top_idx.shape[1]
         E = blob_addr.shape[0]
@@ -261,9 +262,13 @@ class CpuKernels:
         assert blob_addr.dtype == np.int64
         if weights == "blocks":
             assert block_types is not None
-            wtypes = np.array([block_type(t).kernel for t in block_types], dtype=np.int64)
+            wtypes = np.array([block_type(t).kernel for t in block_types] + [0, 0],
+                              dtype=np.int64)
+        elif weights == "fp8":
+            assert fp8_block is not None
+            wtypes = np.array([self.MOE_WEIGHTS["fp8"]] * 3 + list(fp8_block), dtype=np.int64)
         else:
-            wtypes = np.full(3, self.MOE_WEIGHTS[weights], dtype=np.int64)
+            wtypes = np.full(5, self.MOE_WEIGHTS[weights], dtype=np.int64)
         assert x.is_contiguous() and top_idx.is_contiguous() and top_w.is_contiguous()
         floats = self._workspace("floats", torch.float32,
                                  self._lib.strata_moe_work_floats(T, K, D, ffn_size))

@@ -55,6 +55,7 @@
 #define WT_IQ4_NL 9       /* non-linear 4-bit: quants index a 16-entry int8 table */
 #define WT_MXFP4 10       /* OCP microscaling FP4 (E2M1 values, an E8M0 scale per 32) */
 #define WT_IQ4_XS 11      /* IQ4_NL's table in super-blocks of 256, 6-bit sub-block scales */
+#define WT_FP8 12         /* float8 e4m3 with an fp32 scale per bo x bi block (strata_moe) */
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
@@ -1243,6 +1244,103 @@ int64_t strata_moe_work_ints(int64_t T, int64_t K, int64_t E)
     return 3 * E + 1 + 2 * T * K;
 }
 
+/* 8 float8 e4m3 codes (1 sign, 4 exponent bits biased 7, 3 mantissa bits) as 8 floats,
+ * exact: the codes' exponent and mantissa bits placed in an fp32's (bits << 20) give the value
+ * times 2^-120, subnormal codes as fp32 subnormals, and the multiply by 2^120 restores it (a
+ * power of two: exact). */
+static inline __attribute__((always_inline)) vf8 e4m3_to_f(const uint8_t *w)
+{
+#if defined(__AVX2__)
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    return (vf8)_mm256_castsi256_ps(_mm256_or_si256(mag, sign)) * 0x1p120f;
+#else
+    vf8 r;
+    for (int i = 0; i < 8; i++) {
+        const uint32_t bits = ((uint32_t)(w[i] & 0x7f) << 20) | ((uint32_t)(w[i] & 0x80) << 24);
+        memcpy(&r[i], &bits, 4);
+    }
+    return r * 0x1p120f;
+#endif
+}
+
+/* y[r][o] for R rows of x (x + r ldx, or x + (xrow[r] / xdiv) ldx) against rows o0 .. o0 +
+ * out of W, float8 e4m3 codes of `in` weights each, weight = code * scales[o / bo][k / bi]
+ * (DeepSeek's weight_scale_inv layout; `in` and bi multiples of 8). Per block of bi inputs an
+ * fp32 FMA dot in 8 lanes, then one FMA by the block's scale, in order; rows in tiles of
+ * TOK_TILE sharing each code's conversion. */
+/* a * b + c, one rounding, whatever the tile height: an explicit FMA (GCC's contraction of
+ * `c += a * b` differed between the unrolled variants, and so would a row's bits). */
+static inline __attribute__((always_inline)) vf8 fma8(vf8 a, vf8 b, vf8 c)
+{
+#if defined(__FMA__)
+    return (vf8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf8 r;
+    for (int i = 0; i < 8; i++)
+        r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+static inline __attribute__((always_inline)) void fp8_tile(const float *const *xs, const int NT,
+                                                           const uint8_t *W,
+                                                           const float *scales, int64_t in,
+                                                           int64_t o0, int64_t out, int64_t bo,
+                                                           int64_t bi, float *y, int64_t ldy)
+{
+    const int64_t nbi = (in + bi - 1) / bi;
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *w = W + (o0 + o) * in;
+        const float *srow = scales + (o0 + o) / bo * nbi;
+        vf8 acc[TOK_TILE];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            acc[t] = (vf8){0};
+        for (int64_t kb = 0; kb < nbi; kb++) {
+            const int64_t k0 = kb * bi, k1 = k0 + bi < in ? k0 + bi : in;
+            vf8 part[TOK_TILE];
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++)
+                part[t] = (vf8){0};
+            for (int64_t k = k0; k < k1; k += 8) {
+                __builtin_prefetch(w + k + PF_BYTES, 0, 0);
+                const vf8 wf = e4m3_to_f(w + k);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) /* vf8 is 4-aligned: one unaligned load */
+                    part[t] = fma8(wf, *(const vf8 *)(xs[t] + k), part[t]);
+            }
+            const vf8 sc = (vf8){0} + srow[kb];
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++)
+                acc[t] = fma8(sc, part[t], acc[t]);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            y[t * ldy + o] = hsum8(acc[t]);
+    }
+}
+
+static void product_fp8(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv,
+                        int64_t R, const uint8_t *W, const float *scales, int64_t in,
+                        int64_t o0, int64_t out, int64_t bo, int64_t bi, float *y, int64_t ldy)
+{
+    for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
+        const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
+        const float *xs[TOK_TILE];
+        for (int t = 0; t < nt; t++)
+            xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+        float *yt = y + r0 * ldy;
+        switch (nt) {
+        case 1: fp8_tile(xs, 1, W, scales, in, o0, out, bo, bi, yt, ldy); break;
+        case 2: fp8_tile(xs, 2, W, scales, in, o0, out, bo, bi, yt, ldy); break;
+        case 3: fp8_tile(xs, 3, W, scales, in, o0, out, bo, bi, yt, ldy); break;
+        default: fp8_tile(xs, 4, W, scales, in, o0, out, bo, bi, yt, ldy); break;
+        }
+    }
+}
+
 /* a's rows from `first` on. */
 static struct q8rows q8rows_from(struct q8rows a, int64_t first)
 {
@@ -1261,13 +1359,18 @@ static struct q8rows q8rows_from(struct q8rows a, int64_t first)
  * For block types (wtypes[0..2]: gate's, up's, down's), the GGUF's rows of blocks as stored
  * (cache/formats.py's BlockFormat):
  *   [gate F rows of D | up F rows of D | down D rows of F], each of the S down units D/S rows
+ * For WT_FP8 (wtypes[3], wtypes[4]: the scale block's rows and columns, bo x bi), float8
+ * e4m3 codes then fp32 block scales (cache/formats.py's Fp8Format):
+ *   [gate F x D | up F x D | down D x F codes | their scales, row-major blocks, same order]
  * Only the experts some row routes to are read. work, iwork: strata_moe_work_* elements. */
 void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int64_t K,
                 const int64_t *top_idx, const float *top_w, int64_t E, const int64_t *blob_addr,
                 const int64_t *wtypes, float *y, float *work, int64_t *iwork)
 {
     const int64_t A = T * K, Dc = D / S;
-    const int wt = (int)wtypes[0], blocks = wt >= WT_Q8_0;
+    const int wt = (int)wtypes[0], fp8 = wt == WT_FP8, blocks = wt >= WT_Q8_0 && !fp8;
+    const int64_t bo = fp8 ? wtypes[3] : 1, bi = fp8 ? wtypes[4] : 1;
+    const int64_t gate_scales = ((F + bo - 1) / bo) * ((D + bi - 1) / bi); /* also up's */
     const int gt = (int)wtypes[0], ut = (int)wtypes[1], dt = (int)wtypes[2];
     int64_t *start = iwork;           /* [E + 1] first grouped position of each expert */
     int64_t *cursor = start + E + 1;  /* [E] */
@@ -1318,6 +1421,13 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
         for (int64_t u = 0; u < 2 * G; u++) {
             const int64_t e = groups[u / 2];
             float *dst = u % 2 ? up : gate;
+            if (fp8) {
+                const uint8_t *blob = (const uint8_t *)(intptr_t)blob_addr[e];
+                const float *sc = (const float *)(blob + 3 * D * F) + (u % 2) * gate_scales;
+                product_fp8(x, D, order + start[e], K, start[e + 1] - start[e],
+                            blob + (u % 2) * D * F, sc, D, 0, F, bo, bi, dst + start[e] * F, F);
+                continue;
+            }
             if (blocks) {
                 const int bt = u % 2 ? ut : gt;
                 const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + (u % 2) * gate_bytes;
@@ -1338,6 +1448,14 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < S * G; u++) {
             const int64_t e = groups[u / S], s = u % S;
+            if (fp8) {
+                const uint8_t *blob = (const uint8_t *)(intptr_t)blob_addr[e];
+                const float *sc = (const float *)(blob + 3 * D * F) + 2 * gate_scales;
+                product_fp8(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e],
+                            blob + 2 * D * F, sc, F, s * Dc, Dc, bo, bi,
+                            out + start[e] * D + s * Dc, D);
+                continue;
+            }
             if (blocks) {
                 const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + gate_bytes +
                                    up_bytes + s * Dc * down_row_bytes;

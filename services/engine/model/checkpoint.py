@@ -146,10 +146,50 @@ class CheckpointReader:
         """One pair's stored blocks into `out` (GGUF files only)."""
         raise CheckpointError(f"{self.model_dir.name} stores experts as floats, not blocks")
 
+    def _expert_names(self, layer: int, expert: int) -> list[tuple[str, int | None]]:
+        """The stored (name, slab index) of one pair's gate, up and down: per-expert tensors,
+        or slabs of fused stacks (gate_up split by the caller)."""
+        n = self.weight_names
+        prefix = EXPERTS.format(layer=layer, moe=n.moe)
+        if f"{prefix}.{expert}.{n.gate}.weight" in self:
+            return [(f"{prefix}.{expert}.{p}.weight", None) for p in (n.gate, n.up, n.down)]
+        fused = [next((c for c in (f"{prefix}.{s}", f"{prefix}.{s}.weight") if c in self), "")
+                 for s in ("gate_up_proj", "down_proj")]
+        return [(fused[0], expert), (fused[1], expert)]
+
+    def read_expert_fp8(self, layer: int, expert: int, out: np.ndarray) -> int:
+        """One FP8 pair as stored into `out` (cache/formats.py's Fp8Format): the gate, up and
+        down codes, then their block scales, by positioned reads. Returns the bytes written."""
+        parts = self._expert_names(layer, expert)
+        if len(parts) != 3:
+            raise CheckpointError(f"{self.model_dir.name}: FP8 experts are read as stored only "
+                                  "from per-expert tensors")
+        codes = [self._read(name, index).view(torch.uint8).reshape(-1) for name, index in parts]
+        scales = [self._read(f"{name}_scale_inv", index).float().reshape(-1)
+                  for name, index in parts]
+        at = 0
+        for chunk in [*codes, *(s.view(torch.uint8) for s in scales)]:
+            out[at:at + chunk.numel()] = chunk.numpy()
+            at += chunk.numel()
+        return at
+
     def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
-        """Each MoE layer's (gate, up, down) expert block types, for a format that keeps them
-        as stored (GGUF files; safetensors experts are plain floats: None)."""
-        return None
+        """Each MoE layer's (gate, up, down) expert types, for a format that keeps them as
+        stored: FP8 checkpoints with block scales (per-expert tensors), ("FP8_E4M3",) * 3
+        per layer; plain floats: None (GGUF files: model/gguf_reader.py)."""
+        config_path = self.model_dir / "config.json"
+        if not config_path.is_file():
+            return None
+        layers = sorted({int(name.split(".")[2]) for name in self._file_of
+                         if ".experts." in name and name.startswith("model.layers.")})
+        out = {}
+        for layer in layers:
+            parts = self._expert_names(layer, 0)
+            if len(parts) != 3 or any(self.stored_dtype(name) != "F8_E4M3"
+                                      or f"{name}_scale_inv" not in self for name, _ in parts):
+                return None
+            out[layer] = ("FP8_E4M3",) * 3
+        return out or None
 
     def _read(self, name: str, index: int | None = None) -> torch.Tensor:
         """A tensor (or its `index`-th slab along dim 0) read with a positioned read from its

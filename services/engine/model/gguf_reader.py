@@ -201,6 +201,8 @@ class GGUFCheckpoint:
         return tuple(np.asarray(self._tensor(f"blk.{layer}.{stack}").data[expert])
                      for stack in EXPERT_STACKS)  # type: ignore[return-value]
 
+    fp8_block = (128, 128)  # (FP8 scale blocks: safetensors checkpoints only)
+
     def read_expert_blocks(self, layer: int, expert: int, out: np.ndarray) -> int:
         """Read one pair's (gate, up, down) slabs as stored into `out` (uint8, one after
         another) with positioned reads from the file, not through its mapping: the host store

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cache.layout import ExpertLayout
-from services.engine.model.blocks import block_type, dequantize
+from services.engine.model.blocks import block_type, dequantize, fp8_values
 from services.engine.model.dtypes import dtype_name
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
 
@@ -185,7 +185,24 @@ class QuantFormat(_Common):
 StackTypes = tuple[str, str, str]  # the GGUF block types of a layer's gate, up and down stacks
 
 
-class BlockFormat(_Common):
+class _AsStored(_Common):
+    """Formats whose blobs are the checkpoint's own encoding: the torch reference dequantizes
+    a blob (`weights`, per format) and runs the expert MLP on it."""
+
+    def weights(self, blob: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, down = self.weights(blob, torch.float32)
+        return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
+
+    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.weights(blob, x.dtype)
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+class BlockFormat(_AsStored):
     """Experts kept in the GGUF block types the file stores them in. A blob is the pair's gate
     rows, up rows and down rows of blocks (gate/up: F rows of D weights, down: D rows of F),
     the file's bytes unchanged. A file may store layers differently (Q4_K_M keeps some
@@ -265,19 +282,11 @@ class BlockFormat(_Common):
         down = dequantize(blob[g + u:g + u + d], t[2]).to(dtype).view(D, Fs)
         return gate, up, down
 
-    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up, down = self.weights(blob, torch.float32)
-        return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
-
-    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self.weights(blob, x.dtype)
-        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
 
 FP8_STORED = "FP8_E4M3"  # CheckpointReader.expert_storage()'s type for FP8 experts
 
 
-class Fp8Format(_Common):
+class Fp8Format(_AsStored):
     """Experts kept as a Hugging Face FP8 checkpoint stores them: float8 e4m3 codes with an fp32
     scale per bo x bi block (`weight_scale_inv`; weight = code * scale). A blob is the pair's
     gate, up and down codes (F x D, F x D, D x F: one byte a weight), then their scales in the
@@ -314,25 +323,17 @@ class Fp8Format(_Common):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [F, D], up [F, D], down [D, F]) of a blob, dequantized to `dtype`."""
         D, Fs = self.hidden_size, self.ffn_size
-        bo, bi = self.kernel_block  # type: ignore[misc]
+        block = self.kernel_block
+        assert block is not None
         n = D * Fs
         scales = blob[3 * n:].view(torch.float32)
         out, at = [], 0
         for i, (rows, cols) in enumerate(((Fs, D), (Fs, D), (D, Fs))):
             codes = blob[i * n:(i + 1) * n].view(torch.float8_e4m3fn).view(rows, cols)
-            s = scales[at:at + self.scales[i]].view(-(-rows // bo), -(-cols // bi))
+            s = scales[at:at + self.scales[i]].view(-(-rows // block[0]), -(-cols // block[1]))
             at += self.scales[i]
-            full = s.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
-            out.append((codes.float() * full).to(dtype))
+            out.append(fp8_values(codes, s, block).to(dtype))
         return out[0], out[1], out[2]
-
-    def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up, down = self.weights(blob, torch.float32)
-        return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
-
-    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self.weights(blob, x.dtype)
-        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,

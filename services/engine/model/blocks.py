@@ -214,6 +214,18 @@ def round_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:
     return (q * (amax / 127.0)).reshape(x.shape)
 
 
+def fp8_values(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+               ) -> torch.Tensor:
+    """FP8 weights [..., rows, cols] (float8 codes) times their block scales [..., ceil(rows /
+    bo), ceil(cols / bi)] (a checkpoint's weight_scale_inv, as DeepSeek's weight_dequant
+    multiplies them) -> fp32."""
+    bo, bi = block
+    rows, cols = codes.shape[-2:]
+    full = scale.float().repeat_interleave(bo, dim=-2)[..., :rows, :].repeat_interleave(
+        bi, dim=-1)[..., :cols]
+    return codes.float() * full
+
+
 @dataclass
 class BlockMatrix:
     """A dense weight kept in its GGUF block types (an lm_head, a layer's q | k | v): N rows

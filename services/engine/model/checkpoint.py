@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from services.engine.model.blocks import fp8_values
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, find_gguf
 from services.engine.model.families import parse_config
 from services.engine.model.gguf_reader import GGUFCheckpoint, load_gguf_config
@@ -131,12 +132,7 @@ class CheckpointReader:
         if scale_name not in self:
             raise CheckpointError(f"{name} is stored in {t.dtype} without {scale_name}: only "
                                   "FP8 weights with block scales are read")
-        scale = self._read(scale_name, index).float()
-        bo, bi = self.fp8_block
-        rows, cols = t.shape[-2:]
-        full = scale.repeat_interleave(bo, dim=-2)[..., :rows, :].repeat_interleave(
-            bi, dim=-1)[..., :cols]
-        return t.float() * full
+        return fp8_values(t, self._read(scale_name, index), self.fp8_block)
 
     def blocks(self, name: str) -> tuple[str, np.ndarray]:
         """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""

@@ -727,6 +727,20 @@ static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t 
 #endif
 }
 
+/* a * b + c, one rounding, whatever the tile height: an explicit FMA (GCC's contraction of
+ * `c += a * b` differed between the unrolled variants, and so would a row's bits). */
+static inline __attribute__((always_inline)) vf8 fma8(vf8 a, vf8 b, vf8 c)
+{
+#if defined(__FMA__)
+    return (vf8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf8 r;
+    for (int i = 0; i < 8; i++)
+        r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
 static inline __attribute__((always_inline)) float hsum8(vf8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 /* y[t][o] (rows ldy apart) for NT activation rows (a's rows rows[t]) against `out` rows of
@@ -763,7 +777,8 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
                     const i32x8 p = dot_i8(w, aq[t] + b * 32, 1, 1);
-                    acc[t] += (dw * ad[t][b]) * __builtin_convertvector(p, vf8);
+                    acc[t] = fma8((vf8){0} + dw * ad[t][b], __builtin_convertvector(p, vf8),
+                                  acc[t]);
                 }
                 continue;
             }
@@ -799,10 +814,13 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
                 i32x8 s0, s1;
                 memcpy(&s0, as[t] + b * 16, 32);
                 memcpy(&s1, as[t] + b * 16 + 8, 32);
-                acc[t] += (d * dx) * __builtin_convertvector(isum[t], vf8);
-                if (bt != WT_IQ4_XS) /* no offsets or mins */
-                    acc[t] -= dx * (cw0 * __builtin_convertvector(s0, vf8) +
-                                    cw1 * __builtin_convertvector(s1, vf8));
+                /* explicit FMAs: the same operations for every tile height (fma8) */
+                acc[t] = fma8((vf8){0} + d * dx, __builtin_convertvector(isum[t], vf8), acc[t]);
+                if (bt != WT_IQ4_XS) { /* no offsets or mins */
+                    const vf8 m = fma8(cw0, __builtin_convertvector(s0, vf8),
+                                       cw1 * __builtin_convertvector(s1, vf8));
+                    acc[t] = fma8((vf8){0} - dx, m, acc[t]);
+                }
             }
         }
 #pragma GCC unroll 4
@@ -1270,20 +1288,6 @@ static inline __attribute__((always_inline)) vf8 e4m3_to_f(const uint8_t *w)
  * (DeepSeek's weight_scale_inv layout; `in` and bi multiples of 8). Per block of bi inputs an
  * fp32 FMA dot in 8 lanes, then one FMA by the block's scale, in order; rows in tiles of
  * TOK_TILE sharing each code's conversion. */
-/* a * b + c, one rounding, whatever the tile height: an explicit FMA (GCC's contraction of
- * `c += a * b` differed between the unrolled variants, and so would a row's bits). */
-static inline __attribute__((always_inline)) vf8 fma8(vf8 a, vf8 b, vf8 c)
-{
-#if defined(__FMA__)
-    return (vf8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    vf8 r;
-    for (int i = 0; i < 8; i++)
-        r[i] = fmaf(a[i], b[i], c[i]);
-    return r;
-#endif
-}
-
 static inline __attribute__((always_inline)) void fp8_tile(const float *const *xs, const int NT,
                                                            const uint8_t *W,
                                                            const float *scales, int64_t in,

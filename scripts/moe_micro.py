@@ -10,31 +10,22 @@ bytes read per second, at 1 and 4 token rows. Threads: torch's (OMP_NUM_THREADS)
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from services.engine import kernels
-from services.engine.cache.layout import ExpertLayout, num_splits
-from services.engine.model.blocks import block_type
-
-# byte offsets of each block's fp16 scales (the rest of a block: any bits are valid)
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from services.engine import kernels  # noqa: E402
+from services.engine.cache.layout import ExpertLayout, num_splits  # noqa: E402
+from tests.engine.test_block_kernels import random_rows  # noqa: E402  (random valid blocks)
 
 
 def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random rows of blocks of a type (quants and sub-scales random, fp16 scales ~1e-3)."""
-    t = block_type(name)
-    n = rows * cols // t.weights
-    blocks = rng.integers(0, 256, size=(n, t.bytes), dtype=np.uint8)
-    for at in F16_FIELDS[name]:
-        blocks[:, at:at + 2] = (rng.uniform(-1, 1, n) * 1e-3).astype(np.float16).view(
-            np.uint8).reshape(n, 2)
-    if name == "MXFP4":  # its E8M0 exponent byte: scales around 2^-8
-        blocks[:, 0] = rng.integers(116, 124, n)
-    return blocks.reshape(-1)
+    """Random rows of blocks of a type, flat (tests/engine/test_block_kernels.py's)."""
+    return random_rows(name, rows, cols, rng).reshape(-1)
 
 
 def main() -> None:

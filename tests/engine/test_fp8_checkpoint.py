@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from services.engine.model.checkpoint import CheckpointError
 from services.engine.runner import ModelRunner
 from tests.engine.conftest import make_hf_checkpoint
-from tests.engine.test_runner import greedy
+from tests.engine.test_runner import greedy, greedy_by_cache_size
 
 BLOCK = (32, 16)  # small blocks, so the tiny matrices hold several, including ragged edges
 PROMPT = "def fp8(x):"
@@ -102,11 +102,7 @@ def test_fp8_experts_are_held_as_stored_and_compute_their_values(fp8_pair):
     _, tokens_b, logits_b = greedy(b, PROMPT, n=8)
     assert tokens_a == tokens_b
     torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
-    outputs = []
-    for slots in (0, 10):
-        r = ModelRunner(fp8, cache_slots=slots, reserved_bytes=0)
-        r.fill_cache(r.layer_order_pairs())
-        outputs.append(greedy(r, PROMPT, n=8)[1:])
+    outputs = greedy_by_cache_size(fp8, (0, 10), PROMPT)
     assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
 
 

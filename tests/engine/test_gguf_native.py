@@ -29,7 +29,7 @@ from tests.engine.test_gguf_import import (  # noqa: E402
     source_tensors,
     write_gguf,
 )
-from tests.engine.test_runner import greedy  # noqa: E402
+from tests.engine.test_runner import greedy, greedy_by_cache_size  # noqa: E402
 
 
 def test_q8_0_blocks_dequantize_as_gguf_py_does():
@@ -123,13 +123,7 @@ def test_q8_0_file_computes_what_its_dequantized_weights_do(q8_0_gguf, source, t
 
 @pytest.mark.parametrize("placement", ["host", "copy"])
 def test_q8_0_greedy_output_is_identical_across_cache_sizes(q8_0_gguf, placement):
-    results = []
-    for slots in (0, 6, 24):
-        runner = ModelRunner(q8_0_gguf, cache_slots=slots, reserved_bytes=0,
-                             placement=placement)
-        runner.fill_cache(runner.layer_order_pairs()[::-1])
-        _, tokens, logits = greedy(runner, PROMPT, n=10)
-        results.append((tokens, logits))
+    results = greedy_by_cache_size(q8_0_gguf, (0, 6, 24), PROMPT, n=10, placement=placement)
     assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)
 
 
@@ -248,12 +242,7 @@ def test_a_q4_k_m_file_is_held_and_computed_as_stored(q4_k_m_gguf, tmp_path):
 @pytest.mark.parametrize("placement", ["host", "copy"])
 def test_q4_k_m_greedy_output_is_identical_across_cache_sizes(q4_k_m_gguf, placement):
     _, _, path = q4_k_m_gguf
-    results = []
-    for slots in (0, 3, 12):
-        runner = ModelRunner(path, cache_slots=slots, reserved_bytes=0, placement=placement)
-        runner.fill_cache(runner.layer_order_pairs()[::-1])
-        _, tokens, logits = greedy(runner, PROMPT, n=8)
-        results.append((tokens, logits))
+    results = greedy_by_cache_size(path, (0, 3, 12), PROMPT, placement=placement)
     assert all(t == results[0][0] and torch.equal(lg, results[0][1]) for t, lg in results)
 
 
@@ -276,11 +265,7 @@ def test_mxfp4_experts_are_computed_as_stored(source, tmp_path):  # noqa: F811
     ids = Tokenizer(ckpt).encode(PROMPT)
     got = greedy_logits(path, ids, steps=0, dtype="fp32")
     assert rel_rms(got, greedy_logits(reference, ids, steps=0, dtype="fp32")) <= 0.02
-    outputs = []
-    for slots in (0, 24):
-        r = ModelRunner(path, cache_slots=slots, reserved_bytes=0)
-        r.fill_cache(r.layer_order_pairs())
-        outputs.append(greedy(r, PROMPT, n=8)[1:])
+    outputs = greedy_by_cache_size(path, (0, 24), PROMPT)
     assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
 
 

@@ -44,6 +44,19 @@ def greedy(runner: ModelRunner, prompt: str, n: int = 24):
     return seq, out, logits
 
 
+def greedy_by_cache_size(model_dir, slot_counts, prompt: str, n: int = 8, **kwargs
+                         ) -> list[tuple[list[int], torch.Tensor]]:
+    """(greedy tokens, last logits) of a runner per slot count, each cache filled first
+    (in reverse layer order) — what "identical across cache sizes" compares."""
+    results = []
+    for slots in slot_counts:
+        runner = ModelRunner(model_dir, cache_slots=slots, reserved_bytes=0, **kwargs)
+        runner.fill_cache(runner.layer_order_pairs()[::-1])
+        _, tokens, logits = greedy(runner, prompt, n=n)
+        results.append((tokens, logits))
+    return results
+
+
 def test_sizing_and_fill_logs(tiny_dir, caplog):
     caplog.set_level(logging.INFO, logger="strata.engine")
     runner = runner_with_slots(tiny_dir, 6)

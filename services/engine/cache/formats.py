@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cache.layout import ExpertLayout
-from services.engine.model.blocks import block_type, dequantize, fp8_values
+from services.engine.model.blocks import FP8_STORED, block_type, dequantize, fp8_values
 from services.engine.model.dtypes import dtype_name
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
 
@@ -281,9 +281,6 @@ class BlockFormat(_AsStored):
         up = dequantize(blob[g:g + u], t[1]).to(dtype).view(Fs, D)
         down = dequantize(blob[g + u:g + u + d], t[2]).to(dtype).view(D, Fs)
         return gate, up, down
-
-
-FP8_STORED = "FP8_E4M3"  # CheckpointReader.expert_storage()'s type for FP8 experts
 
 
 class Fp8Format(_AsStored):

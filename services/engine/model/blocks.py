@@ -61,6 +61,8 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("IQ4_NL", 32, 18, 9), BlockType("MXFP4", 32, 17, 10),
     BlockType("IQ4_XS", 256, 136, 11))}
 
+FP8_STORED = "FP8_E4M3"  # an FP8 checkpoint's expert type (CheckpointReader.expert_storage)
+
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1, doubled
 
@@ -195,10 +197,6 @@ def dequantize(data: torch.Tensor, type_name: str) -> torch.Tensor:
     data's device."""
     t = block_type(type_name)
     return _DEQUANTIZE[t.name](data.reshape(-1, t.bytes)).reshape(-1)
-
-
-def dequantize_q8_0(data: torch.Tensor) -> torch.Tensor:
-    return dequantize(data, "Q8_0")
 
 
 def round_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from services.engine.model.blocks import fp8_values
+from services.engine.model.blocks import FP8_STORED, fp8_values
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, find_gguf
 from services.engine.model.families import parse_config
 from services.engine.model.gguf_reader import GGUFCheckpoint, load_gguf_config
@@ -160,18 +160,22 @@ class CheckpointReader:
         if len(parts) != 3:
             raise CheckpointError(f"{self.model_dir.name}: FP8 experts are read as stored only "
                                   "from per-expert tensors")
-        codes = [self._read(name, index).view(torch.uint8).reshape(-1) for name, index in parts]
-        scales = [self._read(f"{name}_scale_inv", index).float().reshape(-1)
-                  for name, index in parts]
         at = 0
-        for chunk in [*codes, *(s.view(torch.uint8) for s in scales)]:
-            out[at:at + chunk.numel()] = chunk.numpy()
-            at += chunk.numel()
+        for name, index in parts:  # the codes, straight into the row
+            at += self._read_into(name, index, out[at:])
+        for name, index in parts:  # the fp32 scales (converted when stored otherwise)
+            scale = f"{name}_scale_inv"
+            if self._entry(scale, index)[3] == torch.float32:
+                at += self._read_into(scale, index, out[at:])
+                continue
+            raw = self._read(scale, index).float().reshape(-1).view(torch.uint8).numpy()
+            out[at:at + raw.size] = raw
+            at += raw.size
         return at
 
     def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
         """Each MoE layer's (gate, up, down) expert types, for a format that keeps them as
-        stored: FP8 checkpoints with block scales (per-expert tensors), ("FP8_E4M3",) * 3
+        stored: FP8 checkpoints with block scales (per-expert tensors), (FP8_STORED,) * 3
         per layer; plain floats: None (GGUF files: model/gguf_reader.py)."""
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
@@ -184,13 +188,13 @@ class CheckpointReader:
             if len(parts) != 3 or any(self.stored_dtype(name) != "F8_E4M3"
                                       or f"{name}_scale_inv" not in self for name, _ in parts):
                 return None
-            out[layer] = ("FP8_E4M3",) * 3
+            out[layer] = (FP8_STORED,) * 3
         return out or None
 
-    def _read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """A tensor (or its `index`-th slab along dim 0) read with a positioned read from its
-        shard, not through safetensors' mapping: loading every expert of a checkpoint leaves
-        only the host store resident, the shards' pages reclaimable page cache."""
+    def _entry(self, name: str, index: int | None = None
+               ) -> tuple[str, int, int, torch.dtype, list[int]]:
+        """(shard, file offset, bytes, dtype, shape) of a tensor or its `index`-th slab along
+        dim 0, from the shard's safetensors header (read once)."""
         f = self._file_of[name]
         if f not in self._headers:
             with open(self.model_dir / f, "rb") as fh:
@@ -198,19 +202,32 @@ class CheckpointReader:
                 self._headers[f] = (8 + size, json.loads(fh.read(size)))
         start, header = self._headers[f]
         entry = header[name]
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
         shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
         if index is not None:
             slab = (end - begin) // shape[0]
             begin, end, shape = begin + index * slab, begin + (index + 1) * slab, shape[1:]
-        out = torch.empty(end - begin, dtype=torch.uint8)
+        return f, start + begin, end - begin, SAFETENSORS_DTYPES[entry["dtype"]], shape
+
+    def _read_into(self, name: str, index: int | None, out: np.ndarray) -> int:
+        """A tensor's (or slab's) stored bytes into the uint8 buffer `out` with one positioned
+        read from its shard, not through safetensors' mapping: loading every expert of a
+        checkpoint leaves only the host store resident, the shards' pages reclaimable page
+        cache. Returns the bytes read."""
+        f, offset, size, _, _ = self._entry(name, index)
         fd = os.open(self.model_dir / f, os.O_RDONLY)
         try:
-            got = os.preadv(fd, [memoryview(out.numpy())], start + begin)
+            got = os.preadv(fd, [memoryview(out[:size])], offset)
         finally:
             os.close(fd)
-        if got != end - begin:
-            raise CheckpointError(f"{f}: short read of {name} ({got} of {end - begin} bytes)")
+        if got != size:
+            raise CheckpointError(f"{f}: short read of {name} ({got} of {size} bytes)")
+        return size
+
+    def _read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """A tensor (or its `index`-th slab along dim 0) by _read_into, as stored."""
+        _, _, size, dtype, shape = self._entry(name, index)
+        out = torch.empty(size, dtype=torch.uint8)
+        self._read_into(name, index, out.numpy())
         return out.view(dtype).view(shape)
 
     def expert_weights(

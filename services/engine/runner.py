@@ -45,7 +45,11 @@ from services.engine.cache.policy import DEFAULT_PREFETCH, PolicySpec, Residency
 from services.engine.cache.slot_pool import FillReport, SlotPool
 from services.engine.cache.trace import TraceWriter
 from services.engine.kernels.backend import select_backend
-from services.engine.model.checkpoint import load_model_config, open_checkpoint
+from services.engine.model.checkpoint import (
+    CheckpointReader,
+    load_model_config,
+    open_checkpoint,
+)
 from services.engine.model.config import ModelConfig
 from services.engine.model.cuda_graphs import DecodeGraphs, graph_blocker
 from services.engine.model.dtypes import dtype_name, resolve_dtype
@@ -80,14 +84,18 @@ def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     config = load_model_config(Path(model_dir))
     reader = open_checkpoint(Path(model_dir), weight_names(config))
     weight_dtype = resolve_dtype(dtype, reader)
-    element = torch.empty((), dtype=weight_dtype).element_size()
-    # routed experts are the host store's, per expert or stacked (a GGUF reader lists none)
-    params = sum(math.prod(reader.shape(name)) for name in reader.names
-                 if ".experts." not in name)
     block = 16
     kv = kv_windows * -(-config.context_window // block) * PagedKVCache.bytes_per_block(
         config.num_layers, block, config.num_kv_heads, config.head_dim, weight_dtype)
-    return params * element, kv
+    return non_expert_bytes(reader, weight_dtype), kv
+
+
+def non_expert_bytes(reader: CheckpointReader, weight_dtype: torch.dtype) -> int:
+    """Every tensor but the routed experts (the host store's, per expert or stacked; a GGUF
+    reader lists none) counted in the weight dtype: an upper bound for block-type tensors."""
+    params = sum(math.prod(reader.shape(name)) for name in reader.names
+                 if ".experts." not in name)
+    return params * weight_dtype.itemsize
 
 
 class PromptError(ValueError):
@@ -180,7 +188,7 @@ class ModelRunner:
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
                             expert_dtype, reader.expert_storage(), reader.fp8_block)
         check_host_memory(c.total_pairs * fmt.blob_bytes,
-                          fixed_bytes_of(model_dir, self.weight_dtype)[0],
+                          non_expert_bytes(reader, self.weight_dtype),
                           host_memory_available() if host_memory_bytes is None
                           else host_memory_bytes, fmt.describe())
         self.model = load_model(reader, c, self.backend, self.weight_dtype)

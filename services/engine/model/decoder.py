@@ -38,7 +38,7 @@ class Decoder:
     def __init__(self, config: ModelConfig, embed: torch.Tensor | BlockMatrix,
                  layers: list[DecoderLayer], final_norm: torch.Tensor,
                  lm_head: torch.Tensor | BlockMatrix, rope: Rope, backend: TorchBackend,
-                 weight_dtype: torch.dtype | None = None):
+                 weight_dtype: torch.dtype):
         self.config = config
         self.backend = backend
         self.device = backend.device
@@ -47,7 +47,7 @@ class Decoder:
         self.final_norm = final_norm  # [D]
         self.lm_head = lm_head  # [S, D, V/S]
         self.rope = rope
-        self.weight_dtype = weight_dtype or embed.dtype  # type: ignore[union-attr]
+        self.weight_dtype = weight_dtype  # the matrices' (a block-type embedding has none)
         self.dtype = backend.activation_dtype(self.weight_dtype)  # activations, norms, KV cache
         self.moe_layers = [layer.index for layer in layers if layer.moe is not None]
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.model.checkpoint import CheckpointError
+from services.engine.model.checkpoint import CheckpointError, load_model_config
 from services.engine.runner import ModelRunner
 from tests.engine.conftest import make_hf_checkpoint
 from tests.engine.test_runner import greedy, greedy_by_cache_size
@@ -59,8 +59,7 @@ def fp8_pair(tmp_path_factory):
             fp8[name], ref[name] = w, w.float()
             continue
         codes, scale = fp8_blocks(w.float())
-        weight = name if name.endswith("weight") else name  # fused stacks keep their name
-        fp8[weight], fp8[f"{weight}_scale_inv"] = codes, scale
+        fp8[name], fp8[f"{name}_scale_inv"] = codes, scale
         ref[name] = dequantized(codes, scale)
     out = {}
     for kind, tensors_of in (("fp8", fp8), ("ref", ref)):
@@ -148,6 +147,39 @@ def test_the_c_kernel_reads_fp8_blobs_as_the_reference_computes(T):
     alone = torch.cat([run(x[t:t + 1].clone(), top_idx[t:t + 1].clone(),
                            top_w[t:t + 1].clone()) for t in range(T)])
     assert torch.equal(alone, y)
+
+
+def test_fused_fp8_expert_stacks_are_read_as_their_values(fp8_pair, tmp_path):
+    """The same experts as fused stacks (experts.gate_up_proj [E, 2F, D], experts.down_proj
+    [E, D, F], each with its [E, ...] block scales): read slab by slab as code times scale,
+    the same logits bit for bit as the dequantized checkpoint."""
+    fp8, ref = fp8_pair
+    config = load_model_config(Path(fp8))
+    E, F = config.num_experts, config.moe_intermediate_size
+    assert F % BLOCK[0] == 0  # gate's and up's scale rows stack as their rows do
+    tensors = load_file(str(Path(fp8) / "model.safetensors"))
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in config.moe_layers:
+        p = f"model.layers.{layer}.mlp.experts"
+
+        def stack(proj: str, suffix: str = "") -> torch.Tensor:
+            return torch.stack([tensors[f"{p}.{e}.{proj}.weight{suffix}"] for e in range(E)])
+
+        for suffix in ("", "_scale_inv"):
+            fused[f"{p}.gate_up_proj{suffix}"] = torch.cat(
+                [stack("gate_proj", suffix), stack("up_proj", suffix)], dim=1).contiguous()
+            fused[f"{p}.down_proj{suffix}"] = stack("down_proj", suffix).contiguous()
+    d = tmp_path / "fused"
+    d.mkdir()
+    for f in Path(fp8).iterdir():
+        if f.suffix != ".safetensors":
+            (d / f.name).write_bytes(f.read_bytes())
+    save_file(fused, str(d / "model.safetensors"))
+    a = ModelRunner(d, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
+    b = ModelRunner(ref, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
+    _, tokens_a, logits_a = greedy(a, PROMPT, n=8)
+    _, tokens_b, logits_b = greedy(b, PROMPT, n=8)
+    assert tokens_a == tokens_b and torch.equal(logits_a, logits_b)
 
 
 def test_fp8_without_its_scales_is_refused(fp8_pair, tmp_path):

@@ -162,7 +162,7 @@ def test_fused_fp8_expert_stacks_are_read_as_their_values(fp8_pair, tmp_path):
     for layer in config.moe_layers:
         p = f"model.layers.{layer}.mlp.experts"
 
-        def stack(proj: str, suffix: str = "") -> torch.Tensor:
+        def stack(proj: str, suffix: str = "", p: str = p) -> torch.Tensor:
             return torch.stack([tensors[f"{p}.{e}.{proj}.weight{suffix}"] for e in range(E)])
 
         for suffix in ("", "_scale_inv"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (see docs/benchmarks.md, "GPU"): the CUDA tests, the Triton kernel's tests,
 # a profile of a decode step and `strata bench engine --device cuda` at 100/50/25% coverage with
-# prefetch off and on, and bf16 against fp32 weights. Writes logs and JSON under $OUT (default ./gpu-out). Wheels for packages
+# prefetch off and on, bf16 against fp32 weights, and the same weights as a Q8_0 GGUF. Writes logs and JSON under $OUT (default ./gpu-out). Wheels for packages
 # the machine lacks may sit in .whl/ (installed into /tmp/site first).
 set -u
 OUT=${OUT:-gpu-out}
@@ -44,11 +44,17 @@ timeout 120 $BENCH --prompt-tokens 32 --gen-tokens 64 --repeat 2 --coverage 1 0.
 step "bench: batch 8 (and prefill 512)"
 timeout 40 $BENCH --prompt-tokens 32 --gen-tokens 64 --batch 8 > "$OUT/batch8.json" 2>> "$LOG"
 [ -z "${QUICK:-}" ] && timeout 40 $BENCH --prompt-tokens 512 --gen-tokens 8 > "$OUT/prefill512.json" 2>> "$LOG"
+step "bench: the same weights as a Q8_0 GGUF (experts and lm_head dequantized in registers)"
+if python3 -c "import gguf" 2>/dev/null && timeout 90 python3 scripts/demo_gguf.py /tmp/bench-moe \
+    /tmp/bench-q8_0.gguf --type Q8_0 > /dev/null 2>> "$LOG"; then
+  timeout 90 ${BENCH/bench-moe/bench-q8_0.gguf} --prompt-tokens 32 --gen-tokens 64 --repeat 2 \
+    --coverage 1 0.25 --policy static > "$OUT/gguf.json" 2>> "$LOG"; grep round "$LOG" | tail -4
+else echo "no gguf package: the GGUF step is left out"; fi
 step "summary"
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for name in ("static", "static_eager", "crf", "dtype", "batch8", "prefill512"):
+for name in ("static", "static_eager", "crf", "dtype", "batch8", "prefill512", "gguf"):
     try:
         d = json.loads((out / f"{name}.json").read_text())
     except Exception as e:

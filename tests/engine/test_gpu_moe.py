@@ -32,7 +32,10 @@ def _interpreter_scalars_index() -> None:
 if not torch.cuda.is_available():
     _interpreter_scalars_index()
 
+from services.engine.cache.formats import BlockFormat, Fp8Format  # noqa: E402
 from services.engine.cache.layout import ExpertLayout, num_splits  # noqa: E402
+from services.engine.model.blocks import block_type  # noqa: E402
+from tests.engine.test_gguf_native import q4_k_m_gguf  # noqa: E402, F401 - a fixture
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 D, F = 128, 96  # F not a multiple of BLOCK_F: the masked tails run too
@@ -176,6 +179,131 @@ def test_device_grouping_gives_the_host_grouping_bits():
         torch.testing.assert_close(device, host, atol=1e-6, rtol=1e-6)
 
 
+def stored_experts(fmt, num: int, seed: int) -> torch.Tensor:
+    """uint8 [num, blob bytes]: random blobs of a BlockFormat (every type's random blocks from
+    test_block_kernels) or an Fp8Format (random non-NaN codes, scales around 1e-3)."""
+    rng = np.random.default_rng(seed)
+    D, Fs = fmt.hidden_size, fmt.ffn_size
+    if isinstance(fmt, Fp8Format):
+        codes = rng.integers(0, 256, size=(num, 3 * D * Fs), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
+        scales = rng.uniform(0.5, 2.0, size=(num, sum(fmt.scales))).astype(np.float32) * 1e-3
+        return torch.from_numpy(np.concatenate([codes, scales.view(np.uint8)], axis=1))
+    from tests.engine.test_block_kernels import random_rows
+
+    (t,) = set(fmt.types.values())
+    return torch.from_numpy(np.stack([np.concatenate([
+        random_rows(t[0], Fs, D, rng).reshape(-1), random_rows(t[1], Fs, D, rng).reshape(-1),
+        random_rows(t[2], D, Fs, rng).reshape(-1)]) for _ in range(num)]))
+
+
+def stored_reference(fmt, x, top_idx, top_w, blobs) -> torch.Tensor:
+    """Each token's experts on their reference dequantization (the format's torch weights()),
+    in float64, summed in ascending expert id."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in np.argsort(top_idx[t].numpy(), kind="stable"):
+            gate, up, down = fmt.weights(blobs[int(top_idx[t, k])].cpu(), torch.float64)
+            xt = x[t : t + 1].double().cpu()
+            h = torch.nn.functional.silu(xt @ gate.T) * (xt @ up.T)
+            out[t] += float(top_w[t, k]) * (h @ down.T)[0]
+    return out
+
+
+def stored_weights(fmt) -> gpu_moe.Weights:
+    if isinstance(fmt, Fp8Format):
+        return gpu_moe.Weights.fp8(fmt.kernel_block)
+    return gpu_moe.Weights.blocks(fmt.kernel_types, fmt.hidden_size, fmt.ffn_size)
+
+
+STORED = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q2_K", "Q3_K", "Q5_K"),
+          ("Q4_0", "IQ4_NL", "Q8_0"), ("IQ4_XS", "MXFP4", "Q4_K"), ("MXFP4",) * 3, "fp8"]
+
+
+def stored_format(types):
+    if types == "fp8":  # FFN 192: the last scale block of each row is half full
+        return Fp8Format(256, 192, (128, 128))
+    small = all(block_type(t).weights == 32 for t in types)  # FFN 96: masked column tails
+    return BlockFormat(256, 96 if small else 256, {0: types})
+
+
+@pytest.mark.parametrize("types", STORED, ids=lambda t: "+".join(t) if t != "fp8" else t)
+def test_stored_experts_match_their_reference_dequantization(types):
+    """GGUF block types and FP8 codes dequantized in registers inside the kernels (fp32 here):
+    equal to the format's own reference dequantization, then the expert MLP in float64, to
+    fp32 rounding; blobs elsewhere and (for one set of types: the interpreter is slow) the
+    device-built grouping give the same result."""
+    fmt = stored_format(types)
+    blobs = stored_experts(fmt, 4, seed=len(types)).to(DEVICE)
+    assert blobs.shape[1] == fmt.blob_bytes
+    top_idx, top_w = routing(5, 4, 2, seed=14)
+    x = torch.randn(5, fmt.hidden_size, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    weights, addr = stored_weights(fmt), addresses(blobs)
+    F_, S = fmt.ffn_size, num_splits(fmt.hidden_size)
+    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F_, S,
+                      weights=weights)
+    want = stored_reference(fmt, x, top_idx, top_w, blobs)
+    err = (out.double().cpu() - want).norm() / want.norm()
+    assert err < 1e-6, err
+    moved = blobs.flip(0).clone().flip(0)
+    assert torch.equal(gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()),
+                                   addresses(moved), F_, S, weights=weights), out)
+    if types != STORED[0] and DEVICE.type != "cuda":
+        return
+    device = gpu_moe.moe_device(x, top_idx.to(DEVICE), top_w, torch.from_numpy(addr).to(DEVICE),
+                                F_, S, weights=weights)
+    if DEVICE.type == "cuda":
+        assert torch.equal(device, out)
+    else:
+        torch.testing.assert_close(device, out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), "fp8"], ids=["q4_k_m", "fp8"])
+def test_stored_experts_read_in_place_from_pinned_host_memory_in_bf16(types):
+    """The serving case: bf16 activations, blobs in a slot or pinned on the host give the
+    same bits, close to the fp32 reference."""
+    fmt = stored_format(types)
+    blobs = stored_experts(fmt, 4, seed=16)
+    top_idx, top_w = routing(12, 4, 2, seed=17)
+    x = torch.randn(12, fmt.hidden_size, device=DEVICE)
+    groups, weights = gpu_moe.group_rows(top_idx.numpy()), stored_weights(fmt)
+    F_, S = fmt.ffn_size, num_splits(fmt.hidden_size)
+    on_device = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(blobs.to(DEVICE)),
+                            F_, S, weights=weights)
+    host = blobs.pin_memory()
+    in_place = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(host), F_, S,
+                           weights=weights)
+    assert torch.equal(in_place, on_device)
+    want = stored_reference(fmt, x, top_idx, top_w, blobs)
+    err = (on_device.double().cpu() - want).norm() / want.norm()
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("segments", [(("Q8_0", 40),), (("Q4_K", 96), ("Q6_K", 32)),
+                                      (("IQ4_XS", 16), ("MXFP4", 70), ("Q3_K", 8))],
+                         ids=lambda s: "+".join(t for t, _ in s))
+def test_block_matrix_product_matches_its_dequantized_weights(segments):
+    """gpu_blocks.linear (CUDA's lm_head / attention products as the file stores them): each
+    segment's rows in its own type, x with strided rows, the masked tails of a 70-row segment;
+    equal to x @ dequantize().T in float64, to fp32 rounding."""
+    from services.engine.kernels import gpu_blocks
+    from services.engine.model.blocks import BlockMatrix
+    from tests.engine.test_block_kernels import random_rows
+
+    rng = np.random.default_rng(len(segments))
+    K = 512
+    data = np.concatenate([random_rows(t, n, K, rng).reshape(-1) for t, n in segments])
+    w = BlockMatrix(torch.from_numpy(data).to(DEVICE), K, segments)
+    x = torch.randn(5, 2 * K, generator=torch.Generator().manual_seed(18)).to(DEVICE)[:, :K]
+    got = gpu_blocks.linear(x, w)
+    want = x.double().cpu() @ w.dequantize(torch.float64).cpu().T
+    assert got.shape == (5, w.out_features) and got.dtype == x.dtype
+    err = (got.double().cpu() - want).norm() / want.norm()
+    assert err < 1e-6, err
+
+
 @pytest.mark.parametrize(("H", "G", "Hd", "P"), [(4, 2, 16, 16), (8, 8, 64, 4), (6, 2, 24, 8)])
 def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P):
     from services.engine.kernels.gpu_ops import decode_attention
@@ -210,7 +338,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     the residency after every fill."""
     from services.engine.cache.moe_compute import TritonMoe
     from services.engine.cache.policy import PolicySpec
-    from services.engine.kernels import gpu_ops
+    from services.engine.kernels import gpu_blocks, gpu_ops
     from services.engine.kernels.backend import TritonBackend
     from services.engine.model import cuda_graphs
     from services.engine.runner import ModelRunner
@@ -242,7 +370,8 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
             runner.cache.compute = TritonMoe(gpu_moe, runner.cache.format,
                                              runner.config.num_experts, runner.device)
             runner.model.fusable = False  # not the fused CPU decode
-            runner.model.backend = TritonBackend(runner.device, gpu_ops)  # the graph's ops
+            runner.model.backend = TritonBackend(runner.device, gpu_ops,
+                                                 gpu_blocks)  # the graph's ops
             runner.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv, runner.cache)
             runner.graphs.capture([1])
         runner.fill_cache(runner.layer_order_pairs()[::-1])
@@ -259,6 +388,39 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
         slot = cache.residency.lookup(pair)
         blob = cache.host.blob(pair) if slot is None else cache.pool.slots[slot]
         assert int(cache.addr_table[pair]) == blob.data_ptr()
+
+
+def test_a_q4_k_m_file_runs_on_the_triton_kernels_as_its_reference(q4_k_m_gguf):  # noqa: F811
+    """The CUDA path of a GGUF file (on a device, else in the interpreter with the CPU
+    runner's parts swapped for the Triton ones): routed experts (layer 0's down stack Q6_K,
+    layer 1's Q4_K: each layer's own kernel types), q | k | v (Q4_K, Q4_K, Q6_K) and the Q6_K
+    lm_head all dequantized in registers by the Triton kernels. Greedy tokens equal the
+    torch reference's (every weight dequantized at load, fp32) and the logits agree to fp32
+    rounding, with part of the experts resident and the misses read in place."""
+    from services.engine.cache.moe_compute import TritonMoe
+    from services.engine.kernels import gpu_blocks, gpu_ops
+    from services.engine.kernels.backend import TritonBackend
+    from services.engine.model.blocks import BlockMatrix
+    from services.engine.runner import ModelRunner
+    from tests.engine.test_runner import greedy
+
+    _, _, path = q4_k_m_gguf
+    want = ModelRunner(path, cache_slots=0, reserved_bytes=0, cpu_kernels="off", dtype="fp32")
+    _, want_tokens, want_logits = greedy(want, "The expert cache keeps", n=3)
+    runner = ModelRunner(path, device=DEVICE.type, cache_slots=5, reserved_bytes=0,
+                         dtype="fp32", placement="host", cuda_graphs=False)
+    runner.fill_cache(runner.layer_order_pairs()[::2])
+    if DEVICE.type == "cpu":
+        runner.model.fusable = False  # not the fused CPU decode layer
+        runner.model.backend = TritonBackend(runner.device, gpu_ops, gpu_blocks)
+        runner.cache.compute = TritonMoe(gpu_moe, runner.cache.format,
+                                         runner.config.num_experts, runner.device)
+    assert isinstance(runner.model.backend, TritonBackend)
+    assert isinstance(runner.cache.compute, TritonMoe)
+    assert isinstance(runner.model.lm_head, BlockMatrix)
+    _, tokens, logits = greedy(runner, "The expert cache keeps", n=3)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits.cpu(), want_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_rms_norm_and_qk_norm_rope_match_the_torch_ops():

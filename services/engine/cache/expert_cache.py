@@ -306,7 +306,7 @@ class ExpertCache:
         """apply() inside a CUDA graph: top_idx, top_w [T, K] on the device; each expert read
         at its address in the table — its slot, or in place from the host store."""
         assert isinstance(self.compute, TritonMoe) and self.addr_table is not None
-        return self.compute.graphed(x, top_idx, top_w, self.addr_table[layer])
+        return self.compute.graphed(layer, x, top_idx, top_w, self.addr_table[layer])
 
     def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
         """The lookups of a step that ran in a CUDA graph, after it: top_idx [Lm, T, K], one

@@ -13,9 +13,9 @@ what it may do with them:
       forward(x, blob)            one expert on its rows, torch ops on the blob's device (the
                                   reference; the per-expert path where no kernel applies)
       kernel_weights              what the address-reading kernels take these blobs as ("fp32",
-                                  "bf16", "blocks": the C strata_moe on the CPU; the first two
-                                  also the Triton gpu_moe on CUDA), or None: the cache runs
-                                  forward() per expert
+                                  "bf16", "blocks", "fp8": the C strata_moe on the CPU and the
+                                  Triton gpu_moe on CUDA), or None: the cache runs forward()
+                                  per expert
       at(layer)                   the format of one layer's blobs (itself, but for BlockFormat)
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
@@ -209,9 +209,10 @@ class BlockFormat(_AsStored):
     layers' down in Q6_K): `types` maps each MoE layer to its (gate, up, down) types, a blob
     holds the largest layer's bytes (smaller layers leave the tail unused), and `at(layer)` is
     the format of one layer's blobs. The C strata_moe reads the blocks in place (integer
-    products, cpu_kernels.c's product_blocks); forward() is the torch reference, which
+    products, cpu_kernels.c's product_blocks), and so does the Triton gpu_moe on CUDA
+    (dequantized in registers, kernels/gpu_blocks.py); forward() is the torch reference, which
     dequantizes exactly as the block type defines (gguf-py's dequantize gives the same bits)
-    into the activations' dtype, and runs where no kernel takes the blocks (CUDA for now)."""
+    into the activations' dtype, and runs where no kernel takes the blocks."""
 
     def __init__(self, hidden_size: int, ffn_size: int, types: dict[int, StackTypes],
                  numel: int | None = None):
@@ -288,8 +289,9 @@ class Fp8Format(_AsStored):
     scale per bo x bi block (`weight_scale_inv`; weight = code * scale). A blob is the pair's
     gate, up and down codes (F x D, F x D, D x F: one byte a weight), then their scales in the
     same order, row-major blocks. The C strata_moe reads the codes in place (converted to fp32
-    in registers, fp32 products, one FMA by the block's scale per block); forward() is the
-    torch reference (dequantize, then the MLP), where no kernel takes the codes (CUDA)."""
+    in registers, fp32 products, one FMA by the block's scale per block), the Triton gpu_moe
+    too (code times scale in registers); forward() is the torch reference (dequantize, then
+    the MLP), where no kernel takes the codes."""
 
     def __init__(self, hidden_size: int, ffn_size: int, block: tuple[int, int] = (128, 128)):
         bo, bi = block
@@ -352,7 +354,7 @@ def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
     return QuantFormat(hidden_size, ffn_size, expert_dtype)
 
 
-DEVICE_KERNEL_WEIGHTS = ("fp32", "bf16")  # what the Triton gpu_moe reads
+DEVICE_KERNEL_WEIGHTS = ("fp32", "bf16", "blocks", "fp8")  # what the Triton gpu_moe reads
 
 
 def device_kernel(fmt: ExpertFormat, device: torch.device) -> ModuleType | None:

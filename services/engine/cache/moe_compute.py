@@ -11,9 +11,10 @@ the format and the device (`moe_compute`):
     CpuMoe      the C kernel strata_moe: every routed expert of the layer in one call, each
                 blob read by address where it lies
     TritonMoe   CUDA: services.engine.kernels.gpu_moe, the same by address (slots, staging
-                copies, the pinned host store over the link); the groups whose bytes are ready
+                copies, the pinned host store over the link), dense, GGUF block or FP8 blobs
+                dequantized in registers; the groups whose bytes are ready
                 launch first, those waiting on a copy after the compute stream has waited
-    TorchMoe    anything else (quantized formats, no compiler, no Triton): rows grouped by
+    TorchMoe    anything else (int8/int4, no compiler, no Triton): rows grouped by
                 expert with one gather, the format's torch ops per expert (a host blob on a
                 CUDA engine computed by the CPU), one scatter-add
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -71,6 +72,7 @@ class TritonMoe:
                  device: torch.device):
         self.gpu, self.format, self.device = gpu, fmt, device
         self._addr = np.zeros(num_experts, dtype=np.int64)
+        self._by_layer: dict[int, Any] = {}  # layer -> gpu_moe.Weights
 
     def __call__(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                  placed: Placed) -> torch.Tensor:
@@ -87,18 +89,25 @@ class TritonMoe:
             for ready in waits:
                 compute.wait_event(ready)
 
-        f = self.format
+        f = self.format.at(placed.layer)
         return self.gpu.moe(x, top_w, groups, self._addr, f.ffn_size, num_splits(f.hidden_size),
                             split=int((~pending[groups.expert]).sum()) if waits else None,
-                            between=wait_for_copies if waits else None)
+                            between=wait_for_copies if waits else None,
+                            weights=self._weights(placed.layer))
 
-    def graphed(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+    def graphed(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                 addresses: torch.Tensor) -> torch.Tensor:
         """Inside a CUDA graph: top_idx, top_w [T, K] on the device, each expert read at its
         entry of `addresses` [E] (the cache's table row of the layer)."""
-        f = self.format
+        f = self.format.at(layer)
         return self.gpu.moe_device(x, top_idx, top_w, addresses, f.ffn_size,
-                                   num_splits(f.hidden_size))
+                                   num_splits(f.hidden_size), weights=self._weights(layer))
+
+    def _weights(self, layer: int):  # -> gpu_moe.Weights
+        """What the kernels read `layer`'s blobs as (made once per layer)."""
+        if layer not in self._by_layer:
+            self._by_layer[layer] = self.gpu.Weights.of(self.format.at(layer))
+        return self._by_layer[layer]
 
 
 class TorchMoe:

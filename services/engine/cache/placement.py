@@ -196,8 +196,10 @@ def measure_cost_model(fmt: ExpertFormat, host: HostStore, link: LinkProbe,
     if gpu is not None:
         splits = num_splits(fmt.hidden_size)
 
+        weights = gpu.Weights.of(fmt)
+
         def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-            return gpu.expert_forward(x, blob, fmt.ffn_size, splits)
+            return gpu.expert_forward(x, blob, fmt.ffn_size, splits, weights)
 
         host_timing = time_expert(fmt, host.blob(pair), dtype=dtype,
                                   device=device, forward=forward)

@@ -13,7 +13,8 @@ tensors, and there is no process-global kernel state: a backend holds the kernel
                      norms, q/k norm + RoPE, paged decode attention and the softmax router; a
                      whole decode layer's attention half and router in one call (`decode_layer`)
     TritonBackend    CUDA: Triton norms, q/k norm + RoPE and paged decode attention
-                     (kernels/gpu_ops.py); cuBLAS products
+                     (kernels/gpu_ops.py), products on GGUF block matrices as stored
+                     (kernels/gpu_blocks.py); cuBLAS products
 
 Every backend computes the same functions; the C kernels' rows are bit-identical whatever the
 batch (see cpu_kernels.c), torch's and Triton's are close.
@@ -182,15 +183,17 @@ class CpuBackend(TorchBackend):
 
 
 class TritonBackend(TorchBackend):
-    """CUDA: Triton kernels for the attention half (services/engine/kernels/gpu_ops.py)."""
+    """CUDA: Triton kernels for the attention half (services/engine/kernels/gpu_ops.py) and
+    for products on weights kept in GGUF block types (kernels/gpu_blocks.py)."""
 
     name = "triton"
     paged_attention = True
     fused_rope = True
+    block_matrices = tuple(BLOCK_TYPES)
 
-    def __init__(self, device: torch.device, gpu_ops: ModuleType):
+    def __init__(self, device: torch.device, gpu_ops: ModuleType, gpu_blocks: ModuleType):
         super().__init__(device)
-        self.ops = gpu_ops
+        self.ops, self.blocks = gpu_ops, gpu_blocks
 
     def describe(self) -> str:
         return f"Triton kernels on {self.device}"
@@ -199,6 +202,11 @@ class TritonBackend(TorchBackend):
         """The weights' dtype: the Triton expert kernel reads blobs and activations of one
         dtype (fp32 accumulation inside)."""
         return weight_dtype
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
+        if isinstance(w, BlockMatrix):  # dequantized in registers, in x's dtype
+            return self.blocks.linear(x, w)
+        return super().linear(x, w)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2:
@@ -215,11 +223,11 @@ def select_backend(device: torch.device, cpu_kernels: str = "auto") -> TorchBack
     auto, they do not build); on CUDA the Triton kernels when Triton imports; else torch ops."""
     if device.type == "cuda":
         try:
-            from services.engine.kernels import gpu_ops
+            from services.engine.kernels import gpu_blocks, gpu_ops
         except ImportError as e:
-            log.warning("Triton is not importable (%s): the attention half runs as torch ops",
-                        e)
+            log.warning("Triton is not importable (%s): the attention half runs as torch ops "
+                        "and weights kept in GGUF block types are dequantized at load", e)
             return TorchBackend(device)
-        return TritonBackend(device, gpu_ops)
+        return TritonBackend(device, gpu_ops, gpu_blocks)
     cpu = kernels.load(cpu_kernels)
     return TorchBackend(device) if cpu is None else CpuBackend(device, cpu)

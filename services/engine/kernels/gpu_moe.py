@@ -32,23 +32,134 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels import gpu_blocks
+
 BLOCK_M = 16  # rows of one expert per program (tl.dot's minimum)
 BLOCK_F = 64  # expert FFN columns per gate_up program / reduction chunk of down
 BLOCK_D = 64  # hidden columns per down/combine program / reduction chunk of gate_up
 
+DENSE, BLOCKS, FP8 = 0, 1, 2  # what a blob holds (Weights.kind)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What the kernels read a blob as, compiled in (each distinct Weights is one build):
+
+    DENSE   the split layout of services.engine.cache.layout, in the activations' dtype
+    BLOCKS  GGUF block types as stored (cache/formats.py's BlockFormat): gate rows, up rows,
+            down rows of blocks, each matrix in its own type (kernels/gpu_blocks.py)
+    FP8     e4m3 codes of gate, up, down, then their fp32 block scales (Fp8Format)
+    """
+
+    kind: int = DENSE
+    types: tuple[int, int, int] = (0, 0, 0)  # BLOCKS: gate, up, down block type codes
+    row_bytes: tuple[int, int, int] = (0, 0, 0)  # BLOCKS: bytes of one row of each
+    block: tuple[int, int] = (1, 1)  # FP8: rows and columns of a scale block
+
+    @classmethod
+    def of(cls, fmt: Any) -> Weights:
+        """What blobs of the one-layer expert format `fmt` (cache/formats.py's ExpertFormat,
+        after at(layer)) hold."""
+        if fmt.kernel_weights == "blocks":
+            return cls.blocks(fmt.kernel_types, fmt.hidden_size, fmt.ffn_size)
+        if fmt.kernel_weights == "fp8":
+            return cls.fp8(fmt.kernel_block)
+        return cls()
+
+    @classmethod
+    def blocks(cls, types: tuple[str, str, str], hidden: int, ffn: int) -> Weights:
+        from services.engine.model.blocks import block_type
+
+        kinds = [block_type(name) for name in types]
+        return cls(BLOCKS, tuple(t.kernel for t in kinds),  # type: ignore[arg-type]
+                   (kinds[0].row_bytes(hidden), kinds[1].row_bytes(hidden),
+                    kinds[2].row_bytes(ffn)))
+
+    @classmethod
+    def fp8(cls, block: tuple[int, int]) -> Weights:
+        return cls(FP8, block=block)
+
+    def constants(self) -> dict[str, int]:
+        """The kernels' compile-time arguments."""
+        return dict(KIND=self.kind, GT=self.types[0], UT=self.types[1], DT=self.types[2],
+                    G_ROW=self.row_bytes[0], U_ROW=self.row_bytes[1], D_ROW=self.row_bytes[2],
+                    BO=self.block[0], BI=self.block[1])
+
 
 @triton.jit
-def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
-                    D: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+def _blob(g_addr_ptr, g, dtype, KIND: tl.constexpr):
+    """Group g's blob: typed as the activations (DENSE) or as bytes."""
+    addr = tl.load(g_addr_ptr + g)
+    if KIND == 0:
+        return addr.to(tl.pointer_type(dtype))
+    return addr.to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def _gate_up_tiles(blob, d, f, d_ok, f_ok, lut, dtype, D: tl.constexpr, F: tl.constexpr,
+                   KIND: tl.constexpr, GT: tl.constexpr, UT: tl.constexpr, G_ROW: tl.constexpr,
+                   U_ROW: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+    """gate and up weights [BLOCK_D, BLOCK_F] (rows d, columns f of gate_up_t), in dtype."""
+    ok = d_ok[:, None] & f_ok[None, :]
+    if KIND == 0:
+        gate = tl.load(blob + d[:, None] * F + f[None, :], mask=ok, other=0.0)
+        up = tl.load(blob + D * F + d[:, None] * F + f[None, :], mask=ok, other=0.0)
+    else:  # stored as gate [F, D], up [F, D]: row f, column d
+        r = tl.minimum(f, F - 1)[None, :]
+        c = tl.minimum(d, D - 1)[:, None]
+        if KIND == 1:
+            gate = gpu_blocks.weights(blob, r, c, G_ROW, GT, lut)
+            up = gpu_blocks.weights(blob + F * G_ROW, r, c, U_ROW, UT, lut)
+        else:
+            scales = (blob + 3 * D * F).to(tl.pointer_type(tl.float32))
+            gate = gpu_blocks.fp8_weights(blob, scales, r, c, D, BO, BI)
+            up = gpu_blocks.fp8_weights(blob + D * F, scales + tl.cdiv(F, BO) * tl.cdiv(D, BI),
+                                        r, c, D, BO, BI)
+        gate = tl.where(ok, gate, 0.0).to(dtype)
+        up = tl.where(ok, up, 0.0).to(dtype)
+    return gate, up
+
+
+@triton.jit
+def _down_tile(blob, f, d, f_ok, d_ok, lut, dtype, D: tl.constexpr, F: tl.constexpr,
+               D_SPLIT: tl.constexpr, KIND: tl.constexpr, DT: tl.constexpr, G_ROW: tl.constexpr,
+               U_ROW: tl.constexpr, D_ROW: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+    """down weights [BLOCK_F, BLOCK_D] (rows f, columns d of down_t), in dtype."""
+    ok = f_ok[:, None] & d_ok[None, :]
+    if KIND == 0:  # S column blocks [F, D/S], one after the other
+        col = (d // D_SPLIT) * F * D_SPLIT + d % D_SPLIT  # column d's offset in its block
+        w = tl.load(blob + 2 * D * F + f[:, None] * D_SPLIT + col[None, :], mask=ok, other=0.0)
+    else:  # stored as down [D, F]: row d, column f
+        r = tl.minimum(d, D - 1)[None, :]
+        c = tl.minimum(f, F - 1)[:, None]
+        if KIND == 1:
+            w = gpu_blocks.weights(blob + F * (G_ROW + U_ROW), r, c, D_ROW, DT, lut)
+        else:
+            scales = (blob + 3 * D * F).to(tl.pointer_type(tl.float32))
+            w = gpu_blocks.fp8_weights(blob + 2 * D * F,
+                                       scales + 2 * tl.cdiv(F, BO) * tl.cdiv(D, BI), r, c, F,
+                                       BO, BI)
+        w = tl.where(ok, w, 0.0).to(dtype)
+    return w
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr, lut,
+                    D: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr, KIND: tl.constexpr,
+                    GT: tl.constexpr, UT: tl.constexpr, DT: tl.constexpr, G_ROW: tl.constexpr,
+                    U_ROW: tl.constexpr, D_ROW: tl.constexpr, BO: tl.constexpr,
+                    BI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     g = tl.program_id(0)
-    blob = tl.load(g_addr_ptr + g).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    dtype = x_ptr.dtype.element_ty
+    blob = _blob(g_addr_ptr, g, dtype, KIND)
     start = tl.load(g_start_ptr + g)
     m = tl.arange(0, BLOCK_M)
     row_ok = m < tl.load(g_len_ptr + g)
@@ -62,9 +173,8 @@ def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
         d_ok = d < D
         x = tl.load(x_ptr + tok[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_D]
-        w_ok = d_ok[:, None] & f_ok[None, :]
-        w_gate = tl.load(blob + d[:, None] * F + f[None, :], mask=w_ok, other=0.0)
-        w_up = tl.load(blob + D * F + d[:, None] * F + f[None, :], mask=w_ok, other=0.0)
+        w_gate, w_up = _gate_up_tiles(blob, d, f, d_ok, f_ok, lut, dtype, D, F, KIND, GT, UT,
+                                      G_ROW, U_ROW, BO, BI)
         if IEEE:
             gate += tl.dot(x, w_gate, input_precision="ieee")
             up += tl.dot(x, w_up, input_precision="ieee")
@@ -77,12 +187,15 @@ def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_ptr,
-                 D: tl.constexpr, F: tl.constexpr, D_SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_ptr, lut,
+                 D: tl.constexpr, F: tl.constexpr, D_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                 KIND: tl.constexpr, GT: tl.constexpr, UT: tl.constexpr, DT: tl.constexpr,
+                 G_ROW: tl.constexpr, U_ROW: tl.constexpr, D_ROW: tl.constexpr,
+                 BO: tl.constexpr, BI: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
     g = tl.program_id(0)
-    blob = tl.load(g_addr_ptr + g).to(tl.pointer_type(act_ptr.dtype.element_ty))
-    down = blob + 2 * D * F  # S column blocks [F, D/S], one after the other
+    dtype = act_ptr.dtype.element_ty
+    blob = _blob(g_addr_ptr, g, dtype, KIND)
     start = tl.load(g_start_ptr + g)
     m = tl.arange(0, BLOCK_M)
     row_ok = m < tl.load(g_len_ptr + g)
@@ -90,15 +203,14 @@ def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_
     weight = tl.load(w_ptr + dst, mask=row_ok, other=0.0).to(tl.float32)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
-    col = (d // D_SPLIT) * F * D_SPLIT + d % D_SPLIT  # column d's offset in its block
     y = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)
         f_ok = f < F
         a = tl.load(act_ptr + (start + m)[:, None] * F + f[None, :],
                     mask=row_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_F]
-        w = tl.load(down + f[:, None] * D_SPLIT + col[None, :],
-                    mask=f_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D]
+        w = _down_tile(blob, f, d, f_ok, d_ok, lut, dtype, D, F, D_SPLIT, KIND, DT, G_ROW,
+                       U_ROW, D_ROW, BO, BI)  # [BLOCK_F, BLOCK_D]
         if IEEE:
             y += tl.dot(a, w, input_precision="ieee")
         else:
@@ -156,13 +268,36 @@ def group_rows(top_idx: np.ndarray, first: np.ndarray | None = None) -> Groups:
                   w_src=src)
 
 
+def _launch(x: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, w_of_row: torch.Tensor,
+            g_addr: torch.Tensor, g_start: torch.Tensor, g_len: torch.Tensor,
+            act: torch.Tensor, y: torch.Tensor, ffn_size: int, splits: int,
+            weights: Weights) -> None:
+    """gate_up then down over the groups given (G = len(g_addr) programs per column block)."""
+    D, G = x.shape[1], len(g_addr)
+    lut = gpu_blocks.lookup_table(x.device)
+    common = dict(IEEE=x.dtype == torch.float32, **weights.constants(), BLOCK_M=BLOCK_M,
+                  BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
+    _gate_up_kernel[(G, triton.cdiv(ffn_size, BLOCK_F))](
+        x, tok, g_addr, g_start, g_len, act, lut, D, ffn_size, **common)
+    _down_kernel[(G, triton.cdiv(D, BLOCK_D))](
+        act, dst, w_of_row, g_addr, g_start, g_len, y, lut, D, ffn_size, D // splits, **common)
+
+
+def _combine(y: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    D = y.shape[1]
+    out = torch.empty(T, D, dtype=dtype, device=y.device)
+    _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, out, D, K=K, BLOCK_D=BLOCK_D)
+    return out
+
+
 def moe(x: torch.Tensor, top_w: torch.Tensor, groups: Groups, blob_addr: np.ndarray,
         ffn_size: int, splits: int, split: int | None = None,
-        between: Callable[[], None] | None = None) -> torch.Tensor:
+        between: Callable[[], None] | None = None,
+        weights: Weights = Weights()) -> torch.Tensor:
     """The routed experts of one layer: x [T, D] on the device, top_w [T, K] (device, in
-    top_idx's order), blob_addr [E] int64 (each grouped expert's blob address) -> [T, D].
-    With `split`, groups [0, split) run first, then `between()` (e.g. waits for copies), then
-    the rest."""
+    top_idx's order), blob_addr [E] int64 (each grouped expert's blob address, blobs holding
+    `weights`) -> [T, D]. With `split`, groups [0, split) run first, then `between()` (e.g.
+    waits for copies), then the rest."""
     T, D = x.shape
     K = top_w.shape[1]
     M, G = len(groups.tok), len(groups.start)
@@ -176,32 +311,20 @@ def moe(x: torch.Tensor, top_w: torch.Tensor, groups: Groups, blob_addr: np.ndar
     w_of_row = top_w.reshape(-1)[w_src]  # [M]: the weight of y's row r
     act = torch.empty(M, ffn_size, dtype=x.dtype, device=device)
     y = torch.empty(M, D, dtype=torch.float32, device=device)
-    ieee = x.dtype == torch.float32
     x = x.contiguous()
-
-    def launch(g0: int, g1: int) -> None:
-        if g1 <= g0:
-            return
-        args = (g_addr[g0:g1], g_start[g0:g1], g_len[g0:g1])
-        _gate_up_kernel[(g1 - g0, triton.cdiv(ffn_size, BLOCK_F))](
-            x, tok, *args, act, D, ffn_size, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F,
-            BLOCK_D=BLOCK_D)
-        _down_kernel[(g1 - g0, triton.cdiv(D, BLOCK_D))](
-            act, dst, w_of_row, *args, y, D, ffn_size, D // splits, IEEE=ieee, BLOCK_M=BLOCK_M,
-            BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
-
     cut = G if split is None else split
-    launch(0, cut)
-    if between is not None:
-        between()
-    launch(cut, G)
-    out = torch.empty(T, D, dtype=x.dtype, device=device)
-    _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, out, D, K=K, BLOCK_D=BLOCK_D)
-    return out
+    for g0, g1 in ((0, cut), (cut, G)):
+        if g1 > g0:
+            _launch(x, tok, dst, w_of_row, g_addr[g0:g1], g_start[g0:g1], g_len[g0:g1], act, y,
+                    ffn_size, splits, weights)
+        if g0 == 0 and between is not None:
+            between()
+    return _combine(y, T, K, x.dtype)
 
 
 def moe_device(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
-               blob_addr: torch.Tensor, ffn_size: int, splits: int) -> torch.Tensor:
+               blob_addr: torch.Tensor, ffn_size: int, splits: int,
+               weights: Weights = Weights()) -> torch.Tensor:
     """moe() with every index built on the device: top_idx, top_w [T, K] and blob_addr [E]
     int64 (each expert's blob address, e.g. one layer's row of a device table) on x's device;
     one group per (token, expert) row. No host synchronisation: CUDA-graph capturable."""
@@ -215,24 +338,17 @@ def moe_device(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
     g_len = torch.ones(M, dtype=torch.int64, device=x.device)
     act = torch.empty(M, ffn_size, dtype=x.dtype, device=x.device)
     y = torch.empty(M, D, dtype=torch.float32, device=x.device)
-    ieee = x.dtype == torch.float32
-    x = x.contiguous()
-    _gate_up_kernel[(M, triton.cdiv(ffn_size, BLOCK_F))](
-        x, rows // K, g_addr, rows, g_len, act, D, ffn_size, IEEE=ieee, BLOCK_M=BLOCK_M,
-        BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
-    _down_kernel[(M, triton.cdiv(D, BLOCK_D))](
-        act, rows, w_of_row, g_addr, rows, g_len, y, D, ffn_size, D // splits, IEEE=ieee,
-        BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, out, D, K=K, BLOCK_D=BLOCK_D)
-    return out
+    _launch(x.contiguous(), rows // K, rows, w_of_row, g_addr, rows, g_len, act, y, ffn_size,
+            splits, weights)
+    return _combine(y, T, K, x.dtype)
 
 
-def expert_forward(x: torch.Tensor, blob: torch.Tensor, ffn_size: int, splits: int
-                   ) -> torch.Tensor:
+def expert_forward(x: torch.Tensor, blob: torch.Tensor, ffn_size: int, splits: int,
+                   weights: Weights = Weights()) -> torch.Tensor:
     """One expert on all rows of x [n, D] (device) from `blob`, on the device or pinned on the
     host -> [n, D] (unweighted): what the placement cost model times."""
     n = x.shape[0]
     groups = group_rows(np.zeros((n, 1), dtype=np.int64))
     ones = torch.ones(n, 1, dtype=x.dtype, device=x.device)
-    return moe(x, ones, groups, np.array([blob.data_ptr()], dtype=np.int64), ffn_size, splits)
+    return moe(x, ones, groups, np.array([blob.data_ptr()], dtype=np.int64), ffn_size, splits,
+               weights=weights)

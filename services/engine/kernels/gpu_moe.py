@@ -96,10 +96,7 @@ class Weights:
 @triton.jit
 def _blob(g_addr_ptr, g, dtype, KIND: tl.constexpr):
     """Group g's blob: typed as the activations (DENSE) or as bytes."""
-    addr = tl.load(g_addr_ptr + g)
-    if KIND == 0:
-        return addr.to(tl.pointer_type(dtype))
-    return addr.to(tl.pointer_type(tl.uint8))
+    return tl.load(g_addr_ptr + g).to(tl.pointer_type(dtype if KIND == 0 else tl.uint8))
 
 
 @triton.jit

@@ -48,7 +48,7 @@ def test_dense_layers_and_head_dim_default():
     ("patch", "message"),
     [
         ({"model_type": "llama"}, "'llama'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
         ({"hidden_act": "gelu"}, "gelu"),
     ],
 )

@@ -76,6 +76,14 @@ CASES = [
     ("deepseek_v3", {}),
     ("deepseek_v3", dict(q_lora_rank=24, rope_interleave=False, norm_topk_prob=False,
                          num_experts_per_tok=3, n_group=2, topk_group=1)),
+    # YaRN as the published checkpoints set it (here over 64 of 256 positions): interpolated
+    # frequencies, cos/sin times mscale / mscale_all_dim, the softmax scale times mscale^2
+    ("deepseek_v2", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+        beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
+    ("deepseek_v3", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
 ]
 
 

@@ -53,8 +53,16 @@ def assert_matches_reference(model_dir, ref, steps: int = 16, atol: float = 1e-4
             tie_word_embeddings=True,
             rms_norm_eps=1e-5,
         ),
+        # RoPE scaling (model/layers/rope.py), over 32 of 256 positions
+        dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                  original_max_position_embeddings=32)),
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+        dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                  original_max_position_embeddings=32, low_freq_factor=1.0,
+                                  high_freq_factor=4.0)),
     ],
-    ids=["gqa-top2", "top3-norm-dense-layer", "mha-top1-sparse-step-tied"],
+    ids=["gqa-top2", "top3-norm-dense-layer", "mha-top1-sparse-step-tied", "yarn", "linear",
+         "llama3"],
 )
 def test_logits_match_transformers(hf_checkpoint, overrides):
     model_dir, ref = hf_checkpoint(**overrides)

@@ -63,6 +63,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     # Family flags; fields at their defaults stay out of canonical_json (stable fingerprints).
+    rope_scaling: RopeScaling | None = None  # None: default RoPE
+    partial_rotary_factor: float = 1.0  # the rotated share of a head (glm4_moe: 0.5)
     qk_norm: str = "head"
     clip_qkv: float | None = None  # olmoe: clamp q, k, v to [-c, c] after the q/k norm
     shared_expert_intermediate_size: int = 0  # qwen2_moe: a dense expert every token runs
@@ -128,7 +130,9 @@ def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(sorted(raw.get("mlp_only_layers") or ())),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        rope_theta=_rope(raw)[0],
+        rope_scaling=_rope(raw)[1],
+        partial_rotary_factor=_rope(raw)[2],
         context_window=req(raw, "max_position_embeddings"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias")),
@@ -137,13 +141,54 @@ def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A config's RoPE scaling (`rope_parameters` / `rope_scaling`, transformers' field names),
+    computed by model/layers/rope.py's inv_frequencies. `factor` None (YaRN): DeepSeek's
+    max_position_embeddings / original_max_position_embeddings."""
+
+    rope_type: str  # one of ROPE_TYPES, not "default"
+    factor: float | None = 1.0
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None  # YaRN: cos and sin scale (else from mscale)
+    beta_fast: float = 32.0  # YaRN's correction range, in rotations
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None  # also DeepSeek's softmax scale correction
+    truncate: bool = True
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(theta, scaling or None, partial rotary factor) of a config.json."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"unsupported rope_type {rope_type!r} (only default RoPE)")
+    if rope_type == "su":  # transformers' old name
+        rope_type = "longrope"
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"unsupported rope_type {rope_type!r} (supported: "
+                              f"{', '.join(ROPE_TYPES)})")
     theta = params.get("rope_theta", raw.get("rope_theta"))
-    return float(theta if theta is not None else 10000.0)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
+    if rope_type == "default":
+        scaling = None
+    else:
+        keys = {f.name for f in fields(RopeScaling)} - {"rope_type"}
+        given = {k: params[k] for k in keys if params.get(k) is not None}
+        if rope_type in ("linear", "dynamic", "llama3") and "factor" not in given:
+            raise CheckpointError(f"rope_type {rope_type!r} without its factor")
+        needs = {"yarn": "original_max_position_embeddings",
+                 "llama3": "original_max_position_embeddings"}.get(rope_type)
+        if needs and needs not in given:
+            raise CheckpointError(f"rope_type {rope_type!r} without {needs}")
+        if rope_type == "yarn" and "factor" not in params:
+            given["factor"] = None
+        scaling = RopeScaling(rope_type, **given)
+    return float(theta if theta is not None else 10000.0), scaling, float(partial)
 
 
 def find_gguf(path: str | Path) -> Path | None:

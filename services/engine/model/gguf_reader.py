@@ -282,7 +282,10 @@ class GGUFCheckpoint:
             sliding_window=a("attention.sliding_window"),
         )
         if scaling not in (None, "none"):
-            raw["rope_scaling"] = {"rope_type": scaling}
+            given = {"factor": a("rope.scaling.factor"),
+                     "original_max_position_embeddings": a("rope.scaling.original_context_length")}
+            raw["rope_scaling"] = {"rope_type": scaling,
+                                   **{k: v for k, v in given.items() if v is not None}}
         if f"blk.{first_moe}.ffn_up_shexp.weight" in self._tensors:
             raw["shared_expert_intermediate_size"] = int(
                 reversed_shape(self._tensor(f"blk.{first_moe}.ffn_up_shexp.weight"))[0])

@@ -1,5 +1,5 @@
-"""deepseek_v2, deepseek_v3: DeepSeek-V2/V2-Lite, DeepSeek-V3/R1 (tiny configs; the published
-ones set YaRN, which is not read yet).
+"""deepseek_v2, deepseek_v3: DeepSeek-V2/V2-Lite, DeepSeek-V3/R1 (the published configs' YaRN:
+layers/rope.py, with the softmax scale correction on q).
 
 Multi-head latent attention (layers/mla.py), grouped top-K routing (V2 softmax, V3 sigmoid +
 score-correction bias) with a scaling factor, ungated shared experts, the first
@@ -9,7 +9,7 @@ score-correction bias) with a scaling factor, ungated shared experts, the first
 from services.engine.model.config import CheckpointError, WeightNames, req
 from services.engine.model.families.base import Family, RawConfig, Tensors, decoder_layer
 from services.engine.model.layers.mla import LatentAttention
-from services.engine.model.layers.rope import interleave_perm
+from services.engine.model.layers.rope import interleave_perm, softmax_correction
 
 NAMES = WeightNames(shared="shared_experts", shared_gate=None)
 
@@ -57,7 +57,8 @@ def latent_attention(t: Tensors, c, i: int) -> LatentAttention:
         kv_a_norm=t.get(f"{a}.kv_a_layernorm.weight"),
         kv_b=t.split(f"{a}.kv_b_proj.weight"),
         o=t.split(f"{a}.o_proj.weight"),
-        rope_perm=interleave_perm(c.qk_rope_head_dim) if c.rope_interleave else None)
+        rope_perm=interleave_perm(c.qk_rope_head_dim) if c.rope_interleave else None,
+        softmax_scale=softmax_correction(c.rope_scaling, c.context_window))
 
 
 def build_layer(t: Tensors, c, i: int):

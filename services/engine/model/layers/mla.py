@@ -40,6 +40,7 @@ class LatentAttention:
     kv_b: torch.Tensor  # [S, R, H*(Dn+Dv)/S]
     o: torch.Tensor  # [S, H*Dv, D/S]
     rope_perm: torch.Tensor | None  # [Dr] interleaved pairs -> rotate-half layout
+    softmax_scale: float = 1.0  # on q: the attention scale times this (DeepSeek's YaRN mscale^2)
 
     plain = False  # no fused kernel computes latent attention
     capturable = False  # not captured in CUDA graphs (not tested there)
@@ -62,6 +63,8 @@ class LatentAttention:
         if self.rope_perm is not None:  # HF rotates interleaved pairs: regroup as halves
             q_rot, k_rot = q_rot[..., self.rope_perm], k_rot[..., self.rope_perm]
         q = torch.cat([q[..., :Dn], apply_rope(q_rot, step.cos, step.sin)], dim=-1)
+        if self.softmax_scale != 1.0:  # q.k / sqrt(Hd) * c: the scale on q, not on the cache
+            q = q * self.softmax_scale
         k_rot = apply_rope(k_rot, step.cos, step.sin).expand(T, H, Dr)
         k = torch.cat([k_nope, k_rot], dim=-1)  # [T, H, Hd]
         v = torch.nn.functional.pad(v, (0, Hd - Dv))  # [T, H, Hd]

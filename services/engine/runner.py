@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections import abc
 from dataclasses import dataclass
@@ -87,14 +88,19 @@ def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     block = 16
     kv = kv_windows * -(-config.context_window // block) * PagedKVCache.bytes_per_block(
         config.num_layers, block, config.num_kv_heads, config.head_dim, weight_dtype)
-    return non_expert_bytes(reader, weight_dtype), kv
+    return non_expert_bytes(reader, weight_dtype, config.num_layers), kv
 
 
-def non_expert_bytes(reader: CheckpointReader, weight_dtype: torch.dtype) -> int:
-    """Every tensor but the routed experts (the host store's, per expert or stacked; a GGUF
-    reader lists none) counted in the weight dtype: an upper bound for block-type tensors."""
-    params = sum(math.prod(reader.shape(name)) for name in reader.names
-                 if ".experts." not in name)
+def non_expert_bytes(reader: CheckpointReader, weight_dtype: torch.dtype,
+                     num_layers: int) -> int:
+    """Every tensor the model loads but the routed experts (the host store's, per expert or
+    stacked; a GGUF reader lists none) counted in the weight dtype: an upper bound for
+    block-type tensors. Layers past num_layers (a checkpoint's MTP layers) are not loaded."""
+    def loaded(name: str) -> bool:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        return ".experts." not in name and (layer is None or int(layer[1]) < num_layers)
+
+    params = sum(math.prod(reader.shape(name)) for name in reader.names if loaded(name))
     return params * weight_dtype.itemsize
 
 
@@ -188,7 +194,7 @@ class ModelRunner:
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
                             expert_dtype, reader.expert_storage(), reader.fp8_block)
         check_host_memory(c.total_pairs * fmt.blob_bytes,
-                          non_expert_bytes(reader, self.weight_dtype),
+                          non_expert_bytes(reader, self.weight_dtype, c.num_layers),
                           host_memory_available() if host_memory_bytes is None
                           else host_memory_bytes, fmt.describe())
         self.model = load_model(reader, c, self.backend, self.weight_dtype)

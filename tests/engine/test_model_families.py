@@ -1,5 +1,6 @@
-"""Families beyond qwen3_moe (mixtral, olmoe, qwen2_moe) against transformers' own classes, in
-fp32: tiny random checkpoints written with save_pretrained, loaded by Strata's ModelRunner."""
+"""Families beyond qwen3_moe (mixtral, olmoe, qwen2_moe, deepseek_v2/v3, glm4_moe) against
+transformers' own classes, in fp32: tiny random checkpoints written with save_pretrained, loaded
+by Strata's ModelRunner."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ FAMILIES = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         eos_token_id=None, bos_token_id=None)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=2, topk_group=1, routed_scaling_factor=1.5, attention_bias=True,
+        eos_token_id=None, bos_token_id=None)),  # partial_rotary_factor 0.5: its default
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_local_experts=8, intermediate_size=16, head_dim=16, rotary_dim=8,
+        eos_token_id=None, bos_token_id=None)),
 }
 
 
@@ -53,7 +61,7 @@ def make_family_checkpoint(
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**BASE, **family_overrides, **overrides})
     model = getattr(transformers, model_cls)(config).eval()
-    for name, buffer in model.named_buffers():  # deepseek_v3 initializes it to zeros
+    for name, buffer in model.named_buffers():  # deepseek_v3 and others initialize it to zeros
         if name.endswith("e_score_correction_bias"):
             buffer.normal_(0.0, 0.05)
     model.save_pretrained(path)
@@ -78,6 +86,14 @@ CASES = [
                          num_experts_per_tok=3, n_group=2, topk_group=1)),
     # YaRN as the published checkpoints set it (here over 64 of 256 positions): interpolated
     # frequencies, cos/sin times mscale / mscale_all_dim, the softmax scale times mscale^2
+    # partial RoPE (the first half of each 16-dim head), q/k/v biases, sigmoid routing in 1 of
+    # 2 groups + bias, scaled, a shared expert, layer 0 dense; then with per-head q/k norms
+    ("glm4_moe", {}),
+    ("glm4_moe", dict(use_qk_norm=True, norm_topk_prob=False, n_group=1, topk_group=1,
+                      num_experts_per_tok=3)),
+    # q/k RMSNorm over the whole projections, RoPE on 8 of 16 dims (rotary_dim), sigmoid top-3
+    # by score + bias, renormalized
+    ("minimax_m2", dict(num_experts_per_tok=3)),
     ("deepseek_v2", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
         beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
@@ -92,6 +108,36 @@ CASES = [
 def test_family_matches_transformers(tmp_path, family, overrides):
     model_dir, ref = make_family_checkpoint(tmp_path / family, family, **overrides)
     assert_matches_reference(model_dir, ref, steps=8)
+
+
+def test_glm4_moe_s_mtp_layer_is_left_out(tmp_path):
+    """A GLM-4.5 checkpoint stores its multi-token-prediction layer as layer num_hidden_layers
+    (its own attention, routed experts, eh_proj, enorm/hnorm; transformers does not load it):
+    the engine loads only the model's layers, the host memory check counts only what it loads,
+    and the logits are transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.model.checkpoint import open_checkpoint
+    from services.engine.model.families import weight_names
+    from services.engine.runner import non_expert_bytes
+
+    model_dir, ref = make_family_checkpoint(tmp_path / "glm", "glm4_moe", seed=2)
+    (shard,) = model_dir.glob("*.safetensors")
+    config = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0).config
+    before = non_expert_bytes(open_checkpoint(model_dir, weight_names(config)), torch.float32,
+                              config.num_layers)
+    tensors = load_file(shard)
+    last, mtp = config.num_layers - 1, config.num_layers
+    for name, value in list(tensors.items()):  # the last layer's tensors again, as layer 3
+        if name.startswith(f"model.layers.{last}."):
+            tensors[name.replace(f"layers.{last}.", f"layers.{mtp}.")] = value.clone() * 3
+    D = config.hidden_size
+    tensors[f"model.layers.{mtp}.eh_proj.weight"] = torch.randn(D, 2 * D)
+    tensors[f"model.layers.{mtp}.enorm.weight"] = torch.ones(D)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    reader = open_checkpoint(model_dir, weight_names(config))
+    assert non_expert_bytes(reader, torch.float32, config.num_layers) == before
+    assert_matches_reference(model_dir, ref, steps=4)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -32,6 +32,7 @@ class WeightNames:
     down: str = "down_proj"
     shared: str = "shared_expert"  # the shared expert's block (families that have one)
     shared_gate: str | None = "shared_expert_gate"  # its sigmoid gate (None: ungated)
+    router_bias: str = "gate.e_score_correction_bias"  # under {moe}: the choice's bias, if any
 
 
 def req(raw: dict[str, Any], key: str) -> Any:

@@ -12,10 +12,10 @@ from services.engine.cache.layout import split_columns
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.blocks import BlockMatrix
 from services.engine.model.checkpoint import CheckpointReader
-from services.engine.model.config import CheckpointError, ModelConfig
+from services.engine.model.config import ModelConfig
 from services.engine.model.decoder import Decoder
 from services.engine.model.families import family
-from services.engine.model.families.base import Tensors
+from services.engine.model.families.base import Tensors, rotary_dim
 from services.engine.model.layers.rope import Rope
 
 log = logging.getLogger("strata.engine")
@@ -46,13 +46,9 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
         if isinstance(lm_head, BlockMatrix):
             log.info("lm_head kept as %s as stored (%d rows)", lm_head.block_types[0],
                      lm_head.out_features)
-    # MLA rotates only the rope part of a head
-    if config.partial_rotary_factor != 1.0:
-        raise CheckpointError(f"{config.model_type}: partial rotary embeddings "
-                              f"(partial_rotary_factor {config.partial_rotary_factor}) are not "
-                              "implemented for this family")
-    rope = Rope(config.qk_rope_head_dim or config.head_dim, config.rope_theta,
-                config.context_window, backend.device, config.rope_scaling)
+    # MLA rotates its rope part, GQA the partial_rotary_factor share of a head
+    rope = Rope(config.qk_rope_head_dim or rotary_dim(config) or config.head_dim,
+                config.rope_theta, config.context_window, backend.device, config.rope_scaling)
     model = Decoder(config, embed, layers, t.get("model.norm.weight"), lm_head, rope, backend,
                     dtype)
     log.info("loaded non-expert weights of %d layers in %.1f s", config.num_layers,

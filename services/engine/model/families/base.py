@@ -137,7 +137,12 @@ def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False) -> Att
         k_norm=t.get(f"{a}.k_norm.weight") if norms else None,
         qkv_bias=tuple(t.get(f"{a}.{p}_proj.bias") for p in "qkv") if bias else None,  # type: ignore[arg-type]
         o_bias=t.get(f"{a}.o_proj.bias") if bias and f"{a}.o_proj.bias" in t else None,
-        clip_qkv=c.clip_qkv)
+        clip_qkv=c.clip_qkv, rotary_dim=rotary_dim(c))
+
+
+def rotary_dim(c: ModelConfig) -> int | None:
+    """The rotated dims of a GQA head (partial_rotary_factor), or None: all of them."""
+    return None if c.partial_rotary_factor == 1.0 else int(c.head_dim * c.partial_rotary_factor)
 
 
 def moe_block(t: Tensors, c: ModelConfig, i: int, names: WeightNames) -> MoeBlock:
@@ -152,7 +157,7 @@ def moe_block(t: Tensors, c: ModelConfig, i: int, names: WeightNames) -> MoeBloc
     if c.grouped_routing:
         grouped = GroupedRouting(c.router_scoring, c.num_groups, c.topk_groups,
                                  c.routed_scaling_factor)
-    bias = f"{moe}.gate.e_score_correction_bias"
+    bias = f"{moe}.{names.router_bias}"
     return MoeBlock(
         layer=i, moe_index=c.moe_layers.index(i), num_experts=c.num_experts,
         experts_per_token=c.experts_per_token, renormalize=c.norm_topk_prob,

@@ -18,6 +18,9 @@ def config_fields(raw: RawConfig) -> dict:
     nope, rope, v = (req(raw, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     if v > nope + rope:
         raise CheckpointError("v_head_dim above the q/k head dim is not supported")
+    if (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError("partial_rotary_factor is not supported for deepseek (MLA "
+                              "rotates its qk_rope_head_dim part)")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise CheckpointError("attention_bias / mlp_bias are not supported for deepseek")
     v3 = raw["model_type"] == "deepseek_v3"

@@ -92,14 +92,16 @@ class Attention:
     qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     o_bias: torch.Tensor | None = None  # [D]
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after the q/k norm
+    rotary_dim: int | None = None  # RoPE on each head's first Hr dims (glm4_moe: Hd / 2); None: all
 
     capturable = True  # in a CUDA graph
 
     @property
     def plain(self) -> bool:
-        """No bias, no clip, per-head or no q/k norm: what the fused kernels compute."""
+        """No bias, no clip, per-head or no q/k norm, RoPE over whole heads: what the fused
+        kernels compute."""
         return (self.qkv_bias is None and self.o_bias is None and self.clip_qkv is None
-                and self.qk_norm in ("head", "none"))
+                and self.qk_norm in ("head", "none") and self.rotary_dim is None)
 
     def project(self, x: torch.Tensor, step: Step
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,7 +124,12 @@ class Attention:
         q, k, v = q.view(T, H, Hd), k.view(T, G, Hd), v.view(T, G, Hd)
         if self.qk_norm == "head":
             q, k = be.rms_norm(q, self.q_norm, self.eps), be.rms_norm(k, self.k_norm, self.eps)
-        return apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin), v
+        if self.rotary_dim is None:
+            return apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin), v
+        r = self.rotary_dim  # rotate the first r dims of each head, pass the rest
+        q = torch.cat([apply_rope(q[..., :r], step.cos, step.sin), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :r], step.cos, step.sin), k[..., r:]], dim=-1)
+        return q, k, v
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [T, D] (normalized) -> [T, D]."""

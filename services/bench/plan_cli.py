@@ -3,6 +3,7 @@
     strata plan --free-mib 8192 16384 --slot-mib 1.318 --pairs 24576 --reserved-mib 700
     strata plan --model DIR --profile expert-profile.bin --target-tok-s 150
     strata plan --model DIR --trace routing.trace --profile expert-profile.bin   (replayed)
+    strata plan --config config.json      (a published model: every format at 24/32/48 GiB)
     strata plan fit bench-a/run.json bench-b/run.json      (stored at $STRATA_HOME/plan/fit.json)
 """
 
@@ -41,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--slot-bytes", type=int)
     p.add_argument("--pairs", type=int, help="(layer, expert) pairs of the model")
     p.add_argument("--model", type=Path, help="checkpoint directory (slot size and pairs)")
+    p.add_argument("--config", type=Path, help="a config.json (or its directory) alone: bytes "
+                   "per pair in every expert format and the coverage each --free-mib size gives "
+                   "(default 24, 32 and 48 GiB)")
+    p.add_argument("--kv-tokens", type=int, default=32768, help="with --config: positions the "
+                   "KV pool holds (bf16)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="with --model: the engine's --dtype (auto: as the checkpoint stores "
                    "its weights), which sets the bytes per expert weight in the slots")
@@ -121,6 +127,8 @@ def plan_main(argv: list[str]) -> int:
     if argv[:1] == ["fit"]:
         return fit_main(argv[1:])
     a = _parser().parse_args(argv)
+    if a.config is not None:
+        return _config_main(a)
     try:
         fit = _load_fit(a.fit)
         hw = _hardware(a, fit)
@@ -155,6 +163,30 @@ def plan_main(argv: list[str]) -> int:
         print(json.dumps(result))
     else:
         _print_plan(result)
+    return 0
+
+
+def _config_main(a: argparse.Namespace) -> int:
+    from services.bench.config_plan import config_plan, render
+    from services.engine.model.checkpoint import load_model_config
+    from services.engine.model.config import CheckpointError
+    from services.engine.model.families import parse_config
+
+    try:
+        config = (parse_config(json.loads(a.config.read_text())) if a.config.is_file()
+                  else load_model_config(a.config))
+    except (CheckpointError, OSError, json.JSONDecodeError) as exc:
+        print(f"strata plan: {exc}", file=sys.stderr)
+        return 2
+    sizes = a.free_mib or [24 * 1024, 32 * 1024, 48 * 1024]
+    plan = config_plan(config, a.kv_tokens, a.reserved_mib)
+    if a.json:
+        print(json.dumps({"pairs": config.total_pairs, "weights_bytes": plan.weight_bytes,
+                          "kv_bytes": plan.kv_bytes, "kv_tokens": plan.kv_tokens,
+                          "device_mib": sizes,
+                          "formats": plan.rows([round(m * MIB) for m in sizes])}))
+    else:
+        print(render(plan, sizes, str(a.config)))
     return 0
 
 

@@ -1,0 +1,138 @@
+"""`strata plan --config config.json`: what a model needs, from its published config alone.
+
+A 100B-class model's weights are too big to download to find out whether it fits; its
+config.json is enough for the arithmetic: the (layer, expert) pairs, the bytes of one pair in
+each format Strata holds experts in (the slot size, exactly as the engine's formats compute it),
+the non-expert weights (attention, dense layers, shared experts, routers, embeddings, lm_head;
+counted from the architecture as the families build it, in bf16, which the GPU backends serve
+them in) and the KV cache per token; then the coverage each device memory size gives.
+
+A format that cannot hold the model's expert rows (a K-quant needs rows of whole 256-weight
+super-blocks: GLM-4.5-Air's 1408-wide experts are not) is shown as n/a.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.bench.planner import GIB, MIB, Hardware, plan_row
+from services.engine.model.config import ModelConfig
+from services.engine.model.families import weight_names
+from services.engine.model.paged_kv import PagedKVCache
+
+# format -> what to build it from: the cache formats' own names, or a GGUF block type
+FORMATS = ("bf16", "fp8", "int8", "int4", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "MXFP4",
+           "Q3_K", "Q2_K")
+
+
+def pair_bytes(c: ModelConfig, name: str) -> int | None:
+    """Bytes of one (layer, expert) pair's blob in format `name`, or None where the format
+    cannot hold the expert's rows."""
+    from services.engine.cache.formats import BlockFormat, Fp8Format, expert_format
+
+    D, F = c.hidden_size, c.moe_intermediate_size
+    try:
+        if name == "bf16":
+            return expert_format(D, F, torch.bfloat16).blob_bytes
+        if name == "fp8":
+            return Fp8Format(D, F).blob_bytes
+        if name in ("int8", "int4"):
+            return expert_format(D, F, torch.bfloat16, name).blob_bytes
+        return BlockFormat(D, F, {0: (name,) * 3}).blob_bytes
+    except ValueError:  # rows not whole blocks of the type
+        return None
+
+
+def non_expert_params(c: ModelConfig) -> int:
+    """Parameters of every tensor the engine loads besides the routed experts, from the
+    architecture (equal to the count over a checkpoint's tensors: tests/bench/)."""
+    D, H, G, Hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    names = weight_names(c)
+    if c.kv_lora_rank:  # MLA (deepseek): query latent or not, the KV latent and its rope key
+        Rq, R, Dr, Dv = c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim
+        q = D * Rq + Rq + Rq * H * Hd if Rq else D * H * Hd
+        attention = q + D * (R + Dr) + R + R * H * (Hd - Dr + Dv) + H * Dv * D
+    else:
+        attention = 2 * D * H * Hd + 2 * D * G * Hd  # q, o; k, v
+        if c.attention_bias:
+            attention += (H + 2 * G) * Hd
+        attention += {"head": 2 * Hd, "proj": (H + G) * Hd}.get(c.qk_norm, 0)
+    per_moe = D * c.num_experts + (c.num_experts if c.grouped_routing and
+                                   c.router_scoring == "sigmoid" else 0)
+    if c.shared_expert_intermediate_size:
+        per_moe += 3 * D * c.shared_expert_intermediate_size
+        per_moe += D if names.shared_gate else 0
+    moe_layers = len(c.moe_layers)
+    dense_layers = c.num_layers - moe_layers
+    layers = c.num_layers * (attention + 2 * D) + moe_layers * per_moe + dense_layers * (
+        3 * D * c.intermediate_size)
+    vocab = c.vocab_size * D * (1 if c.tie_word_embeddings else 2)
+    return layers + vocab + D  # + the final norm
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    config: ModelConfig
+    weight_bytes: int  # non-expert weights, bf16
+    kv_bytes: int  # the KV pool for kv_tokens
+    kv_tokens: int
+    reserved_bytes: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes // max(self.kv_tokens, 1)
+
+    def rows(self, device_bytes: list[int]) -> list[dict]:
+        """Per format: bytes per pair, every pair's host bytes, coverage per device size."""
+        out = []
+        for name in FORMATS:
+            slot = pair_bytes(self.config, name)
+            row: dict = {"format": name, "pair_bytes": slot}
+            if slot is not None:
+                hw = Hardware(slot, self.config.total_pairs, self.reserved_bytes, 0,
+                              self.weight_bytes, self.kv_bytes)
+                row["host_gib"] = slot * self.config.total_pairs / GIB
+                row["coverage"] = [plan_row(hw, b, None, None)["coverage"]
+                                   for b in device_bytes]
+            out.append(row)
+        return out
+
+
+def config_plan(c: ModelConfig, kv_tokens: int, reserved_mib: float) -> ConfigPlan:
+    """The budget terms of a config: bf16 weights and a bf16 KV pool for kv_tokens positions
+    (as the engine's pool holds them: MLA expanded to every head)."""
+    block = 16
+    per_block = PagedKVCache.bytes_per_block(c.num_layers, block, c.num_kv_heads, c.head_dim,
+                                             torch.bfloat16)
+    return ConfigPlan(c, non_expert_params(c) * 2, -(-kv_tokens // block) * per_block,
+                      kv_tokens, round(reserved_mib * MIB))
+
+
+def render(plan: ConfigPlan, device_mib: list[float], source: str) -> str:
+    c = plan.config
+    sizes = ", ".join(f"{m / 1024:g} GiB" for m in device_mib)
+    lines = [
+        f"{source}: {c.model_type}, {c.num_layers} layers ({len(c.moe_layers)} MoE) x "
+        f"{c.num_experts} experts = {c.total_pairs} pairs, {c.experts_per_token} routed per "
+        f"token, expert {c.hidden_size} x {c.moe_intermediate_size}",
+        f"non-expert weights {plan.weight_bytes / GIB:.2f} GiB (bf16, on the device); KV "
+        f"{plan.kv_bytes_per_token / 1024:.1f} KiB per token, {plan.kv_bytes / GIB:.2f} GiB "
+        f"for {plan.kv_tokens} tokens; {plan.reserved_bytes / MIB:.0f} MiB reserved",
+        "",
+        f"| format | bytes per pair | all pairs (host) | coverage at {sizes} |",
+        "|---|---|---|---|",
+    ]
+    for row in plan.rows([round(m * MIB) for m in device_mib]):
+        if row["pair_bytes"] is None:
+            lines.append(f"| {row['format']} | n/a (rows not whole blocks) | | |")
+            continue
+        cov = " / ".join(f"{x:.1%}" for x in row["coverage"])
+        lines.append(f"| {row['format']} | {row['pair_bytes'] / MIB:.3f} MiB | "
+                     f"{row['host_gib']:.1f} GiB | {cov} |")
+    if plan.weight_bytes + plan.kv_bytes + plan.reserved_bytes > max(device_mib) * MIB:
+        lines.append("")
+        lines.append("the non-expert weights, KV and reserve alone exceed the largest size: "
+                     "shrink --kv-tokens or serve on a larger device")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""`strata plan --config` (services/bench/config_plan.py): a model's budget terms from its
+config.json alone. The architecture's non-expert parameter count equals the count over the
+tensors of a real checkpoint of every family, and a pair's bytes equal the engine's slot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from services.bench.config_plan import FORMATS, config_plan, non_expert_params, pair_bytes  # noqa: E402
+from services.bench.plan_cli import plan_main  # noqa: E402
+from services.engine.model.checkpoint import load_model_config, open_checkpoint  # noqa: E402
+from services.engine.model.families import parse_config, weight_names  # noqa: E402
+from services.engine.runner import non_expert_bytes, slot_bytes_of  # noqa: E402
+from tests.engine.conftest import make_hf_checkpoint  # noqa: E402
+from tests.engine.test_model_families import FAMILIES, make_family_checkpoint  # noqa: E402
+from tests.engine.test_rope_scaling import DEEPSEEK_V3_CONFIG  # noqa: E402
+
+VARIANTS = [("qwen3_moe", {}), ("qwen3_moe", dict(mlp_only_layers=[1]))] + [
+    (f, {}) for f in FAMILIES] + [
+    ("deepseek_v3", dict(q_lora_rank=24)), ("glm4_moe", dict(use_qk_norm=True)),
+    ("qwen2_moe", dict(tie_word_embeddings=True, mlp_only_layers=[1]))]
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS,
+                         ids=[f"{f}-{'-'.join(o) or 'default'}" for f, o in VARIANTS])
+def test_the_architecture_counts_what_a_checkpoint_holds(tmp_path, family, overrides):
+    if family == "qwen3_moe":
+        model_dir, _ = make_hf_checkpoint(tmp_path / family, **overrides)
+    else:
+        model_dir, _ = make_family_checkpoint(tmp_path / family, family, **overrides)
+    c = load_model_config(model_dir)
+    reader = open_checkpoint(model_dir, weight_names(c))
+    assert non_expert_params(c) * 4 == non_expert_bytes(reader, torch.float32, c.num_layers)
+    assert pair_bytes(c, "bf16") == slot_bytes_of(model_dir, "bf16")
+    assert pair_bytes(c, "int4") == slot_bytes_of(model_dir, "bf16", "int4")
+
+
+def test_published_configs_plan_every_format(tmp_path, capsys):
+    """DeepSeek-V3's published config: 58 MoE layers x 256 experts, a Q4_K pair is its
+    2048 + 2048 rows of 7168 and 7168 rows of 2048 in 144-byte super-blocks; an expert width
+    that is not whole 256-weight super-blocks has no K-quant (n/a)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    assert plan_main(["--config", str(path), "--json", "--kv-tokens", "4096"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pairs"] == 58 * 256 and out["device_mib"] == [24576, 32768, 49152]
+    rows = {r["format"]: r for r in out["formats"]}
+    assert list(rows) == list(FORMATS)
+    assert rows["Q4_K"]["pair_bytes"] == 3 * 7168 * 2048 // 256 * 144
+    assert rows["bf16"]["pair_bytes"] == 3 * 7168 * 2048 * 2
+    assert all(len(r["coverage"]) == 3 for r in out["formats"])
+    c = parse_config({**DEEPSEEK_V3_CONFIG, "moe_intermediate_size": 1408})
+    assert pair_bytes(c, "Q4_K") is None and pair_bytes(c, "Q8_0") is not None
+    plan = config_plan(c, 1024, 700)
+    assert all(r["pair_bytes"] is None or len(r["coverage"]) == 1
+               for r in plan.rows([48 << 30]))
+    assert plan_main(["--config", str(path), "--kv-tokens", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert "14848 pairs" in text and "| Q4_K | 23.625 MiB |" in text
+
+
+def test_a_bad_config_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "rope_scaling": {"type": "longrope"}}))
+    assert plan_main(["--config", str(path)]) == 2
+    assert "longrope" in capsys.readouterr().err

@@ -102,10 +102,10 @@ class ConfigPlan:
 
 def config_plan(c: ModelConfig, kv_tokens: int, reserved_mib: float) -> ConfigPlan:
     """The budget terms of a config: bf16 weights and a bf16 KV pool for kv_tokens positions
-    (as the engine's pool holds them: MLA expanded to every head)."""
+    (as the engine's pool holds them: MLA's latent and rope key, one copy)."""
     block = 16
-    per_block = PagedKVCache.bytes_per_block(c.num_layers, block, c.num_kv_heads, c.head_dim,
-                                             torch.bfloat16)
+    per_block = PagedKVCache.bytes_per_block(c.num_layers, block, c.kv_heads, c.kv_head_dim,
+                                             torch.bfloat16, shared=c.kv_shared)
     return ConfigPlan(c, non_expert_params(c) * 2, -(-kv_tokens // block) * per_block,
                       kv_tokens, round(reserved_mib * MIB))
 

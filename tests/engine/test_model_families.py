@@ -110,6 +110,32 @@ def test_family_matches_transformers(tmp_path, family, overrides):
     assert_matches_reference(model_dir, ref, steps=8)
 
 
+def test_mla_caches_the_latent_not_per_head_keys_and_values(tmp_path):
+    """DeepSeek's KV pool holds one 'head' per position, the latent and the rope key (R + Dr
+    = 40 values here, against H * 2 * (Dn + Dr) = 192 expanded), K and V one tensor; int8 KV
+    works on it and stays within int8's tolerance of the fp32 pool."""
+    from services.engine.driver import SequenceDriver
+    from tests.engine.conftest import TOKENIZER_VOCAB
+    from tests.engine.test_model_reference import PROMPT
+
+    model_dir, _ = make_family_checkpoint(tmp_path / "v3", "deepseek_v3")
+    runner = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0, dtype="fp32")
+    c, kv = runner.config, runner.kv
+    assert kv.k.shape[-2:] == (1, c.kv_lora_rank + c.qk_rope_head_dim) == (1, 40)
+    assert kv.v is kv.k and kv.nbytes == kv.k.numel() * 4
+    logits = []
+    for kv_dtype in ("auto", "int8"):
+        r = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0, dtype="fp32",
+                        kv_dtype=kv_dtype)
+        drive = SequenceDriver(r)
+        seq = drive.start(r.tokenizer.encode(PROMPT))
+        row = drive.prefill(seq)
+        for _ in range(4):
+            row = drive.decode(seq, int(row.argmax()))
+        logits.append(row[:TOKENIZER_VOCAB])
+    assert (logits[1] - logits[0]).norm() / logits[0].norm() < 0.05
+
+
 def test_glm4_moe_s_mtp_layer_is_left_out(tmp_path):
     """A GLM-4.5 checkpoint stores its multi-token-prediction layer as layer num_hidden_layers
     (its own attention, routed experts, eh_proj, enorm/hnorm; transformers does not load it):

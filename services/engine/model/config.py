@@ -77,12 +77,27 @@ class ModelConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     # deepseek multi-head latent attention (kv_lora_rank > 0): head_dim is the q/k head dim
-    # (nope + rope), K/V cache G = H heads of head_dim with V zero-padded from v_head_dim
+    # (nope + rope); the KV pool holds the latent and the rope key (kv_heads, kv_head_dim)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads the paged pool holds per position: MLA caches one latent 'head'."""
+        return 1 if self.kv_lora_rank else self.num_kv_heads
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Values per pool head: MLA's compressed latent and its rope key (R + Dr)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def kv_shared(self) -> bool:
+        """K and V are one tensor (MLA: attention reads the latent as both)."""
+        return bool(self.kv_lora_rank)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -29,9 +29,12 @@ class KVOwner(Protocol):
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto"):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto",
+                 shared: bool = False):
+        """shared: K and V are one tensor (MLA's latent): write() stores k, and reads give it
+        as both."""
         assert kv_dtype in {"auto", "int8"}
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.shared = num_blocks, block_size, shared
         self.owner: KVOwner | None = None  # whose block manager hands out the blocks
         self.quantized = kv_dtype == "int8"
         self.dtype = dtype
@@ -40,10 +43,11 @@ class PagedKVCache:
         # Zeroed: batched decode attention reads whole blocks and masks the positions a
         # sequence does not have; masked entries must be finite (0 * NaN would be NaN).
         self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.v = self.k if shared else torch.zeros(shape, dtype=storage, device=device)
         if self.quantized:
             self.k_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
-            self.v_scale = torch.zeros(num_layers, num_blocks, num_kv_heads, device=device)
+            self.v_scale = (self.k_scale if shared else
+                            torch.zeros(num_layers, num_blocks, num_kv_heads, device=device))
 
     def claim(self, owner: KVOwner | None) -> None:
         """Make `owner` (an engine, a SequenceDriver, a draft model) the one whose block
@@ -60,14 +64,15 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes of the pool on its device: K, V and (int8) their scales."""
         tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+                        dtype: torch.dtype, kv_dtype: str = "auto", shared: bool = False) -> int:
         element = 1 if kv_dtype == "int8" else torch.empty((), dtype=dtype).element_size()
-        scales = 2 * num_layers * num_kv_heads * 4 if kv_dtype == "int8" else 0
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element + scales
+        copies = 1 if shared else 2  # K and V, or the one tensor of both
+        scales = copies * num_layers * num_kv_heads * 4 if kv_dtype == "int8" else 0
+        return copies * num_layers * block_size * num_kv_heads * head_dim * element + scales
 
     def slots(self, table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """Flat pool indices (block * P + offset) of positions [T] of one sequence."""
@@ -78,10 +83,12 @@ class PagedKVCache:
         """Store k, v [T, G, Hd] at flat slots [T]."""
         if not self.quantized:
             self.k[layer].view(-1, *k.shape[1:])[slots] = k.to(self.dtype)
-            self.v[layer].view(-1, *v.shape[1:])[slots] = v.to(self.dtype)
+            if not self.shared:
+                self.v[layer].view(-1, *v.shape[1:])[slots] = v.to(self.dtype)
             return
         self._write_int8(self.k[layer], self.k_scale[layer], slots, k)
-        self._write_int8(self.v[layer], self.v_scale[layer], slots, v)
+        if not self.shared:
+            self._write_int8(self.v[layer], self.v_scale[layer], slots, v)
 
     def read(self, layer: int, table: Sequence[int], num_positions: int
              ) -> tuple[torch.Tensor, torch.Tensor]:

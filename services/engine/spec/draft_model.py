@@ -45,7 +45,7 @@ def draft_model_bytes(
     block_size = 16
     kv_blocks = kv_windows * -(-c.context_window // block_size)
     kv = kv_blocks * PagedKVCache.bytes_per_block(
-        c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype
+        c.num_layers, block_size, c.kv_heads, c.kv_head_dim, dtype, shared=c.kv_shared
     )
     return params * element + kv
 

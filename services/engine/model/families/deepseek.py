@@ -6,6 +6,8 @@ score-correction bias) with a scaling factor, ungated shared experts, the first
 `first_k_dense_replace` layers dense.
 """
 
+import torch
+
 from services.engine.model.config import CheckpointError, WeightNames, req
 from services.engine.model.families.base import Family, RawConfig, Tensors, decoder_layer
 from services.engine.model.layers.mla import LatentAttention
@@ -16,8 +18,6 @@ NAMES = WeightNames(shared="shared_experts", shared_gate=None)
 
 def config_fields(raw: RawConfig) -> dict:
     nope, rope, v = (req(raw, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    if v > nope + rope:
-        raise CheckpointError("v_head_dim above the q/k head dim is not supported")
     if (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError("partial_rotary_factor is not supported for deepseek (MLA "
                               "rotates its qk_rope_head_dim part)")
@@ -29,7 +29,7 @@ def config_fields(raw: RawConfig) -> dict:
     return dict(
         qk_norm="none",
         head_dim=nope + rope,
-        num_kv_heads=req(raw, "num_attention_heads"),  # the latent expands to every head
+        num_kv_heads=req(raw, "num_attention_heads"),  # attention's; the pool holds the latent
         mlp_only_layers=tuple(range(raw.get("first_k_dense_replace") or 0)),
         shared_expert_intermediate_size=(raw.get("n_shared_experts") or 0) * moe_ffn,
         grouped_routing=True,
@@ -46,6 +46,15 @@ def config_fields(raw: RawConfig) -> dict:
     )
 
 
+def latent_maps(t: Tensors, c, name: str) -> dict[str, torch.Tensor]:
+    """kv_b_proj [H * (Dn + Dv), R] as the absorbed form's per-head maps (layers/mla.py):
+    w_uk [H, Dn, R] and w_uv_t [H, R, Dv], in the weight dtype on the device."""
+    H, Dn, Dv = c.num_heads, c.head_dim - c.qk_rope_head_dim, c.v_head_dim
+    kv_b = t.matrix(name).view(H, Dn + Dv, c.kv_lora_rank)
+    return {"w_uk": kv_b[:, :Dn].contiguous(),
+            "w_uv_t": kv_b[:, Dn:].transpose(1, 2).contiguous()}
+
+
 def latent_attention(t: Tensors, c, i: int) -> LatentAttention:
     a = f"model.layers.{i}.self_attn"
     lora = c.q_lora_rank > 0
@@ -58,7 +67,7 @@ def latent_attention(t: Tensors, c, i: int) -> LatentAttention:
         q_b=t.split(f"{a}.q_b_proj.weight") if lora else None,
         kv_a=t.get_t(f"{a}.kv_a_proj_with_mqa.weight"),
         kv_a_norm=t.get(f"{a}.kv_a_layernorm.weight"),
-        kv_b=t.split(f"{a}.kv_b_proj.weight"),
+        **latent_maps(t, c, f"{a}.kv_b_proj.weight"),
         o=t.split(f"{a}.o_proj.weight"),
         rope_perm=interleave_perm(c.qk_rope_head_dim) if c.rope_interleave else None,
         softmax_scale=softmax_correction(c.rope_scaling, c.context_window))

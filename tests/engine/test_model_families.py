@@ -110,6 +110,18 @@ def test_family_matches_transformers(tmp_path, family, overrides):
     assert_matches_reference(model_dir, ref, steps=8)
 
 
+def test_kimi_k2_is_deepseek_v3_s_architecture(tmp_path):
+    """Kimi-K2's config says model_type kimi_k2 over DeepSeek-V3's architecture (transformers
+    maps it to DeepseekV3): the same checkpoint under that name gives the reference logits."""
+    import json
+
+    model_dir, ref = make_family_checkpoint(tmp_path / "k2", "deepseek_v3", seed=4)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    assert ModelRunner(model_dir, cache_slots=0, reserved_bytes=0).config.model_type == "kimi_k2"
+    assert_matches_reference(model_dir, ref, steps=4)
+
+
 def test_mla_caches_the_latent_not_per_head_keys_and_values(tmp_path):
     """DeepSeek's KV pool holds one 'head' per position, the latent and the rope key (R + Dr
     = 40 values here, against H * 2 * (Dn + Dr) = 192 expanded), K and V one tensor; int8 KV

@@ -1,5 +1,6 @@
-"""deepseek_v2, deepseek_v3: DeepSeek-V2/V2-Lite, DeepSeek-V3/R1 (the published configs' YaRN:
-layers/rope.py, with the softmax scale correction on q).
+"""deepseek_v2, deepseek_v3, kimi_k2: DeepSeek-V2/V2-Lite, DeepSeek-V3/R1/V3.1 and Kimi-K2
+(model_type kimi_k2, DeepSeek-V3's architecture), with the published configs' YaRN
+(layers/rope.py, the softmax scale correction on q).
 
 Multi-head latent attention (layers/mla.py), grouped top-K routing (V2 softmax, V3 sigmoid +
 score-correction bias) with a scaling factor, ungated shared experts, the first
@@ -23,7 +24,7 @@ def config_fields(raw: RawConfig) -> dict:
                               "rotates its qk_rope_head_dim part)")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise CheckpointError("attention_bias / mlp_bias are not supported for deepseek")
-    v3 = raw["model_type"] == "deepseek_v3"
+    v3 = raw["model_type"] in ("deepseek_v3", "kimi_k2")
     grouped = v3 or raw.get("topk_method", "greedy") == "group_limited_greedy"
     moe_ffn = raw.get("moe_intermediate_size") or req(raw, "intermediate_size")
     return dict(
@@ -79,3 +80,4 @@ def build_layer(t: Tensors, c, i: int):
 
 DEEPSEEK_V2 = Family("deepseek_v2", NAMES, config_fields, build_layer)
 DEEPSEEK_V3 = Family("deepseek_v3", NAMES, config_fields, build_layer)
+KIMI_K2 = Family("kimi_k2", NAMES, config_fields, build_layer)  # DeepSeek-V3's architecture

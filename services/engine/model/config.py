@@ -129,6 +129,7 @@ def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
                         if raw.get(k) is not None), None)
     if num_experts is None:
         raise CheckpointError("config.json has neither num_local_experts nor num_experts")
+    theta, scaling, partial = _rope(raw)
     return dict(
         model_type=raw["model_type"],
         vocab_size=req(raw, "vocab_size"),
@@ -146,9 +147,9 @@ def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(sorted(raw.get("mlp_only_layers") or ())),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope(raw)[0],
-        rope_scaling=_rope(raw)[1],
-        partial_rotary_factor=_rope(raw)[2],
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
         context_window=req(raw, "max_position_embeddings"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias")),

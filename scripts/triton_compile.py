@@ -66,6 +66,11 @@ def kernels(dtype: str):
         sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "y_ptr": f"*{dtype}", "lut": "*fp32",
                "T": "i32", "x_stride": "i32", "y_stride": "i32"}
         yield f"linear {name.lower()}", gpu_blocks._linear_kernel, sig, consts
+    consts = dict(N=N, K=D, BO=128, BI=128, IEEE=ieee, BLOCK_T=gpu_blocks.BLOCK_T,
+                  BLOCK_N=gpu_blocks.BLOCK_N, BLOCK_K=gpu_blocks.BLOCK_K)
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{dtype}",
+           "T": "i32", "x_stride": "i32", "y_stride": "i32"}
+    yield "linear fp8", gpu_blocks._linear_fp8_kernel, sig, consts
 
 
 def resources(cubin: bytes) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.engine.model.blocks import Fp8Matrix
 from services.engine.model.checkpoint import CheckpointError, load_model_config
 from services.engine.runner import ModelRunner
 from tests.engine.conftest import make_hf_checkpoint
@@ -96,6 +97,9 @@ def test_fp8_experts_are_held_as_stored_and_compute_their_values(fp8_pair):
     D, F = a.config.hidden_size, a.config.moe_intermediate_size
     assert a.slot_bytes == 3 * D * F + 4 * (2 * -(-F // BLOCK[0]) * -(-D // BLOCK[1])
                                             + -(-D // BLOCK[0]) * -(-F // BLOCK[1]))
+    attn = a.model.layers[1].attn  # q | k | v and o stay FP8 too (whole blocks of rows)
+    assert isinstance(attn.qkv, Fp8Matrix) and isinstance(attn.o, Fp8Matrix)
+    assert attn.qkv.codes.dtype == torch.uint8 and attn.qkv.block == BLOCK
     b = ModelRunner(ref, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
     _, tokens_a, logits_a = greedy(a, PROMPT, n=8)
     _, tokens_b, logits_b = greedy(b, PROMPT, n=8)
@@ -152,7 +156,8 @@ def test_the_c_kernel_reads_fp8_blobs_as_the_reference_computes(T):
 def test_fused_fp8_expert_stacks_are_read_as_their_values(fp8_pair, tmp_path):
     """The same experts as fused stacks (experts.gate_up_proj [E, 2F, D], experts.down_proj
     [E, D, F], each with its [E, ...] block scales): read slab by slab as code times scale,
-    the same logits bit for bit as the dequantized checkpoint."""
+    the dequantized checkpoint's tokens and logits (to fp32 rounding: the attention runs on its
+    FP8 codes, the reference on their values)."""
     fp8, ref = fp8_pair
     config = load_model_config(Path(fp8))
     E, F = config.num_experts, config.moe_intermediate_size
@@ -179,7 +184,32 @@ def test_fused_fp8_expert_stacks_are_read_as_their_values(fp8_pair, tmp_path):
     b = ModelRunner(ref, cache_slots=10**6, reserved_bytes=0, dtype="fp32")
     _, tokens_a, logits_a = greedy(a, PROMPT, n=8)
     _, tokens_b, logits_b = greedy(b, PROMPT, n=8)
-    assert tokens_a == tokens_b and torch.equal(logits_a, logits_b)
+    assert tokens_a == tokens_b
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_fp8_matrices_compute_their_dequantized_product(T):
+    """strata_linear_fp8 (the CPU backend's product on an Fp8Matrix: q | k | v, o, MLA's q_b)
+    against x @ dequantize().T in float64: 70 rows of 104 inputs in 32 x 16 blocks (ragged in
+    both), subnormal codes included, strided x; to fp32 rounding."""
+    from services.engine import kernels
+
+    try:
+        cpu = kernels.CpuKernels(kernels.build())
+    except (kernels.KernelBuildError, OSError) as exc:
+        pytest.skip(f"the CPU kernels do not build here: {exc}")
+    g = torch.Generator().manual_seed(T)
+    codes, scale = fp8_blocks(torch.randn(70, 104, generator=g))
+    codes = codes.view(torch.uint8)
+    codes[::7, ::5] = torch.randint(1, 8, codes[::7, ::5].shape, generator=g,
+                                    dtype=torch.uint8)  # subnormal codes
+    w = Fp8Matrix(codes.contiguous(), scale, BLOCK)
+    x = torch.randn(T, 208, generator=g)[:, :104]
+    want = x.double() @ w.dequantize(torch.float64).T
+    got = cpu.linear_fp8(x, w)
+    assert got.shape == (T, 70)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_fp8_without_its_scales_is_refused(fp8_pair, tmp_path):

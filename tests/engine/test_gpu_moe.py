@@ -304,6 +304,25 @@ def test_block_matrix_product_matches_its_dequantized_weights(segments):
     assert err < 1e-6, err
 
 
+def test_fp8_matrix_product_matches_its_dequantized_weights():
+    """gpu_blocks.linear_fp8 (an FP8 checkpoint's attention on CUDA, as stored): 70 rows of
+    104 inputs in 32 x 16 scale blocks, ragged in both; to fp32 rounding."""
+    from services.engine.kernels import gpu_blocks
+    from services.engine.model.blocks import Fp8Matrix
+
+    rng = np.random.default_rng(19)
+    codes = rng.integers(0, 256, size=(70, 104), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
+    scales = rng.uniform(0.5, 2.0, size=(3, 7)).astype(np.float32) * 1e-2
+    w = Fp8Matrix(torch.from_numpy(codes).to(DEVICE), torch.from_numpy(scales).to(DEVICE),
+                  (32, 16))
+    x = torch.randn(5, 208, generator=torch.Generator().manual_seed(20)).to(DEVICE)[:, :104]
+    got = gpu_blocks.linear_fp8(x, w)
+    want = x.double().cpu() @ w.dequantize(torch.float64).cpu().T
+    err = (got.double().cpu() - want).norm() / want.norm()
+    assert got.shape == (5, 70) and err < 1e-6, err
+
+
 @pytest.mark.parametrize(("H", "G", "Hd", "P"), [(4, 2, 16, 16), (8, 8, 64, 4), (6, 2, 24, 8)])
 def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P):
     from services.engine.kernels.gpu_ops import decode_attention

@@ -47,12 +47,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.engine.model.blocks import BlockMatrix, block_type
+from services.engine.model.blocks import BlockMatrix, Fp8Matrix, block_type
 
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 6  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 7  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -189,6 +189,9 @@ class CpuKernels:
         lib.strata_linear_blocks.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
                                              _c_ptr, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_linear_blocks.restype = None
+        lib.strata_linear_fp8.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr,
+                                          _c_i64, _c_i64, _c_i64, _c_ptr]
+        lib.strata_linear_fp8.restype = None
         lib.strata_block_work_bytes.argtypes = [_c_i64, _c_i64]
         lib.strata_block_work_bytes.restype = _c_i64
         lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
@@ -244,6 +247,21 @@ class CpuKernels:
         self._lib.strata_linear_blocks(x.data_ptr(), T, K, x.stride(0), w.data.data_ptr(),
                                        len(types), types.ctypes.data, rows.ctypes.data,
                                        y.data_ptr(), work.data_ptr())
+        return y
+
+    def linear_fp8(self, x: torch.Tensor, w: Fp8Matrix) -> torch.Tensor:
+        """x [T, K] (fp32, rows may be strided) times an Fp8Matrix (codes and block scales as
+        stored), transposed -> [T, N] fp32: each code converted exactly, an fp32 dot per
+        scale block, one FMA by its scale (cpu_kernels.c's product_fp8)."""
+        T, K = x.shape
+        assert x.dtype == torch.float32 and w.in_features == K and x.stride(1) == 1
+        assert K % 8 == 0 and w.block[1] % 8 == 0, "inputs and scale blocks of multiples of 8"
+        assert w.codes.is_contiguous() and w.scales.is_contiguous()
+        assert w.scales.dtype == torch.float32
+        y = torch.empty(T, w.out_features)
+        bo, bi = w.block
+        self._lib.strata_linear_fp8(x.data_ptr(), T, K, x.stride(0), w.codes.data_ptr(),
+                                    w.scales.data_ptr(), w.out_features, bo, bi, y.data_ptr())
         return y
 
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,

@@ -13,8 +13,8 @@ tensors, and there is no process-global kernel state: a backend holds the kernel
                      norms, q/k norm + RoPE, paged decode attention and the softmax router; a
                      whole decode layer's attention half and router in one call (`decode_layer`)
     TritonBackend    CUDA: Triton norms, q/k norm + RoPE and paged decode attention
-                     (kernels/gpu_ops.py), products on GGUF block matrices as stored
-                     (kernels/gpu_blocks.py); cuBLAS products
+                     (kernels/gpu_ops.py), products on GGUF block and FP8 matrices as
+                     stored (kernels/gpu_blocks.py); cuBLAS products
 
 Every backend computes the same functions; the C kernels' rows are bit-identical whatever the
 batch (see cpu_kernels.c), torch's and Triton's are close.
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from services.engine import kernels
 from services.engine.cache.layout import matmul_split, split_swiglu
-from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix
+from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix
 
 log = logging.getLogger("strata.engine")
 
@@ -47,6 +47,7 @@ class TorchBackend:
     fused_rope = False  # qk_norm_rope() runs per-head q/k norm and RoPE in place
     fused_decode_layer = False  # decode_layer(): a layer's attention half + router in one call
     block_matrices: tuple[str, ...] = ()  # GGUF block types linear() reads as stored
+    fp8_matrices = False  # linear() reads FP8 block-scaled matrices (Fp8Matrix) as stored
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -67,11 +68,12 @@ class TorchBackend:
         routers, gates, latent projections)."""
         return (x.to(w_t.dtype) @ w_t).to(x.dtype)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix | Fp8Matrix
+               ) -> torch.Tensor:
         """x [T, K] @ the split weight w [S, K, N/S] -> [T, N] (one torch.bmm: at decode the
-        S column blocks stream on S cores instead of one); a BlockMatrix is dequantized (the
-        reference; only backends that read its blocks get one at load)."""
-        if isinstance(w, BlockMatrix):
+        S column blocks stream on S cores instead of one); a BlockMatrix or Fp8Matrix is
+        dequantized (the reference; only backends that read them get one at load)."""
+        if isinstance(w, BlockMatrix | Fp8Matrix):
             return (x.float() @ w.dequantize().T).to(x.dtype)
         return matmul_split(x.to(w.dtype), w).to(x.dtype)
 
@@ -129,6 +131,7 @@ class CpuBackend(TorchBackend):
     fused_rope = True
     fused_decode_layer = True
     block_matrices = tuple(BLOCK_TYPES)
+    fp8_matrices = True
 
     def __init__(self, device: torch.device, cpu: kernels.CpuKernels):
         super().__init__(device)
@@ -152,9 +155,12 @@ class CpuBackend(TorchBackend):
             return self.cpu.linear(x, w_t[None])  # one column block
         return super().matmul(x, w_t)  # (fp32: torch's product, as the reference computes)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix | Fp8Matrix
+               ) -> torch.Tensor:
         if isinstance(w, BlockMatrix):
             return self.cpu.linear_blocks(x.float(), w)
+        if isinstance(w, Fp8Matrix):
+            return self.cpu.linear_fp8(x.float(), w)
         return self.cpu.linear(x, w) if self._takes(x, w) else super().linear(x, w)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -190,6 +196,7 @@ class TritonBackend(TorchBackend):
     paged_attention = True
     fused_rope = True
     block_matrices = tuple(BLOCK_TYPES)
+    fp8_matrices = True
 
     def __init__(self, device: torch.device, gpu_ops: ModuleType, gpu_blocks: ModuleType):
         super().__init__(device)
@@ -203,9 +210,12 @@ class TritonBackend(TorchBackend):
         dtype (fp32 accumulation inside)."""
         return weight_dtype
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix | Fp8Matrix
+               ) -> torch.Tensor:
         if isinstance(w, BlockMatrix):  # dequantized in registers, in x's dtype
             return self.blocks.linear(x, w)
+        if isinstance(w, Fp8Matrix):
+            return self.blocks.linear_fp8(x, w)
         return super().linear(x, w)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

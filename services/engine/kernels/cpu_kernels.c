@@ -42,7 +42,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 6
+#define ABI_VERSION 7
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -1348,6 +1348,21 @@ static void product_fp8(const float *x, int64_t ldx, const int64_t *xrow, int64_
         case 3: fp8_tile(xs, 3, W, scales, in, o0, out, bo, bi, yt, ldy); break;
         default: fp8_tile(xs, 4, W, scales, in, o0, out, bo, bi, yt, ldy); break;
         }
+    }
+}
+
+/* y [T, N] = x [T, K] (rows ldx apart) times W^T for W float8 e4m3 codes [N, K] with an fp32
+ * scale per bo x bi block (scales [ceil(N / bo)][ceil(K / bi)], an FP8 checkpoint's dense
+ * weight as stored): product_fp8 on units of BLOCK_UNIT_ROWS output rows. */
+void strata_linear_fp8(const float *x, int64_t T, int64_t K, int64_t ldx, const uint8_t *W,
+                       const float *scales, int64_t N, int64_t bo, int64_t bi, float *y)
+{
+    const int64_t units = (N + BLOCK_UNIT_ROWS - 1) / BLOCK_UNIT_ROWS;
+#pragma omp parallel for schedule(static) if (T * N * K >= (1 << 18))
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t o0 = u * BLOCK_UNIT_ROWS;
+        const int64_t n = N - o0 < BLOCK_UNIT_ROWS ? N - o0 : BLOCK_UNIT_ROWS;
+        product_fp8(x, ldx, NULL, 1, T, W, scales, K, o0, n, bo, bi, y + o0, N);
     }
 }
 

@@ -12,7 +12,7 @@ tile equals the reference dequantization of its weights (to the last bit where t
 does not fuse a multiply-add).
 
 `linear` is a dense product on a BlockMatrix (lm_head, attention projections as the file stores
-them) built on `weights`.
+them) built on `weights`, `linear_fp8` the same on an Fp8Matrix built on `fp8_weights`.
 
 `TYPE` is the block type's BlockType.kernel code (the C kernels' WT_* numbering), a constexpr:
 each kernel is compiled for the types of the matrices it reads.
@@ -29,6 +29,7 @@ from services.engine.model.blocks import (
     FP4_VALUES,
     IQ4_VALUES,
     BlockMatrix,
+    Fp8Matrix,
     block_type,
 )
 
@@ -205,4 +206,43 @@ def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
         at += rows * t.row_bytes(K)
         col += rows
+    return y
+
+
+@triton.jit
+def _linear_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, T, x_stride, y_stride, N: tl.constexpr,
+                       K: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                       IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok, n_ok = t < T, n < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + t[:, None] * x_stride + k[None, :],
+                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+        w = fp8_weights(w_ptr, s_ptr, tl.minimum(n, N - 1)[None, :],
+                        tl.minimum(k, K - 1)[:, None], K, BO, BI)  # [BLOCK_K, BLOCK_N]
+        w = tl.where(k_ok[:, None] & n_ok[None, :], w, 0.0).to(x_ptr.dtype.element_ty)
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    tl.store(y_ptr + t[:, None] * y_stride + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])
+
+
+def linear_fp8(x: torch.Tensor, w: Fp8Matrix) -> torch.Tensor:
+    """x [T, K] (on w's device, rows may be strided) times an Fp8Matrix, transposed -> [T, N]
+    in x's dtype: each code times its block's scale in registers, fp32 accumulation."""
+    T, K = x.shape
+    assert w.in_features == K and x.stride(1) == 1 and w.codes.device == x.device
+    N = w.out_features
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    bo, bi = w.block
+    _linear_fp8_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))](
+        x, w.codes, w.scales, y, T, x.stride(0), y.stride(0), N, K, bo, bi,
+        IEEE=x.dtype == torch.float32, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y

@@ -269,3 +269,33 @@ class BlockMatrix:
             parts.append(dequantize(self.data[at:at + n], name).view(rows, self.in_features))
             at += n
         return torch.cat(parts).to(dtype)
+
+
+@dataclass
+class Fp8Matrix:
+    """A dense weight kept as an FP8 checkpoint stores it: N rows of K float8 e4m3 codes with an
+    fp32 scale per bo x bi block (DeepSeek's weight_scale_inv layout), several tensors' rows
+    concatenated when each has whole blocks of rows (q | k | v). Backends with a kernel read it
+    as it is (CpuBackend: strata_linear_fp8; TritonBackend: gpu_blocks.linear_fp8);
+    `dequantize` is the reference."""
+
+    codes: torch.Tensor  # uint8 [N, K]
+    scales: torch.Tensor  # fp32 [ceil(N / bo), ceil(K / bi)]
+    block: tuple[int, int]  # (bo, bi)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 4 * self.scales.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in dtype: code * its block's scale."""
+        return fp8_values(self.codes.view(torch.float8_e4m3fn), self.scales,
+                          self.block).to(dtype)

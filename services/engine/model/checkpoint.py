@@ -134,6 +134,15 @@ class CheckpointReader:
                                   "FP8 weights with block scales are read")
         return fp8_values(t, self._read(scale_name, index), self.fp8_block)
 
+    def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A 2-D e4m3 weight with its block scales as stored: (codes uint8 [N, K], scales fp32
+        [ceil(N / bo), ceil(K / bi)]); None for anything else."""
+        if (self.stored_dtype(name) != "F8_E4M3" or f"{name}_scale_inv" not in self
+                or len(self.shape(name)) != 2):
+            return None
+        codes = self._read(name).view(torch.uint8)  # a positioned read, not the mapping
+        return codes, self._read(f"{name}_scale_inv").float().contiguous()
+
     def blocks(self, name: str) -> tuple[str, np.ndarray]:
         """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""
         raise CheckpointError(f"{self.model_dir.name} stores {name} as floats, not blocks")

@@ -190,6 +190,10 @@ class GGUFCheckpoint:
             return None
         return stacks  # type: ignore[return-value]
 
+    def fp8(self, name: str) -> None:
+        """GGUF has no FP8 type."""
+        return None
+
     def blocks(self, name: str) -> tuple[str, np.ndarray]:
         """(GGUF type, uint8 rows of blocks [out, row bytes]) of a 2-D tensor as stored."""
         t = self._tensor(self._gguf_name(name))

@@ -27,7 +27,7 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     `dtype` (the activations in the backend's activation dtype for it)."""
     t0 = time.perf_counter()
     t = Tensors(reader, dtype, backend.device, backend.activation_dtype(dtype),
-                backend.block_matrices)
+                backend.block_matrices, backend.fp8_matrices)
     build = family(config.model_type).build_layer
     layers = [build(t, config, i) for i in range(config.num_layers)]
     moes = [layer.moe for layer in layers if layer.moe is not None]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from services.engine.cache.layout import split_columns
-from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix
+from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix
 from services.engine.model.config import ModelConfig, WeightNames
 from services.engine.model.layers.attention import Attention
 from services.engine.model.layers.decoder_layer import DecoderLayer
@@ -52,6 +52,8 @@ class TensorReader(Protocol):
 
     def blocks(self, name: str) -> tuple[str, np.ndarray]: ...
 
+    def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
 
 def file_backed(rows: np.ndarray) -> torch.Tensor:
     """uint8 [bytes] over a tensor's bytes where the reader maps them (a GGUF file's pages,
@@ -68,10 +70,12 @@ class Tensors:
     activation dtype."""
 
     def __init__(self, reader: TensorReader, dtype: torch.dtype, device: torch.device,
-                 act_dtype: torch.dtype | None = None, blocks: tuple[str, ...] = ()):
+                 act_dtype: torch.dtype | None = None, blocks: tuple[str, ...] = (),
+                 fp8: bool = False):
         self.reader, self.dtype, self.device = reader, dtype, device
         self.act_dtype = act_dtype or dtype
         self.blocks = blocks  # GGUF block types the backend's linear() reads as stored
+        self.fp8 = fp8  # whether it reads FP8 block-scaled matrices as stored
 
     def __contains__(self, name: str) -> bool:
         return name in self.reader
@@ -103,10 +107,12 @@ class Tensors:
         w_t = torch.cat([self.reader.get(n, self.dtype).t() for n in names], dim=1)
         return split_columns(w_t).to(self.device)
 
-    def linear(self, *names: str) -> torch.Tensor | BlockMatrix:
+    def linear(self, *names: str) -> torch.Tensor | BlockMatrix | Fp8Matrix:
         """[out_i, in] weights for backend.linear, concatenated along out: kept as stored
-        (their rows of blocks, a BlockMatrix) when every one is in a block type the backend
-        reads, else split() in the weight dtype."""
+        (their rows of blocks, a BlockMatrix; FP8 codes and block scales, an Fp8Matrix) when
+        every one is in a type the backend reads, else split() in the weight dtype."""
+        if self.fp8 and (matrix := self._fp8(names)) is not None:
+            return matrix
         stored = [self.reader.stored_dtype(n) for n in names] if self.blocks else []
         if stored and set(stored) <= set(self.blocks):
             parts = [self.reader.blocks(n)[1] for n in names]
@@ -115,6 +121,22 @@ class Tensors:
             return BlockMatrix(data.to(self.device), self.reader.shape(names[0])[1],
                                tuple((t, b.shape[0]) for t, b in zip(stored, parts, strict=True)))
         return self.split(*names)
+
+    def _fp8(self, names: tuple[str, ...]) -> Fp8Matrix | None:
+        """The tensors as one Fp8Matrix when each is FP8 with block scales, of the same
+        inputs (a multiple of 8, as the kernels read them), and (but the last) whole blocks of
+        rows; else None."""
+        parts = [self.reader.fp8(n) for n in names]
+        if any(p is None for p in parts):
+            return None
+        block = self.reader.fp8_block  # type: ignore[attr-defined]
+        inputs = {codes.shape[1] for codes, _ in parts}  # type: ignore[union-attr]
+        if (len(inputs) != 1 or min(inputs) % 8 or block[1] % 8
+                or any(codes.shape[0] % block[0] for codes, _ in parts[:-1])):  # type: ignore[union-attr]
+            return None
+        codes = torch.cat([c for c, _ in parts])  # type: ignore[misc]
+        scales = torch.cat([s for _, s in parts])  # type: ignore[misc]
+        return Fp8Matrix(codes.to(self.device), scales.to(self.device), block)
 
     def swiglu(self, prefix: str, gate: str | None = None) -> DenseMlp:
         """{prefix}.{gate,up,down}_proj as a DenseMlp (gate: a sigmoid output gate's name)."""

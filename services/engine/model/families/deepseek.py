@@ -62,14 +62,14 @@ def latent_attention(t: Tensors, c, i: int) -> LatentAttention:
     return LatentAttention(
         kv_layer=i, num_heads=c.num_heads, head_dim=c.head_dim, rope_dim=c.qk_rope_head_dim,
         v_head_dim=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, eps=c.rms_norm_eps,
-        q=None if lora else t.split(f"{a}.q_proj.weight"),
+        q=None if lora else t.linear(f"{a}.q_proj.weight"),
         q_a=t.get_t(f"{a}.q_a_proj.weight") if lora else None,
         q_a_norm=t.get(f"{a}.q_a_layernorm.weight") if lora else None,
-        q_b=t.split(f"{a}.q_b_proj.weight") if lora else None,
+        q_b=t.linear(f"{a}.q_b_proj.weight") if lora else None,
         kv_a=t.get_t(f"{a}.kv_a_proj_with_mqa.weight"),
         kv_a_norm=t.get(f"{a}.kv_a_layernorm.weight"),
         **latent_maps(t, c, f"{a}.kv_b_proj.weight"),
-        o=t.split(f"{a}.o_proj.weight"),
+        o=t.linear(f"{a}.o_proj.weight"),
         rope_perm=interleave_perm(c.qk_rope_head_dim) if c.rope_interleave else None,
         softmax_scale=softmax_correction(c.rope_scaling, c.context_window))
 

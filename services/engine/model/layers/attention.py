@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.blocks import BlockMatrix
+from services.engine.model.blocks import BlockMatrix, Fp8Matrix
 from services.engine.model.layers.rope import apply_rope
 from services.engine.model.step import Step
 
@@ -82,9 +82,9 @@ class Attention:
     num_heads: int  # H
     num_kv_heads: int  # G
     head_dim: int  # Hd
-    qkv: torch.Tensor | BlockMatrix  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split by columns
-    # (or, kept as stored, their (H+2G)*Hd rows of blocks)
-    o: torch.Tensor | BlockMatrix  # [S, H*Hd, D/S] (or D rows of blocks)
+    qkv: torch.Tensor | BlockMatrix | Fp8Matrix  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split
+    # by columns (or, kept as stored, their (H+2G)*Hd rows of blocks or FP8 codes)
+    o: torch.Tensor | BlockMatrix | Fp8Matrix  # [S, H*Hd, D/S] (or D rows as stored)
     eps: float
     qk_norm: str = "none"  # "head": a [Hd] weight per head; "proj": over all heads; "none"
     q_norm: torch.Tensor | None = None  # [Hd] or [H*Hd]
@@ -98,10 +98,11 @@ class Attention:
 
     @property
     def plain(self) -> bool:
-        """No bias, no clip, per-head or no q/k norm, RoPE over whole heads: what the fused
-        kernels compute."""
+        """No bias, no clip, per-head or no q/k norm, RoPE over whole heads, weights not in
+        FP8: what the fused kernels compute."""
         return (self.qkv_bias is None and self.o_bias is None and self.clip_qkv is None
-                and self.qk_norm in ("head", "none") and self.rotary_dim is None)
+                and self.qk_norm in ("head", "none") and self.rotary_dim is None
+                and not isinstance(self.qkv, Fp8Matrix) and not isinstance(self.o, Fp8Matrix))
 
     def project(self, x: torch.Tensor, step: Step
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

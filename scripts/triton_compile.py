@@ -58,19 +58,17 @@ def kernels(dtype: str):
                "g_addr_ptr": "*i64", "g_start_ptr": "*i64", "g_len_ptr": "*i64",
                "y_ptr": "*fp32", "lut": "*fp32"}
         yield f"down {name}", gpu_moe._down_kernel, sig, consts
+    linear = dict(N=N, K=D, FP8=False, ROW_BYTES=0, TYPE=0, BO=1, BI=1, IEEE=ieee,
+                  BLOCK_T=gpu_blocks.BLOCK_T, BLOCK_N=gpu_blocks.BLOCK_N,
+                  BLOCK_K=gpu_blocks.BLOCK_K)
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{dtype}",
+           "lut": "*fp32", "T": "i32", "x_stride": "i32", "y_stride": "i32"}
     for name in BLOCK_TYPES:
         t = block_type(name)
-        consts = dict(N=N, K=D, ROW_BYTES=t.row_bytes(D), TYPE=t.kernel, IEEE=ieee,
-                      BLOCK_T=gpu_blocks.BLOCK_T, BLOCK_N=gpu_blocks.BLOCK_N,
-                      BLOCK_K=gpu_blocks.BLOCK_K)
-        sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "y_ptr": f"*{dtype}", "lut": "*fp32",
-               "T": "i32", "x_stride": "i32", "y_stride": "i32"}
+        consts = {**linear, "ROW_BYTES": t.row_bytes(D), "TYPE": t.kernel}
         yield f"linear {name.lower()}", gpu_blocks._linear_kernel, sig, consts
-    consts = dict(N=N, K=D, BO=128, BI=128, IEEE=ieee, BLOCK_T=gpu_blocks.BLOCK_T,
-                  BLOCK_N=gpu_blocks.BLOCK_N, BLOCK_K=gpu_blocks.BLOCK_K)
-    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{dtype}",
-           "T": "i32", "x_stride": "i32", "y_stride": "i32"}
-    yield "linear fp8", gpu_blocks._linear_fp8_kernel, sig, consts
+    yield ("linear fp8", gpu_blocks._linear_kernel, sig,
+           {**linear, "FP8": True, "BO": 128, "BI": 128})
 
 
 def resources(cubin: bytes) -> str:

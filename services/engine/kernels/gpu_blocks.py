@@ -165,10 +165,12 @@ BLOCK_T, BLOCK_N, BLOCK_K = 16, 64, 64  # rows of x, output columns, reduction c
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, lut, T, x_stride, y_stride, N: tl.constexpr,
-                   K: tl.constexpr, ROW_BYTES: tl.constexpr, TYPE: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, lut, T, x_stride, y_stride, N: tl.constexpr,
+                   K: tl.constexpr, FP8: tl.constexpr, ROW_BYTES: tl.constexpr,
+                   TYPE: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ W^T for W rows of TYPE blocks (FP8 false) or e4m3 codes with block scales at
+    s_ptr (FP8 true)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok, n_ok = t < T, n < N
@@ -178,8 +180,11 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, lut, T, x_stride, y_stride, N: tl.conste
         k_ok = k < K
         x = tl.load(x_ptr + t[:, None] * x_stride + k[None, :],
                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
-        w = weights(w_ptr, tl.minimum(n, N - 1)[None, :], tl.minimum(k, K - 1)[:, None],
-                    ROW_BYTES, TYPE, lut)  # [BLOCK_K, BLOCK_N]: row n, column k of W
+        r, c = tl.minimum(n, N - 1)[None, :], tl.minimum(k, K - 1)[:, None]
+        if FP8:
+            w = fp8_weights(w_ptr, s_ptr, r, c, K, BO, BI)
+        else:
+            w = weights(w_ptr, r, c, ROW_BYTES, TYPE, lut)  # [BLOCK_K, BLOCK_N]: W[n, k]
         w = tl.where(k_ok[:, None] & n_ok[None, :], w, 0.0).to(x_ptr.dtype.element_ty)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
@@ -187,6 +192,16 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, lut, T, x_stride, y_stride, N: tl.conste
             acc += tl.dot(x, w)
     tl.store(y_ptr + t[:, None] * y_stride + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=t_ok[:, None] & n_ok[None, :])
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
+             rows: int, **weights: int) -> None:
+    """y [T, rows] (a view, rows y.stride(0) apart) = x @ the rows' weights, transposed."""
+    T, K = x.shape
+    _linear_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(rows, BLOCK_N))](
+        x, w, scales, y, lookup_table(x.device), T, x.stride(0), y.stride(0), rows, K,
+        **{"FP8": False, "ROW_BYTES": 0, "TYPE": 0, "BO": 1, "BI": 1, **weights},
+        IEEE=x.dtype == torch.float32, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
 
 def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
@@ -196,42 +211,14 @@ def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
     T, K = x.shape
     assert w.in_features == K and x.stride(1) == 1 and w.data.device == x.device
     y = torch.empty(T, w.out_features, dtype=x.dtype, device=x.device)
-    lut = lookup_table(x.device)
     at = col = 0
     for name, rows in w.segments:
         t = block_type(name)
-        _linear_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(rows, BLOCK_N))](
-            x, w.data[at:], y[:, col:], lut, T, x.stride(0), y.stride(0), rows, K,
-            t.row_bytes(K), t.kernel, IEEE=x.dtype == torch.float32, BLOCK_T=BLOCK_T,
-            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        _product(x, w.data[at:], w.data, y[:, col:], rows, ROW_BYTES=t.row_bytes(K),
+                 TYPE=t.kernel)
         at += rows * t.row_bytes(K)
         col += rows
     return y
-
-
-@triton.jit
-def _linear_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, T, x_stride, y_stride, N: tl.constexpr,
-                       K: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                       IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_ok, n_ok = t < T, n < N
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_ptr + t[:, None] * x_stride + k[None, :],
-                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
-        w = fp8_weights(w_ptr, s_ptr, tl.minimum(n, N - 1)[None, :],
-                        tl.minimum(k, K - 1)[:, None], K, BO, BI)  # [BLOCK_K, BLOCK_N]
-        w = tl.where(k_ok[:, None] & n_ok[None, :], w, 0.0).to(x_ptr.dtype.element_ty)
-        if IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
-    tl.store(y_ptr + t[:, None] * y_stride + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & n_ok[None, :])
 
 
 def linear_fp8(x: torch.Tensor, w: Fp8Matrix) -> torch.Tensor:
@@ -239,10 +226,6 @@ def linear_fp8(x: torch.Tensor, w: Fp8Matrix) -> torch.Tensor:
     in x's dtype: each code times its block's scale in registers, fp32 accumulation."""
     T, K = x.shape
     assert w.in_features == K and x.stride(1) == 1 and w.codes.device == x.device
-    N = w.out_features
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    bo, bi = w.block
-    _linear_fp8_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))](
-        x, w.codes, w.scales, y, T, x.stride(0), y.stride(0), N, K, bo, bi,
-        IEEE=x.dtype == torch.float32, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    y = torch.empty(T, w.out_features, dtype=x.dtype, device=x.device)
+    _product(x, w.codes, w.scales, y, w.out_features, FP8=True, BO=w.block[0], BI=w.block[1])
     return y

@@ -126,13 +126,14 @@ class Tensors:
         """The tensors as one Fp8Matrix when each is FP8 with block scales, of the same
         inputs (a multiple of 8, as the kernels read them), and (but the last) whole blocks of
         rows; else None."""
+        shapes = [self.reader.shape(n) for n in names]
+        block = getattr(self.reader, "fp8_block", (1, 1))
+        if (any(self.reader.stored_dtype(n) != "F8_E4M3" for n in names)
+                or len({s[-1] for s in shapes}) != 1 or shapes[0][-1] % 8 or block[1] % 8
+                or any(s[0] % block[0] for s in shapes[:-1])):
+            return None  # checked before anything is read
         parts = [self.reader.fp8(n) for n in names]
         if any(p is None for p in parts):
-            return None
-        block = self.reader.fp8_block  # type: ignore[attr-defined]
-        inputs = {codes.shape[1] for codes, _ in parts}  # type: ignore[union-attr]
-        if (len(inputs) != 1 or min(inputs) % 8 or block[1] % 8
-                or any(codes.shape[0] % block[0] for codes, _ in parts[:-1])):  # type: ignore[union-attr]
             return None
         codes = torch.cat([c for c, _ in parts])  # type: ignore[misc]
         scales = torch.cat([s for _, s in parts])  # type: ignore[misc]

@@ -5,7 +5,8 @@ config.json is enough for the arithmetic: the (layer, expert) pairs, the bytes o
 each format Strata holds experts in (the slot size, exactly as the engine's formats compute it),
 the non-expert weights (attention, dense layers, shared experts, routers, embeddings, lm_head;
 counted from the architecture as the families build it, in bf16, which the GPU backends serve
-them in) and the KV cache per token; then the coverage each device memory size gives.
+them in; an FP8 checkpoint's attention in FP8, as the engine keeps it) and the KV cache per
+token; then the coverage each device memory size gives.
 
 A format that cannot hold the model's expert rows (a K-quant needs rows of whole 256-weight
 super-blocks: GLM-4.5-Air's 1408-wide experts are not) is shown as n/a.
@@ -72,6 +73,28 @@ def non_expert_params(c: ModelConfig) -> int:
     return layers + vocab + D  # + the final norm
 
 
+def fp8_attention_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """(rows, inputs) of each layer's attention matrices an FP8 checkpoint keeps as stored
+    (families/base.py's Tensors.linear: q | k | v, o; MLA's q or q_b, and o)."""
+    D, H, G, Hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    if c.kv_lora_rank:
+        q = (H * Hd, c.q_lora_rank) if c.q_lora_rank else (H * Hd, D)
+        return [q, (D, H * c.v_head_dim)]
+    return [((H + 2 * G) * Hd, D), (D, H * Hd)]
+
+
+def fp8_weight_bytes(c: ModelConfig, block: tuple[int, int]) -> int:
+    """What keeping the attention in FP8 saves against bf16 over all layers: 2 bytes a
+    weight become one, plus an fp32 scale per block."""
+    bo, bi = block
+    saved = 0
+    for rows, inputs in fp8_attention_shapes(c):
+        if inputs % 8 or bi % 8:
+            continue  # dequantized at load (Tensors.linear's condition)
+        saved += rows * inputs - 4 * (-(-rows // bo)) * (-(-inputs // bi))
+    return saved * c.num_layers
+
+
 @dataclass(frozen=True)
 class ConfigPlan:
     config: ModelConfig
@@ -79,6 +102,7 @@ class ConfigPlan:
     kv_bytes: int  # the KV pool for kv_tokens
     kv_tokens: int
     reserved_bytes: int
+    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale blocks
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -100,14 +124,17 @@ class ConfigPlan:
         return out
 
 
-def config_plan(c: ModelConfig, kv_tokens: int, reserved_mib: float) -> ConfigPlan:
-    """The budget terms of a config: bf16 weights and a bf16 KV pool for kv_tokens positions
-    (as the engine's pool holds them: MLA's latent and rope key, one copy)."""
+def config_plan(c: ModelConfig, kv_tokens: int, reserved_mib: float,
+                fp8_block: tuple[int, int] | None = None) -> ConfigPlan:
+    """The budget terms of a config: bf16 weights (an FP8 checkpoint's attention, fp8_block
+    its scale blocks, in FP8 as stored) and a bf16 KV pool for kv_tokens positions (as the
+    engine's pool holds them: MLA's latent and rope key, one copy)."""
     block = 16
     per_block = PagedKVCache.bytes_per_block(c.num_layers, block, c.kv_heads, c.kv_head_dim,
                                              torch.bfloat16, shared=c.kv_shared)
-    return ConfigPlan(c, non_expert_params(c) * 2, -(-kv_tokens // block) * per_block,
-                      kv_tokens, round(reserved_mib * MIB))
+    weights = non_expert_params(c) * 2 - (fp8_weight_bytes(c, fp8_block) if fp8_block else 0)
+    return ConfigPlan(c, weights, -(-kv_tokens // block) * per_block, kv_tokens,
+                      round(reserved_mib * MIB), fp8_block)
 
 
 def render(plan: ConfigPlan, device_mib: list[float], source: str) -> str:
@@ -117,7 +144,9 @@ def render(plan: ConfigPlan, device_mib: list[float], source: str) -> str:
         f"{source}: {c.model_type}, {c.num_layers} layers ({len(c.moe_layers)} MoE) x "
         f"{c.num_experts} experts = {c.total_pairs} pairs, {c.experts_per_token} routed per "
         f"token, expert {c.hidden_size} x {c.moe_intermediate_size}",
-        f"non-expert weights {plan.weight_bytes / GIB:.2f} GiB (bf16, on the device); KV "
+        f"non-expert weights {plan.weight_bytes / GIB:.2f} GiB "
+        f"({'bf16, the attention in FP8 as stored' if plan.fp8_block else 'bf16'}, on the "
+        f"device); KV "
         f"{plan.kv_bytes_per_token / 1024:.1f} KiB per token, {plan.kv_bytes / GIB:.2f} GiB "
         f"for {plan.kv_tokens} tokens; {plan.reserved_bytes / MIB:.0f} MiB reserved",
         "",

@@ -172,14 +172,18 @@ def _config_main(a: argparse.Namespace) -> int:
     from services.engine.model.config import CheckpointError
     from services.engine.model.families import parse_config
 
+    path = a.config if a.config.is_file() else a.config / "config.json"
     try:
-        config = (parse_config(json.loads(a.config.read_text())) if a.config.is_file()
-                  else load_model_config(a.config))
+        raw = json.loads(path.read_text()) if path.is_file() else {}  # (a GGUF directory)
+        config = parse_config(raw) if a.config.is_file() else load_model_config(a.config)
     except (CheckpointError, OSError, json.JSONDecodeError) as exc:
         print(f"strata plan: {exc}", file=sys.stderr)
         return 2
+    quant = raw.get("quantization_config") or {}
+    fp8_block = (tuple(quant.get("weight_block_size") or (128, 128))
+                 if quant.get("quant_method") == "fp8" else None)
     sizes = a.free_mib or [24 * 1024, 32 * 1024, 48 * 1024]
-    plan = config_plan(config, a.kv_tokens, a.reserved_mib)
+    plan = config_plan(config, a.kv_tokens, a.reserved_mib, fp8_block)  # type: ignore[arg-type]
     if a.json:
         print(json.dumps({"pairs": config.total_pairs, "weights_bytes": plan.weight_bytes,
                           "kv_bytes": plan.kv_bytes, "kv_tokens": plan.kv_tokens,

@@ -16,6 +16,7 @@ from services.engine.model.checkpoint import load_model_config, open_checkpoint 
 from services.engine.model.families import parse_config, weight_names  # noqa: E402
 from services.engine.runner import non_expert_bytes, slot_bytes_of  # noqa: E402
 from tests.engine.conftest import make_hf_checkpoint  # noqa: E402
+from tests.engine.test_fp8_checkpoint import fp8_pair  # noqa: E402, F401 - a fixture
 from tests.engine.test_model_families import FAMILIES, make_family_checkpoint  # noqa: E402
 from tests.engine.test_rope_scaling import DEEPSEEK_V3_CONFIG  # noqa: E402
 
@@ -68,3 +69,33 @@ def test_a_bad_config_is_a_clear_error(tmp_path, capsys):
     path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "rope_scaling": {"type": "longrope"}}))
     assert plan_main(["--config", str(path)]) == 2
     assert "longrope" in capsys.readouterr().err
+
+
+def test_an_fp8_checkpoint_s_attention_is_planned_as_the_engine_holds_it(
+        fp8_pair, tmp_path, capsys):  # noqa: F811 - the imported fixture
+    """What `--config` saves for an FP8 checkpoint's attention equals what the engine's
+    Fp8Matrix q | k | v and o hold against bf16; the published DeepSeek-V3 config's
+    quantization_config takes its non-expert weights from 31.9 to 23.1 GiB."""
+    from services.bench.config_plan import fp8_weight_bytes
+    from services.engine.model.blocks import Fp8Matrix
+    from services.engine.runner import ModelRunner
+    from tests.engine.test_fp8_checkpoint import BLOCK
+
+    fp8, _ = fp8_pair
+    runner = ModelRunner(fp8, cache_slots=0, reserved_bytes=0, dtype="fp32")
+    saved = 0
+    for layer in runner.model.layers:
+        for m in (layer.attn.qkv, layer.attn.o):
+            assert isinstance(m, Fp8Matrix)
+            saved += 2 * m.codes.numel() - m.nbytes
+    assert fp8_weight_bytes(runner.config, BLOCK) == saved
+    path = tmp_path / "config.json"
+    sizes = {}
+    for quant in (True, False):
+        raw = dict(DEEPSEEK_V3_CONFIG)
+        if not quant:
+            raw.pop("quantization_config")
+        path.write_text(json.dumps(raw))
+        assert plan_main(["--config", str(path), "--json"]) == 0
+        sizes[quant] = json.loads(capsys.readouterr().out)["weights_bytes"]
+    assert round(sizes[False] / 2**30, 1) == 31.9 and round(sizes[True] / 2**30, 1) == 23.1

@@ -86,9 +86,8 @@ def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     reader = open_checkpoint(Path(model_dir), weight_names(config))
     weight_dtype = resolve_dtype(dtype, reader)
     block = 16
-    kv = kv_windows * -(-config.context_window // block) * PagedKVCache.bytes_per_block(
-        config.num_layers, block, config.kv_heads, config.kv_head_dim, weight_dtype,
-        shared=config.kv_shared)
+    kv = kv_windows * -(-config.context_window // block) * PagedKVCache.model_bytes_per_block(
+        config, block, weight_dtype)
     return non_expert_bytes(reader, weight_dtype, config.num_layers), kv
 
 
@@ -257,9 +256,7 @@ class ModelRunner:
         """The paged KV pool, allocated before the expert cache is sized (on CUDA the cache gets
         what is free after it). Default: room for DEFAULT_KV_WINDOWS full context windows."""
         c = self.config
-        per_block = PagedKVCache.bytes_per_block(c.num_layers, block_size, c.kv_heads,
-                                                 c.kv_head_dim, self.dtype, kv_dtype,
-                                                 c.kv_shared)
+        per_block = PagedKVCache.model_bytes_per_block(c, block_size, self.dtype, kv_dtype)
         window_blocks = -(-c.context_window // block_size)
         if kv_memory_bytes is None:
             num_blocks = DEFAULT_KV_WINDOWS * window_blocks
@@ -270,8 +267,8 @@ class ModelRunner:
                     f"--kv-memory {kv_memory_bytes / 2**20:.0f} MiB holds "
                     f"{num_blocks * block_size} tokens, less than the context window of "
                     f"{c.context_window}; give at least {window_blocks * per_block / 2**20:.0f} MiB")
-        self.kv = PagedKVCache(c.num_layers, num_blocks, block_size, c.kv_heads, c.kv_head_dim,
-                               self.dtype, self.device, kv_dtype, c.kv_shared)
+        self.kv = PagedKVCache.for_model(c, num_blocks, block_size, self.dtype, self.device,
+                                         kv_dtype)
         log.info("KV cache: %d blocks of %d positions (%s, %.0f MiB) = %d tokens, %.1f context "
                  "windows", num_blocks, block_size,
                  "int8" if kv_dtype == "int8" else dtype_name(self.dtype),

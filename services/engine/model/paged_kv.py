@@ -15,9 +15,12 @@ every entry of a block shares one scale and reads are a single multiply.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from services.engine.model.config import ModelConfig
 
 
 class KVOwner(Protocol):
@@ -73,6 +76,20 @@ class PagedKVCache:
         copies = 1 if shared else 2  # K and V, or the one tensor of both
         scales = copies * num_layers * num_kv_heads * 4 if kv_dtype == "int8" else 0
         return copies * num_layers * block_size * num_kv_heads * head_dim * element + scales
+
+    @classmethod
+    def for_model(cls, c: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device, kv_dtype: str = "auto") -> PagedKVCache:
+        """The pool a model's layers attend over (MLA: its latent, one shared K/V tensor)."""
+        return cls(c.num_layers, num_blocks, block_size, c.kv_heads, c.kv_head_dim, dtype,
+                   device, kv_dtype, c.kv_shared)
+
+    @staticmethod
+    def model_bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype,
+                              kv_dtype: str = "auto") -> int:
+        """bytes_per_block of for_model's pool."""
+        return PagedKVCache.bytes_per_block(c.num_layers, block_size, c.kv_heads,
+                                            c.kv_head_dim, dtype, kv_dtype, c.kv_shared)
 
     def slots(self, table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """Flat pool indices (block * P + offset) of positions [T] of one sequence."""

@@ -44,9 +44,7 @@ def draft_model_bytes(
     element = torch.empty((), dtype=dtype).element_size()
     block_size = 16
     kv_blocks = kv_windows * -(-c.context_window // block_size)
-    kv = kv_blocks * PagedKVCache.bytes_per_block(
-        c.num_layers, block_size, c.kv_heads, c.kv_head_dim, dtype, shared=c.kv_shared
-    )
+    kv = kv_blocks * PagedKVCache.model_bytes_per_block(c, block_size, dtype)
     return params * element + kv
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from services.bench.planner import GIB, MIB, Hardware, plan_row
+from services.engine.model.blocks import fp8_kept
 from services.engine.model.config import ModelConfig
 from services.engine.model.families import weight_names
 from services.engine.model.paged_kv import PagedKVCache
@@ -73,25 +74,23 @@ def non_expert_params(c: ModelConfig) -> int:
     return layers + vocab + D  # + the final norm
 
 
-def fp8_attention_shapes(c: ModelConfig) -> list[tuple[int, int]]:
-    """(rows, inputs) of each layer's attention matrices an FP8 checkpoint keeps as stored
-    (families/base.py's Tensors.linear: q | k | v, o; MLA's q or q_b, and o)."""
+def fp8_attention_shapes(c: ModelConfig) -> list[list[tuple[int, int]]]:
+    """The [out, in] parts of each layer's attention matrix an FP8 checkpoint may keep as
+    stored (families/base.py's Tensors.linear: q | k | v, o; MLA's q or q_b, and o)."""
     D, H, G, Hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     if c.kv_lora_rank:
         q = (H * Hd, c.q_lora_rank) if c.q_lora_rank else (H * Hd, D)
-        return [q, (D, H * c.v_head_dim)]
-    return [((H + 2 * G) * Hd, D), (D, H * Hd)]
+        return [[q], [(D, H * c.v_head_dim)]]
+    return [[(H * Hd, D), (G * Hd, D), (G * Hd, D)], [(D, H * Hd)]]
 
 
 def fp8_weight_bytes(c: ModelConfig, block: tuple[int, int]) -> int:
     """What keeping the attention in FP8 saves against bf16 over all layers: 2 bytes a
-    weight become one, plus an fp32 scale per block."""
+    weight become one, plus an fp32 scale per block (matrices the engine keeps: fp8_kept)."""
     bo, bi = block
-    saved = 0
-    for rows, inputs in fp8_attention_shapes(c):
-        if inputs % 8 or bi % 8:
-            continue  # dequantized at load (Tensors.linear's condition)
-        saved += rows * inputs - 4 * (-(-rows // bo)) * (-(-inputs // bi))
+    saved = sum(rows * inputs - 4 * (-(-rows // bo)) * (-(-inputs // bi))
+                for parts in fp8_attention_shapes(c) if fp8_kept(parts, block)
+                for rows, inputs in parts)
     return saved * c.num_layers
 
 
@@ -130,8 +129,7 @@ def config_plan(c: ModelConfig, kv_tokens: int, reserved_mib: float,
     its scale blocks, in FP8 as stored) and a bf16 KV pool for kv_tokens positions (as the
     engine's pool holds them: MLA's latent and rope key, one copy)."""
     block = 16
-    per_block = PagedKVCache.bytes_per_block(c.num_layers, block, c.kv_heads, c.kv_head_dim,
-                                             torch.bfloat16, shared=c.kv_shared)
+    per_block = PagedKVCache.model_bytes_per_block(c, block, torch.bfloat16)
     weights = non_expert_params(c) * 2 - (fp8_weight_bytes(c, fp8_block) if fp8_block else 0)
     return ConfigPlan(c, weights, -(-kv_tokens // block) * per_block, kv_tokens,
                       round(reserved_mib * MIB), fp8_block)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from services.engine.kernels import gpu_blocks
+from services.engine.model.blocks import block_type
 
 BLOCK_M = 16  # rows of one expert per program (tl.dot's minimum)
 BLOCK_F = 64  # expert FFN columns per gate_up program / reduction chunk of down
@@ -75,8 +76,6 @@ class Weights:
 
     @classmethod
     def blocks(cls, types: tuple[str, str, str], hidden: int, ffn: int) -> Weights:
-        from services.engine.model.blocks import block_type
-
         kinds = [block_type(name) for name in types]
         return cls(BLOCKS, tuple(t.kernel for t in kinds),  # type: ignore[arg-type]
                    (kinds[0].row_bytes(hidden), kinds[1].row_bytes(hidden),

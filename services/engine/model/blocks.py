@@ -271,6 +271,14 @@ class BlockMatrix:
         return torch.cat(parts).to(dtype)
 
 
+def fp8_kept(shapes: list[tuple[int, int]], block: tuple[int, int]) -> bool:
+    """Whether FP8 weights of these [out_i, in] shapes stay one Fp8Matrix (q | k | v
+    concatenated): the same inputs, a multiple of 8 as the kernels read them (and the scale
+    blocks' inputs too), and whole blocks of rows in every part but the last."""
+    return (len({k for _, k in shapes}) == 1 and shapes[0][1] % 8 == 0 and block[1] % 8 == 0
+            and all(n % block[0] == 0 for n, _ in shapes[:-1]))
+
+
 @dataclass
 class Fp8Matrix:
     """A dense weight kept as an FP8 checkpoint stores it: N rows of K float8 e4m3 codes with an

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from services.engine.cache.layout import split_columns
-from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix
+from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix, fp8_kept
 from services.engine.model.config import ModelConfig, WeightNames
 from services.engine.model.layers.attention import Attention
 from services.engine.model.layers.decoder_layer import DecoderLayer
@@ -53,6 +53,8 @@ class TensorReader(Protocol):
     def blocks(self, name: str) -> tuple[str, np.ndarray]: ...
 
     def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    fp8_block: tuple[int, int]  # an FP8 checkpoint's scale blocks
 
 
 def file_backed(rows: np.ndarray) -> torch.Tensor:
@@ -123,14 +125,13 @@ class Tensors:
         return self.split(*names)
 
     def _fp8(self, names: tuple[str, ...]) -> Fp8Matrix | None:
-        """The tensors as one Fp8Matrix when each is FP8 with block scales, of the same
-        inputs (a multiple of 8, as the kernels read them), and (but the last) whole blocks of
-        rows; else None."""
+        """The tensors as one Fp8Matrix when each is FP8 with block scales and their shapes
+        concatenate (blocks.fp8_kept); else None."""
         shapes = [self.reader.shape(n) for n in names]
-        block = getattr(self.reader, "fp8_block", (1, 1))
-        if (any(self.reader.stored_dtype(n) != "F8_E4M3" for n in names)
-                or len({s[-1] for s in shapes}) != 1 or shapes[0][-1] % 8 or block[1] % 8
-                or any(s[0] % block[0] for s in shapes[:-1])):
+        block = self.reader.fp8_block
+        if (any(self.reader.stored_dtype(n) != "F8_E4M3" or len(s) != 2
+                for n, s in zip(names, shapes, strict=True))
+                or not fp8_kept(shapes, block)):  # type: ignore[arg-type]
             return None  # checked before anything is read
         parts = [self.reader.fp8(n) for n in names]
         if any(p is None for p in parts):

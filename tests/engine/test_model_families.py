@@ -219,3 +219,21 @@ def test_mixtral_sliding_window_is_refused():
     with pytest.raises(CheckpointError, match="sliding_window"):
         parse_config(raw)
     assert parse_config({**raw, "sliding_window": None}).norm_topk_prob
+
+
+@pytest.mark.parametrize(("family", "patch", "message"), [
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5}}, "partial_rotary"),
+    ("minimax_m2", {"attention_bias": True}, "attention_bias"),
+    ("minimax_m2", {"use_routing_bias": False}, "use_routing_bias"),
+])
+def test_family_settings_not_computed_are_refused_by_name(family, patch, message):
+    import transformers
+
+    from services.engine.model.config import CheckpointError
+    from services.engine.model.families import parse_config
+
+    config_cls, _, family_overrides = FAMILIES[family]
+    raw = getattr(transformers, config_cls)(**{**BASE, **family_overrides}).to_dict()
+    with pytest.raises(CheckpointError, match=message):
+        parse_config({**raw, **patch})

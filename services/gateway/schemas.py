@@ -134,6 +134,9 @@ def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
                                  "only 'text'", "response_format", code="unsupported_parameter")
     if body.get("tools"):
         raise InvalidRequest("'tools' is not supported yet", "tools", code="unsupported_parameter")
+    if "prompt" in body:  # a completions field: refused by name, not ignored
+        raise InvalidRequest("'prompt' is a /v1/completions field; a chat completion takes "
+                             "'messages'", "prompt", code="unsupported_parameter")
 
 
 def _message(raw: Any, index: int) -> Message:

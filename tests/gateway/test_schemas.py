@@ -54,6 +54,7 @@ def test_completion_prompt_forms():
     ({"n": 1.0}, "n"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"tools": [{"type": "function"}]}, "tools"),
+    ({"prompt": "once"}, "prompt"),  # a completions field (the fuzz test's find)
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_chat_rejections_name_the_parameter(patch, param):

@@ -4,7 +4,7 @@
 
 Triton's wheel carries ptxas, so its whole pipeline (Python AST -> TTIR -> PTX -> cubin) runs
 on a machine without a GPU: every weight kind the kernels take (dense, each GGUF block type,
-FP8) is compiled for each architecture and activation dtype at a real model's shape, and the
+FP8, gpt-oss's MXFP4 experts with biases) is compiled for each architecture and activation dtype at a real model's shape, and the
 cubin's registers and stack (spilled bytes) are printed. Exit status 1 if any fails to compile.
 The interpreter tests (tests/engine/test_gpu_moe.py) check what the kernels compute; this
 checks that the compiler takes them. sm_86 is the oldest target that matters here (RTX 3090,
@@ -29,8 +29,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from services.engine.cache.formats import BlockFormat  # noqa: E402
 from services.engine.kernels import gpu_blocks, gpu_moe  # noqa: E402
 from services.engine.model.blocks import BLOCK_TYPES, block_type  # noqa: E402
+from services.engine.model.layers.mlp import ExpertMlp  # noqa: E402
 
 D, F, N = 2048, 768, 5120  # Qwen3-30B-A3B's hidden size, expert FFN, q | k | v rows
 
@@ -40,6 +42,9 @@ def expert_weights() -> dict[str, gpu_moe.Weights]:
     for name in BLOCK_TYPES:  # each type in every role; Q4_K_M's mix too
         kinds[name.lower()] = gpu_moe.Weights.blocks((name,) * 3, D, F)
     kinds["q4_k+q6_k"] = gpu_moe.Weights.blocks(("Q4_K", "Q4_K", "Q6_K"), D, F)
+    # gpt-oss's experts: MXFP4, the clamped SwiGLU, biases after the weights
+    kinds["gpt_oss"] = gpu_moe.Weights.of(BlockFormat(D, F, {0: ("MXFP4",) * 3},
+                                                      mlp=ExpertMlp("clamped", bias=True)))
     return kinds
 
 

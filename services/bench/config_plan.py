@@ -22,6 +22,7 @@ from services.bench.planner import GIB, MIB, Hardware, plan_row
 from services.engine.model.blocks import fp8_kept
 from services.engine.model.config import ModelConfig
 from services.engine.model.families import weight_names
+from services.engine.model.layers.mlp import ExpertMlp
 from services.engine.model.paged_kv import PagedKVCache
 
 # format -> what to build it from: the cache formats' own names, or a GGUF block type
@@ -34,15 +35,15 @@ def pair_bytes(c: ModelConfig, name: str) -> int | None:
     cannot hold the expert's rows."""
     from services.engine.cache.formats import BlockFormat, Fp8Format, expert_format
 
-    D, F = c.hidden_size, c.moe_intermediate_size
+    D, F, mlp = c.hidden_size, c.moe_intermediate_size, ExpertMlp.of(c)  # biases in the blob
     try:
         if name == "bf16":
-            return expert_format(D, F, torch.bfloat16).blob_bytes
+            return expert_format(D, F, torch.bfloat16, mlp=mlp).blob_bytes
         if name == "fp8":
-            return Fp8Format(D, F).blob_bytes
+            return Fp8Format(D, F, mlp=mlp).blob_bytes
         if name in ("int8", "int4"):
-            return expert_format(D, F, torch.bfloat16, name).blob_bytes
-        return BlockFormat(D, F, {0: (name,) * 3}).blob_bytes
+            return expert_format(D, F, torch.bfloat16, name, mlp=mlp).blob_bytes
+        return BlockFormat(D, F, {0: (name,) * 3}, mlp=mlp).blob_bytes
     except ValueError:  # rows not whole blocks of the type
         return None
 
@@ -59,10 +60,11 @@ def non_expert_params(c: ModelConfig) -> int:
     else:
         attention = 2 * D * H * Hd + 2 * D * G * Hd  # q, o; k, v
         if c.attention_bias:
-            attention += (H + 2 * G) * Hd
+            attention += (H + 2 * G) * Hd + (D if c.attention_o_bias else 0)
+        attention += H if c.attention_sinks else 0
         attention += {"head": 2 * Hd, "proj": (H + G) * Hd}.get(c.qk_norm, 0)
-    per_moe = D * c.num_experts + (c.num_experts if c.grouped_routing and
-                                   c.router_scoring == "sigmoid" else 0)
+    per_moe = D * c.num_experts + (c.num_experts if c.router_logit_bias or (
+        c.grouped_routing and c.router_scoring == "sigmoid") else 0)
     if c.shared_expert_intermediate_size:
         per_moe += 3 * D * c.shared_expert_intermediate_size
         per_moe += D if names.shared_gate else 0

@@ -55,6 +55,7 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.cuda_graphs import DecodeGraphs, graph_blocker
 from services.engine.model.dtypes import dtype_name, resolve_dtype
 from services.engine.model.families import weight_names
+from services.engine.model.layers.mlp import ExpertMlp
 from services.engine.model.loader import load_model
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.step import ExpertSource, Span
@@ -74,7 +75,8 @@ def slot_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
     reader = open_checkpoint(Path(model_dir), weight_names(config))
     return expert_format(config.hidden_size, config.moe_intermediate_size,
                          resolve_dtype(dtype, reader), expert_dtype,
-                         reader.expert_storage(), reader.fp8_block).blob_bytes
+                         reader.expert_storage(), reader.fp8_block,
+                         ExpertMlp.of(config)).blob_bytes
 
 
 def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
@@ -192,7 +194,8 @@ class ModelRunner:
         log.info("compute backend: %s", self.backend.describe())
         self.weight_dtype = resolve_dtype(dtype, reader)  # weights, host store, slots
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
-                            expert_dtype, reader.expert_storage(), reader.fp8_block)
+                            expert_dtype, reader.expert_storage(), reader.fp8_block,
+                            ExpertMlp.of(c))
         check_host_memory(c.total_pairs * fmt.blob_bytes,
                           non_expert_bytes(reader, self.weight_dtype, c.num_layers),
                           host_memory_available() if host_memory_bytes is None

@@ -64,6 +64,45 @@ def test_published_configs_plan_every_format(tmp_path, capsys):
     assert "14848 pairs" in text and "| Q4_K | 23.625 MiB |" in text
 
 
+GPT_OSS_120B_CONFIG = {  # openai/gpt-oss-120b's config.json (its tensors are MXFP4)
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088}
+
+
+def test_gpt_oss_120b_plans_its_mxfp4_experts_with_their_biases(tmp_path, capsys):
+    """gpt-oss-120b: 36 x 128 pairs; an MXFP4 pair is 3 x 2880 x 2880 weights in 17-byte
+    blocks of 32 plus its fp32 biases (2 x 2880 + 2880); no K-quant holds 2880-wide rows; the
+    non-expert weights count the sinks, the o bias and the router bias."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT_OSS_120B_CONFIG))
+    assert plan_main(["--config", str(path), "--json", "--kv-tokens", "4096"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["format"]: r for r in out["formats"]}
+    assert out["pairs"] == 36 * 128
+    assert rows["MXFP4"]["pair_bytes"] == 3 * 2880 * 2880 // 32 * 17 + 4 * 3 * 2880
+    assert rows["Q4_K"]["pair_bytes"] is None and rows["Q8_0"]["pair_bytes"] is not None
+    c = parse_config(GPT_OSS_120B_CONFIG)
+    assert c.sliding_layers == tuple(range(0, 36, 2)) and c.window(0) == 128 == 128 + c.window(1)
+    attention = 2 * 2880 * 64 * 64 + 2 * 2880 * 8 * 64 + (64 + 16) * 64 + 2880 + 64
+    per_layer = attention + 2 * 2880 + 2880 * 128 + 128
+    assert non_expert_params(c) == 36 * per_layer + 2 * 201088 * 2880 + 2880
+
+
 def test_a_bad_config_is_a_clear_error(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "rope_scaling": {"type": "longrope"}}))

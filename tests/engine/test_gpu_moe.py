@@ -323,8 +323,34 @@ def test_fp8_matrix_product_matches_its_dequantized_weights():
     assert got.shape == (5, 70) and err < 1e-6, err
 
 
+@pytest.mark.parametrize("name", ["fp32", "mxfp4", "fp8"])
+def test_gpt_oss_experts_compute_the_clamped_swiglu_with_their_biases(name):
+    """Weights.of(fmt) compiles gpt-oss's MLP into the kernels: each expert's biases read from
+    its blob's tail, the clamped activation; equal to the float64 reference of the format's
+    weights."""
+    from tests.engine.test_expert_mlp import E, K, blobs_of, formats
+
+    fmt = formats()[name]
+    blobs = blobs_of(fmt, np.random.default_rng(11)).to(DEVICE)
+    top_idx, top_w = routing(4, E, K, seed=21)
+    x = torch.randn(4, fmt.hidden_size, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(blobs),
+                      fmt.ffn_size, num_splits(fmt.hidden_size), weights=gpu_moe.Weights.of(fmt))
+    want = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(4):
+        for k in np.argsort(top_idx[t].numpy(), kind="stable"):
+            blob = blobs[int(top_idx[t, k])].cpu()
+            gate, up, down = fmt.weights(blob, torch.float64)
+            want[t] += float(top_w[t, k]) * fmt.mlp.forward(
+                x[t:t + 1].double().cpu(), gate, up, down, fmt.biases(blob).double())[0]
+    err = (out.double().cpu() - want).norm() / want.norm()
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize(("sinks", "window"), [(False, 0), (True, 0), (True, 5), (False, 17)])
 @pytest.mark.parametrize(("H", "G", "Hd", "P"), [(4, 2, 16, 16), (8, 8, 64, 4), (6, 2, 24, 8)])
-def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P):
+def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P, sinks,
+                                                                     window):
     from services.engine.kernels.gpu_ops import decode_attention
     from services.engine.model.layers.attention import (
         single_query_attention as reference_attention,
@@ -340,11 +366,14 @@ def test_paged_decode_attention_matches_attention_over_each_sequence(H, G, Hd, P
     ids = torch.zeros(T, 4, dtype=torch.int64)  # wider than needed: never read past a length
     for i, table in enumerate(tables):
         ids[i, : len(table)] = torch.tensor(table)
-    out = decode_attention(q, k, v, ids.to(DEVICE), torch.tensor(lengths).to(DEVICE), Hd**-0.5)
+    sink = torch.randn(H, generator=gen) * 2 if sinks else None  # gpt-oss's attention sinks
+    out = decode_attention(q, k, v, ids.to(DEVICE), torch.tensor(lengths).to(DEVICE), Hd**-0.5,
+                           None if sink is None else sink.to(DEVICE), window)
     for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
-        kk = k[table].flatten(0, 1)[:n].transpose(0, 1).cpu()  # [G, N, Hd]
-        vv = v[table].flatten(0, 1)[:n].transpose(0, 1).cpu()
-        want = reference_attention(q[i : i + 1].cpu(), kk, vv)[0]
+        first = max(0, n - window) if window else 0  # a sliding window: the last positions
+        kk = k[table].flatten(0, 1)[first:n].transpose(0, 1).cpu()  # [G, N, Hd]
+        vv = v[table].flatten(0, 1)[first:n].transpose(0, 1).cpu()
+        want = reference_attention(q[i : i + 1].cpu(), kk, vv, sink)[0]
         torch.testing.assert_close(out[i].cpu(), want, atol=1e-5, rtol=1e-5)
 
 

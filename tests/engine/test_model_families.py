@@ -12,6 +12,7 @@ import torch
 from services.engine.core import Engine
 from services.engine.model.demo import write_byte_tokenizer
 from services.engine.runner import ModelRunner
+from tests.engine.conftest import TOKENIZER_VOCAB
 from tests.engine.test_batching import request, run_all
 from tests.engine.test_model_reference import assert_matches_reference
 
@@ -48,6 +49,14 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         num_local_experts=8, intermediate_size=16, head_dim=16, rotary_dim=8,
         eos_token_id=None, bos_token_id=None)),
+    # sinks, a sliding window of 8 on layers 0 and 2, YaRN, biases everywhere, the clamped
+    # SwiGLU (limit 0.5 so the clamps bite on random weights); F 24 != D 64 / 2
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=8, intermediate_size=24, head_dim=16, sliding_window=8,
+        swiglu_limit=0.5, rope_parameters=dict(
+            rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=64, rope_theta=150000.0),
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -64,6 +73,10 @@ def make_family_checkpoint(
     for name, buffer in model.named_buffers():  # deepseek_v3 and others initialize it to zeros
         if name.endswith("e_score_correction_bias"):
             buffer.normal_(0.0, 0.05)
+    with torch.no_grad():  # gpt_oss initializes these to zeros or near them: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(("self_attn.sinks", "gate_up_proj_bias", "down_proj_bias")):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path)
     write_byte_tokenizer(path, context_window=config.max_position_embeddings)
     return path, model
@@ -94,6 +107,12 @@ CASES = [
     # q/k RMSNorm over the whole projections, RoPE on 8 of 16 dims (rotary_dim), sigmoid top-3
     # by score + bias, renormalized
     ("minimax_m2", dict(num_experts_per_tok=3)),
+    # sinks, a sliding window of 8 on layers 0 and 2 (the prompt is longer), YaRN without
+    # truncation, q/k/v/o and router biases, top-2 then softmax, experts with biases and the
+    # clamped SwiGLU; then every layer sliding, top-3
+    ("gpt_oss", {}),
+    ("gpt_oss", dict(layer_types=["sliding_attention"] * 3, num_experts_per_tok=3,
+                     sliding_window=4)),
     ("deepseek_v2", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
         beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
@@ -237,3 +256,31 @@ def test_family_settings_not_computed_are_refused_by_name(family, patch, message
     raw = getattr(transformers, config_cls)(**{**BASE, **family_overrides}).to_dict()
     with pytest.raises(CheckpointError, match=message):
         parse_config({**raw, **patch})
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_gpt_oss_batched_with_prefix_reuse_matches_transformers(tmp_path, cpu_kernels):
+    """Sinks and the sliding window in every attention path: prompts shorter and longer than
+    the window decoded together (the C paged kernel, or batched SDPA with the sink column),
+    one reusing another's prefix blocks, at a third of the pairs cached; each equals
+    transformers' greedy decoding alone (over the tokenizer's ids, as Strata samples)."""
+    model_dir, ref = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", seed=2)
+    runner = ModelRunner(model_dir, cache_slots=8, reserved_bytes=0, dtype="fp32",
+                         cpu_kernels=cpu_kernels)
+    shared = "Routing picks four experts for every token, and "
+    prompts = ["abc", shared + "then", shared + "so", "The expert cache holds"]
+    engine = Engine(runner, max_running=4, max_step_tokens=32)
+    engine.start()
+    try:
+        clients = run_all(engine, [request(p, max_tokens=10) for p in prompts])
+    finally:
+        engine.stop()
+    assert sum(c.finished.stats.reused_prompt_tokens for c in clients) > 0  # prefix reused
+    for prompt, client in zip(prompts, clients, strict=True):
+        ids = runner.tokenizer.encode(prompt)
+        want = []
+        for _ in range(10):
+            with torch.no_grad():
+                logits = ref(torch.tensor([ids + want])).logits[0, -1, :TOKENIZER_VOCAB]
+            want.append(int(logits.argmax()))
+        assert client.tokens == want, prompt

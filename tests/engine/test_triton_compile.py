@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_expert_and_block_matrix_kernels_compile_for_sm_86(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not taken from a cache
-    kinds = ["dense", "q4_k+q6_k", "q8_0", "mxfp4", "iq4_xs", "fp8"]
+    kinds = ["dense", "q4_k+q6_k", "q8_0", "mxfp4", "iq4_xs", "fp8", "gpt_oss"]
     done = subprocess.run([sys.executable, str(ROOT / "scripts/triton_compile.py"), "--arch",
                            "86", "--kinds", *kinds], env=env, capture_output=True, text=True,
                           timeout=600)

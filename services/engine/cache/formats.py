@@ -17,6 +17,10 @@ what it may do with them:
                                   Triton gpu_moe on CUDA), or None: the cache runs forward()
                                   per expert
       at(layer)                   the format of one layer's blobs (itself, but for BlockFormat)
+      mlp                         what an expert computes on its weights (model/layers/mlp.py's
+                                  ExpertMlp: the activation, whether it has biases); with
+                                  biases, every blob ends in them: fp32 [gate F | up F | down D]
+                                  at byte `bias_at` (16-aligned), after the weights
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
 
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from services.engine.cache.layout import ExpertLayout
 from services.engine.model.blocks import FP8_STORED, block_type, dequantize, fp8_values
 from services.engine.model.dtypes import dtype_name
+from services.engine.model.layers.mlp import SWIGLU, ExpertMlp
 from services.engine.model.quant import EXPERT_DTYPES, QUANT_SPECS, QuantExpertLayout
 
 if TYPE_CHECKING:
@@ -58,6 +63,8 @@ class ExpertFormat(Protocol):
     dtype: torch.dtype  # a blob's element type
     numel: int  # elements per blob
     read_dtype: torch.dtype  # what the checkpoint's expert tensors are read in for pack()
+    mlp: ExpertMlp  # the activation and biases the experts compute with
+    bias_at: int  # byte offset of a blob's biases (mlp.bias), else -1
 
     @property
     def blob_bytes(self) -> int:
@@ -103,7 +110,8 @@ class ExpertFormat(Protocol):
 
 class _Common:
     """What every format shares: the blob size, exactness, loading a pair by reading and
-    packing it; the layout formats pack, compute and unpack through their `layout`."""
+    packing it, the biases after the weights; the layout formats pack, compute and unpack
+    through their `layout`."""
 
     name: str
     hidden_size: int
@@ -113,23 +121,68 @@ class _Common:
     layout: ExpertLayout | QuantExpertLayout
 
     read_dtype: torch.dtype
+    mlp: ExpertMlp = SWIGLU
+    bias_at: int = -1
+
+    def _with_mlp(self, mlp: ExpertMlp) -> None:
+        """Set the experts' MLP; with biases, grow the blob (numel, the weights' elements so
+        far) by them: fp32 [2F + D] at the first 16-byte boundary after the weights."""
+        self.mlp = mlp
+        if mlp.bias:
+            self.bias_at = -(-self.numel * self.dtype.itemsize // 16) * 16
+            end = self.bias_at + 4 * self.bias_numel
+            self.numel = -(-end // 16) * 16 // self.dtype.itemsize
+
+    @property
+    def bias_numel(self) -> int:
+        return 2 * self.ffn_size + self.hidden_size
+
+    def biases(self, blob: torch.Tensor) -> torch.Tensor | None:
+        """A blob's biases (fp32 [gate F | up F | down D], a view), or None."""
+        if self.bias_at < 0:
+            return None
+        raw = blob.view(torch.uint8)
+        return raw[self.bias_at:self.bias_at + 4 * self.bias_numel].view(torch.float32)
 
     def load(self, reader: CheckpointReader, layer: int, expert: int,
              out: torch.Tensor) -> None:
         gate, up, down = reader.expert_weights(layer, expert, self.hidden_size, self.ffn_size,
                                                self.read_dtype)
         self.pack(gate, up, down, out)
+        self._load_biases(reader, layer, expert, out)
+
+    def _load_biases(self, reader: CheckpointReader, layer: int, expert: int,
+                     out: torch.Tensor) -> None:
+        if (bias := self.biases(out)) is not None:
+            bias.copy_(reader.expert_biases(layer, expert, self.hidden_size, self.ffn_size))
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              out: torch.Tensor) -> None:
         self.layout.pack(gate, up, down, out)
 
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        return self.layout.forward(x, blob)
+        if self.mlp.plain:
+            return self.layout.forward(x, blob)
+        return self._mlp_forward(x, blob)
+
+    def _mlp_forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        """The expert MLP (activation, biases) on the blob's weights, dequantized to x's
+        dtype: the torch reference."""
+        gate, up, down = self.weights(blob, x.dtype)
+        bias = self.biases(blob)
+        return self.mlp.forward(x, gate, up, down, None if bias is None else bias.to(x.dtype))
+
+    def weights(self, blob: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [F, D], up [F, D], down [D, F]) of a blob, in `dtype` (copies)."""
+        gate_up_t, down_t = self.views(blob)
+        Fs = self.ffn_size
+        return (gate_up_t[:, :Fs].T.to(dtype), gate_up_t[:, Fs:].T.to(dtype),
+                down_t.T.to(dtype))
 
     def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The logical weights (gate_up_t [D, 2F], down_t [F, D]) of a blob, as copies."""
-        return self.layout.views(blob)
+        return self.layout.views(blob[:self.layout.numel])
 
     @property
     def blob_bytes(self) -> int:
@@ -153,7 +206,8 @@ class _Common:
 class DenseFormat(_Common):
     """Unquantized weights (fp32 or bf16) in the split layout of cache/layout.py."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, ffn_size: int, dtype: torch.dtype,
+                 mlp: ExpertMlp = SWIGLU):
         assert dtype in (torch.float32, torch.bfloat16), dtype
         self.layout = ExpertLayout(hidden_size, ffn_size)
         self.hidden_size, self.ffn_size, self.dtype = hidden_size, ffn_size, dtype
@@ -161,6 +215,12 @@ class DenseFormat(_Common):
         self.numel = self.layout.numel
         self.read_dtype = dtype
         self.kernel_weights = self.name  # "fp32" | "bf16"
+        self._with_mlp(mlp)
+
+    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        if self.mlp.plain:
+            return self.layout.forward(x, blob)
+        return self._mlp_forward(x.to(blob.dtype), blob).to(x.dtype)
 
     def describe(self) -> str:
         return f"{self.name} (unquantized)"
@@ -171,11 +231,13 @@ class QuantFormat(_Common):
     """Weight-only int8 / int4 (model/quant.py): a blob is bytes, dequantized inside the
     expert product to the activations' dtype; run per expert as torch ops."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, expert_dtype: str):
+    def __init__(self, hidden_size: int, ffn_size: int, expert_dtype: str,
+                 mlp: ExpertMlp = SWIGLU):
         self.layout = QuantExpertLayout(hidden_size, ffn_size, QUANT_SPECS[expert_dtype])
         self.hidden_size, self.ffn_size = hidden_size, ffn_size
         self.name, self.dtype, self.numel = expert_dtype, torch.uint8, self.layout.numel
         self.read_dtype = torch.float32  # quantized from the exact weights
+        self._with_mlp(mlp)
 
     def describe(self) -> str:
         return self.layout.describe()
@@ -198,6 +260,8 @@ class _AsStored(_Common):
         return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
 
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        if not self.mlp.plain:
+            return self._mlp_forward(x, blob)
         gate, up, down = self.weights(blob, x.dtype)
         return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
@@ -215,7 +279,7 @@ class BlockFormat(_AsStored):
     into the activations' dtype, and runs where no kernel takes the blocks."""
 
     def __init__(self, hidden_size: int, ffn_size: int, types: dict[int, StackTypes],
-                 numel: int | None = None):
+                 numel: int | None = None, mlp: ExpertMlp = SWIGLU):
         for gate, up, down in set(types.values()):
             for name, rows_of in ((gate, hidden_size), (up, hidden_size), (down, ffn_size)):
                 per_block = block_type(name).weights  # ValueError for a type not kept
@@ -229,6 +293,8 @@ class BlockFormat(_AsStored):
         self.name = "+".join(kinds).lower()  # "q8_0", "q4_k+q6_k"
         self.kernel_weights = "blocks"  # the C kernel reads the blocks as stored
         self._layers: dict[int, BlockFormat] = {}  # at(layer)'s formats, made once
+        self._weight_numel = self.numel  # every layer's biases sit at the same offset
+        self._with_mlp(mlp)
 
     def _bytes(self, t: StackTypes) -> tuple[int, int, int, int]:
         """(gate, up, down, total) bytes of one pair in the stack types t."""
@@ -243,7 +309,8 @@ class BlockFormat(_AsStored):
             return self
         if layer not in self._layers:
             self._layers[layer] = BlockFormat(self.hidden_size, self.ffn_size,
-                                              {layer: self.types[layer]}, self.numel)
+                                              {layer: self.types[layer]}, self._weight_numel,
+                                              self.mlp)
         return self._layers[layer]
 
     @property
@@ -266,6 +333,7 @@ class BlockFormat(_AsStored):
              out: torch.Tensor) -> None:
         at = reader.read_expert_blocks(layer, expert, out.numpy())  # straight into the row
         assert at == self._bytes(self.types[layer])[3], (layer, at)
+        self._load_biases(reader, layer, expert, out)
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              out: torch.Tensor) -> None:
@@ -293,7 +361,8 @@ class Fp8Format(_AsStored):
     too (code times scale in registers); forward() is the torch reference (dequantize, then
     the MLP), where no kernel takes the codes."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, block: tuple[int, int] = (128, 128)):
+    def __init__(self, hidden_size: int, ffn_size: int, block: tuple[int, int] = (128, 128),
+                 mlp: ExpertMlp = SWIGLU):
         bo, bi = block
         if hidden_size % 8 or ffn_size % 8 or bi % 8:
             raise ValueError(f"FP8 experts need rows and scale blocks of multiples of 8 weights "
@@ -304,6 +373,7 @@ class Fp8Format(_AsStored):
         self.numel = 3 * D * Fs + 4 * sum(self.scales)
         self.name, self.dtype, self.read_dtype = "fp8", torch.uint8, torch.uint8
         self.kernel_weights = "fp8"
+        self._with_mlp(mlp)
 
     def describe(self) -> str:
         bo, bi = self.kernel_block  # type: ignore[misc]
@@ -312,7 +382,8 @@ class Fp8Format(_AsStored):
     def load(self, reader: CheckpointReader, layer: int, expert: int,
              out: torch.Tensor) -> None:
         at = reader.read_expert_fp8(layer, expert, out.numpy())  # straight into the row
-        assert at == self.numel, (layer, expert, at, self.numel)
+        assert at == (self.numel if self.bias_at < 0 else self.bias_at), (layer, expert, at)
+        self._load_biases(reader, layer, expert, out)
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              out: torch.Tensor) -> None:
@@ -325,7 +396,7 @@ class Fp8Format(_AsStored):
         block = self.kernel_block
         assert block is not None
         n = D * Fs
-        scales = blob[3 * n:].view(torch.float32)
+        scales = blob[3 * n:3 * n + 4 * sum(self.scales)].view(torch.float32)
         out, at = [], 0
         for i, (rows, cols) in enumerate(((Fs, D), (Fs, D), (D, Fs))):
             codes = blob[i * n:(i + 1) * n].view(torch.float8_e4m3fn).view(rows, cols)
@@ -337,21 +408,22 @@ class Fp8Format(_AsStored):
 
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
                   expert_dtype: str = "auto", stored: dict[int, StackTypes] | None = None,
-                  fp8_block: tuple[int, int] = (128, 128)) -> ExpertFormat:
+                  fp8_block: tuple[int, int] = (128, 128),
+                  mlp: ExpertMlp = SWIGLU) -> ExpertFormat:
     """The format of `--expert-dtype` for weights served in `dtype`: auto keeps the experts
     as they are stored — GGUF block types (`stored`: each MoE layer's stack types, from
     CheckpointReader.expert_storage) as their bytes, else fp32 or bf16 — and int8 / int4
-    quantize them."""
+    quantize them. `mlp`: what the model's experts compute (activation, biases)."""
     if expert_dtype == "auto" and stored and all(
             t == (FP8_STORED,) * 3 for t in stored.values()):
-        return Fp8Format(hidden_size, ffn_size, fp8_block)
+        return Fp8Format(hidden_size, ffn_size, fp8_block, mlp)
     if expert_dtype == "auto" and stored:
-        return BlockFormat(hidden_size, ffn_size, stored)
+        return BlockFormat(hidden_size, ffn_size, stored, mlp=mlp)
     if expert_dtype == "auto":
-        return DenseFormat(hidden_size, ffn_size, dtype)
+        return DenseFormat(hidden_size, ffn_size, dtype, mlp)
     if expert_dtype not in QUANT_SPECS:
         raise ValueError(f"unknown expert dtype {expert_dtype!r} (choose from {EXPERT_DTYPES})")
-    return QuantFormat(hidden_size, ffn_size, expert_dtype)
+    return QuantFormat(hidden_size, ffn_size, expert_dtype, mlp)
 
 
 DEVICE_KERNEL_WEIGHTS = ("fp32", "bf16", "blocks", "fp8")  # what the Triton gpu_moe reads

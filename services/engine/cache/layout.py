@@ -84,10 +84,11 @@ class ExpertLayout:
         down_split.copy_(split_columns(down.t()))  # [S, F, D/S]
 
     def parts(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2, D, F], down [S, F, D/S]) views into a flat blob: what forward runs."""
+        """(gate_up [2, D, F], down [S, F, D/S]) views into a flat blob (whose tail may hold
+        more: biases, cache/formats.py): what forward runs."""
         D, Fs = self.hidden_size, self.ffn_size
         split, S = 2 * D * Fs, num_splits(D)
-        return blob[:split].view(2, D, Fs), blob[split:].view(S, Fs, D // S)
+        return blob[:split].view(2, D, Fs), blob[split:self.numel].view(S, Fs, D // S)
 
     def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The logical weights (gate_up_t [D, 2F], down_t [F, D]) of a blob, as copies."""

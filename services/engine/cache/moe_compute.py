@@ -62,7 +62,8 @@ class CpuMoe:
         f = self.format.at(placed.layer)
         return self.cpu.moe(x.contiguous(), top_idx, top_w.contiguous(), self._addr, f.ffn_size,
                             num_splits(f.hidden_size), weights=f.kernel_weights,
-                            block_types=f.kernel_types, fp8_block=f.kernel_block)
+                            block_types=f.kernel_types, fp8_block=f.kernel_block, mlp=f.mlp,
+                            bias_at=f.bias_at)
 
 
 class TritonMoe:

@@ -48,11 +48,12 @@ import numpy as np
 import torch
 
 from services.engine.model.blocks import BlockMatrix, Fp8Matrix, block_type
+from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 7  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 8  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -195,7 +196,8 @@ class CpuKernels:
         lib.strata_block_work_bytes.argtypes = [_c_i64, _c_i64]
         lib.strata_block_work_bytes.restype = _c_i64
         lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
-                                   _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
+                                   _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, ctypes.c_float,
+                                   ctypes.c_float, _c_i64, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_moe.restype = None
         lib.strata_moe_work_floats.argtypes = [_c_i64, _c_i64, _c_i64, _c_i64]
         lib.strata_moe_work_floats.restype = _c_i64
@@ -210,7 +212,8 @@ class CpuKernels:
         lib.strata_qk_norm_rope.restype = None
         lib.strata_decode_attention.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
                                                 _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr,
-                                                _c_i64, ctypes.c_float, _c_ptr, _c_ptr]
+                                                _c_i64, ctypes.c_float, _c_ptr, _c_i64,
+                                                _c_ptr, _c_ptr]
         lib.strata_decode_attention.restype = None
         lib.strata_router.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64, _c_i64,
                                       ctypes.c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr]
@@ -267,12 +270,14 @@ class CpuKernels:
     def moe(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
             blob_addr: np.ndarray, ffn_size: int, splits: int,
             weights: str = "fp32", block_types: tuple[str, str, str] | None = None,
-            fp8_block: tuple[int, int] | None = None) -> torch.Tensor:
+            fp8_block: tuple[int, int] | None = None, mlp: ExpertMlp = SWIGLU,
+            bias_at: int = -1) -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
         blob_addr [E] (int64 address of each routed expert's blob: `weights` fp32 or bf16 in
         cache/layout.py's split layout, "blocks": GGUF rows of blocks, gate's, up's and
         down's types `block_types`, or "fp8": float8 e4m3 codes then their scales per
-        `fp8_block` block, cache/formats.py's Fp8Format) -> [T, D] weighted sums (fp32)."""
+        `fp8_block` block, cache/formats.py's Fp8Format; with mlp.bias, fp32 biases at byte
+        `bias_at` of each) -> [T, D] weighted sums (fp32). `mlp`: the activation."""
         T, D = x.shape
         K = top_idx.shape[1]
         E = blob_addr.shape[0]
@@ -293,8 +298,10 @@ class CpuKernels:
         ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
         y = torch.empty(T, D)
         self._lib.strata_moe(x.data_ptr(), T, D, ffn_size, splits, K, top_idx.data_ptr(),
-                             top_w.data_ptr(), E, blob_addr.ctypes.data, wtypes.ctypes.data, y.data_ptr(),
-                             floats.data_ptr(), ints.data_ptr())
+                             top_w.data_ptr(), E, blob_addr.ctypes.data, wtypes.ctypes.data,
+                             ACTIVATIONS.index(mlp.act), mlp.alpha, mlp.limit,
+                             bias_at if mlp.bias else -1, y.data_ptr(), floats.data_ptr(),
+                             ints.data_ptr())
         return y
 
     def router(self, x: torch.Tensor, router_t: torch.Tensor, k: int, renormalize: bool
@@ -339,23 +346,26 @@ class CpuKernels:
             positions.data_ptr())
 
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         tables: torch.Tensor, lengths: torch.Tensor,
-                         max_length: int) -> torch.Tensor:
+                         tables: torch.Tensor, lengths: torch.Tensor, max_length: int,
+                         sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """One query token per row over its paged K/V: q [R, H, Hd] (rows may be strided),
         pools [blocks, P, G, Hd], tables [R, nb] block ids, lengths [R] (at most max_length)
-        -> [R, H, Hd]."""
+        -> [R, H, Hd]. sinks [H] fp32: a logit per head in the softmax with no value;
+        window > 0: only each row's last `window` positions."""
         R, H, Hd = q.shape
         _, P, G, _ = k_pool.shape
         assert q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
         assert q.stride(2) == 1 and q.stride(1) == Hd
         assert k_pool.is_contiguous() and v_pool.is_contiguous() and tables.is_contiguous()
         assert tables.dtype == lengths.dtype == torch.int64 and lengths.is_contiguous()
+        assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous())
         work = self._workspace("attention", torch.float32, R * H * max_length)
         out = torch.empty(R, H, Hd)
         self._lib.strata_decode_attention(
             q.data_ptr(), R, q.stride(0), H, G, Hd, k_pool.data_ptr(), v_pool.data_ptr(), P,
             tables.data_ptr(), tables.stride(0), lengths.data_ptr(), max_length, Hd**-0.5,
-            out.data_ptr(), work.data_ptr())
+            None if sinks is None else sinks.data_ptr(), window, out.data_ptr(),
+            work.data_ptr())
         return out
 
     def decode_layer(self, layer: DecodeLayer, step: DecodeStep) -> None:

@@ -101,10 +101,12 @@ class TorchBackend:
 
     # -- attention -----------------------------------------------------------------------------
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         block_ids: torch.Tensor, lengths: torch.Tensor,
-                         max_length: int) -> torch.Tensor:
+                         block_ids: torch.Tensor, lengths: torch.Tensor, max_length: int,
+                         sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """One query token per row over its paged K/V (paged_attention backends): q [R, H, Hd],
-        pools [blocks, P, G, Hd], block_ids [R, nb], lengths [R] -> [R, H, Hd]."""
+        pools [blocks, P, G, Hd], block_ids [R, nb], lengths [R] -> [R, H, Hd]; sinks [H]
+        (fp32 logits in each head's softmax with no value) and window (> 0: each row's last
+        `window` positions only) as attention.py's Attention has them."""
         raise NotImplementedError(f"the {self.name} backend reads no paged KV pool")
 
     # -- routing -------------------------------------------------------------------------------
@@ -175,8 +177,10 @@ class CpuBackend(TorchBackend):
             return self.cpu.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length):
-        return self.cpu.decode_attention(q, k_pool, v_pool, block_ids, lengths, max_length)
+    def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length, sinks=None,
+                         window=0):
+        return self.cpu.decode_attention(q, k_pool, v_pool, block_ids, lengths, max_length,
+                                         sinks, window)
 
     def softmax_topk(self, x, router_t, k, renormalize):
         if not self._takes(x, router_t):
@@ -223,9 +227,10 @@ class TritonBackend(TorchBackend):
             return self.ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length):
+    def decode_attention(self, q, k_pool, v_pool, block_ids, lengths, max_length, sinks=None,
+                         window=0):
         return self.ops.decode_attention(q, k_pool, v_pool, block_ids, lengths,
-                                         q.shape[-1] ** -0.5)
+                                         q.shape[-1] ** -0.5, sinks, window)
 
 
 def select_backend(device: torch.device, cpu_kernels: str = "auto") -> TorchBackend:

@@ -42,7 +42,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -1065,35 +1065,40 @@ void strata_qk_norm_rope(float *qkv, int64_t T, int64_t ldx, int64_t H, int64_t 
 }
 
 /* Decode attention over the paged KV cache: R rows, one query token each, causal over the
- * n[r] positions its sequence has (its own included). q [R][ldq] holds H heads of Hd; query
- * head h reads KV head h / (H/G). Position p of row r is at block tables[r][p / P], offset
- * p % P of the pools k, v [blocks][P][G][Hd]. out [R][H][Hd]. work: R * H * n_max floats. */
+ * n[r] positions its sequence has (its own included), or only its last `window` of them
+ * (window > 0: a sliding-window layer). q [R][ldq] holds H heads of Hd; query head h reads KV
+ * head h / (H/G). Position p of row r is at block tables[r][p / P], offset p % P of the pools
+ * k, v [blocks][P][G][Hd]. sinks (or NULL): a logit per query head that joins the softmax's
+ * denominator with no value (gpt-oss's attention sinks). out [R][H][Hd]. work: R * H * n_max
+ * floats. */
 static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, int64_t G,
                            int64_t Hd, const float *k, const float *v, int64_t P,
                            const int64_t *tables, int64_t table_stride, const int64_t *n,
-                           int64_t n_max, float scale, float *out, float *work)
+                           int64_t n_max, float scale, const float *sinks, int64_t window,
+                           float *out, float *work)
 {
     const int64_t per_block = P * G * Hd, group = H / G;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < R * H; u++) {
         const int64_t r = u / H, h = u % H, g = h / group, len = n[r];
+        const int64_t first = window > 0 && len > window ? len - window : 0;
         const int64_t *table = tables + r * table_stride;
         const float *restrict qh = q + r * ldq + h * Hd;
         float *restrict s = work + u * n_max;
-        float m = -INFINITY;
-        for (int64_t p = 0; p < len; p++) {
+        float m = sinks ? sinks[h] : -INFINITY;
+        for (int64_t p = first; p < len; p++) {
             const float *kp = k + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
             s[p] = dot(qh, kp, Hd) * scale;
             m = s[p] > m ? s[p] : m;
         }
-        float sum = 0.0f;
-        for (int64_t p = 0; p < len; p++) {
+        float sum = sinks ? expf(sinks[h] - m) : 0.0f;
+        for (int64_t p = first; p < len; p++) {
             s[p] = expf(s[p] - m);
             sum += s[p];
         }
         float *restrict o = out + u * Hd;
         memset(o, 0, (size_t)Hd * sizeof(float));
-        for (int64_t p = 0; p < len; p++) {
+        for (int64_t p = first; p < len; p++) {
             const float *restrict vp = v + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
             const float pw = s[p] / sum;
             for (int64_t j = 0; j < Hd; j++)
@@ -1105,11 +1110,12 @@ static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, in
 void strata_decode_attention(const float *q, int64_t R, int64_t ldq, int64_t H, int64_t G,
                              int64_t Hd, const float *k, const float *v, int64_t P,
                              const int64_t *tables, int64_t table_stride, const int64_t *n,
-                             int64_t n_max, float scale, float *out, float *work)
+                             int64_t n_max, float scale, const float *sinks, int64_t window,
+                             float *out, float *work)
 {
 #pragma omp parallel if (R * H * n_max * Hd >= 32768)
-    attention_rows(q, R, ldq, H, G, Hd, k, v, P, tables, table_stride, n, n_max, scale, out,
-                   work);
+    attention_rows(q, R, ldq, H, G, Hd, k, v, P, tables, table_stride, n, n_max, scale, sinks,
+                   window, out, work);
 }
 
 /* A softmax top-K router on T rows: logits = x[t] @ Wr (Wr [D][E] of type wt, pre-transposed;
@@ -1241,8 +1247,8 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
                    (size_t)kv_size * sizeof(float));
         }
         attention_rows(s->qkv, T, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P, s->tables,
-                       s->table_stride, s->lengths, s->max_length, s->scale, s->attn,
-                       s->scores);
+                       s->table_stride, s->lengths, s->max_length, s->scale, NULL, 0,
+                       s->attn, s->scores);
         if (o_blocks)
             block_units(s->attn, T, q_size, q_size, &o_m, qmem, s->o, D);
         else
@@ -1375,9 +1381,22 @@ static struct q8rows q8rows_from(struct q8rows a, int64_t first)
     return a;
 }
 
+#define ACT_SILU 0
+#define ACT_CLAMPED 1
+
+/* Expert e's fp32 biases, bias_at bytes into its blob. */
+static inline const float *expert_bias(const int64_t *blob_addr, int64_t e, int64_t bias_at)
+{
+    return (const float *)((const uint8_t *)(intptr_t)blob_addr[e] + bias_at);
+}
+
 /* The routed experts of one MoE layer on T rows:
  *   y[t] = sum over k, in ascending expert id, of top_w[t][k] * expert_{top_idx[t][k]}(x[t])
- *   expert_e(v) = down_e(silu(gate_e v) * up_e v)
+ *   expert_e(v) = down_e(act(gate_e v, up_e v))
+ * act ACT_SILU: silu(g) * u (SwiGLU); ACT_CLAMPED: gpt-oss's clamped SwiGLU, with g clamped
+ * above at `limit` and u to [-limit, limit], g * sigmoid(alpha * g) * (u + 1).
+ * bias_at >= 0: each blob holds fp32 biases at that byte offset, [gate F | up F | down D],
+ * added to the gate, up and down products (gpt-oss's experts); bias_at < 0: none.
  * blob_addr[e] is the address of expert e's blob (a slot or a host-store row). For wtypes
  * WT_F32 / WT_BF16 (all three alike) its elements are of that type (offsets count elements):
  *   [gate_t D x F | up_t D x F | down_t as S column blocks S x F x (D/S)]   (cache/layout.py)
@@ -1390,7 +1409,8 @@ static struct q8rows q8rows_from(struct q8rows a, int64_t first)
  * Only the experts some row routes to are read. work, iwork: strata_moe_work_* elements. */
 void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int64_t K,
                 const int64_t *top_idx, const float *top_w, int64_t E, const int64_t *blob_addr,
-                const int64_t *wtypes, float *y, float *work, int64_t *iwork)
+                const int64_t *wtypes, int64_t act, float alpha, float limit, int64_t bias_at,
+                float *y, float *work, int64_t *iwork)
 {
     const int64_t A = T * K, Dc = D / S;
     const int wt = (int)wtypes[0], fp8 = wt == WT_FP8, blocks = wt >= WT_Q8_0 && !fp8;
@@ -1465,8 +1485,25 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
                     dst + start[e] * F, F);
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < A * F; i++)
-            h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (int64_t p = 0; p < A; p++) {
+            const float *restrict bg = bias_at < 0 ? NULL : expert_bias(blob_addr, top_idx[order[p]], bias_at);
+            const float *restrict g = gate + p * F, *restrict v = up + p * F;
+            float *restrict hp = h + p * F;
+            for (int64_t j = 0; j < F; j++) {
+                float gj = g[j], uj = v[j];
+                if (bg) {
+                    gj += bg[j];
+                    uj += bg[F + j];
+                }
+                if (act == ACT_CLAMPED) {
+                    gj = gj < limit ? gj : limit;
+                    uj = uj < -limit ? -limit : (uj > limit ? limit : uj);
+                    hp[j] = gj / (1.0f + expf(-alpha * gj)) * (uj + 1.0f);
+                } else {
+                    hp[j] = gj / (1.0f + expf(-gj)) * uj;
+                }
+            }
+        }
         if (blocks)
             quantize_rows(h, A, F, &hq);
         /* down: one unit per (expert, column block) */
@@ -1513,8 +1550,14 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
                 const int64_t a = t * K + ks[k];
                 const float wa = top_w[a];
                 const float *restrict src = out + pos[a] * D + c0;
-                for (int64_t j = 0; j < Dc; j++)
-                    dst[j] += wa * src[j];
+                if (bias_at >= 0) {
+                    const float *restrict bd = expert_bias(blob_addr, top_idx[a], bias_at) + 2 * F + c0;
+                    for (int64_t j = 0; j < Dc; j++)
+                        dst[j] += wa * (src[j] + bd[j]);
+                } else {
+                    for (int64_t j = 0; j < Dc; j++)
+                        dst[j] += wa * src[j];
+                }
             }
         }
     }

@@ -12,6 +12,9 @@ group is (its expert blob's address, its first sorted row, its row count):
 
     gate_up  (group, F block):  act[r] = silu(x[tok[r]] @ gate) * (x[tok[r]] @ up)     [M, F]
     down     (group, D block):  y[dst[r]] = w[r] * (act[r] @ down)                       [M, D]
+
+(or gpt-oss's clamped activation, and each expert's biases added to the products, read from
+the end of its blob: Weights.act / bias_at, model/layers/mlp.py's ExpertMlp)
     combine  (token, D block):  out[t] = y[t*K] + y[t*K+1] + ... + y[t*K+K-1]           [T, D]
 
 `moe(..., groups)` takes groups built on the host (`group_rows`: several rows of an expert share
@@ -31,7 +34,7 @@ device; Triton's CPU interpreter computes tl.dot with numpy, whose blocking vari
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +44,7 @@ import triton.language as tl
 
 from services.engine.kernels import gpu_blocks
 from services.engine.model.blocks import block_type
+from services.engine.model.layers.mlp import ACTIVATIONS
 
 BLOCK_M = 16  # rows of one expert per program (tl.dot's minimum)
 BLOCK_F = 64  # expert FFN columns per gate_up program / reduction chunk of down
@@ -57,22 +61,33 @@ class Weights:
     BLOCKS  GGUF block types as stored (cache/formats.py's BlockFormat): gate rows, up rows,
             down rows of blocks, each matrix in its own type (kernels/gpu_blocks.py)
     FP8     e4m3 codes of gate, up, down, then their fp32 block scales (Fp8Format)
+
+    and what the experts compute on them: the activation (ACT_SILU, ACT_CLAMPED with alpha and
+    limit) and, bias_at >= 0, fp32 biases at that byte of each blob.
     """
 
     kind: int = DENSE
     types: tuple[int, int, int] = (0, 0, 0)  # BLOCKS: gate, up, down block type codes
     row_bytes: tuple[int, int, int] = (0, 0, 0)  # BLOCKS: bytes of one row of each
     block: tuple[int, int] = (1, 1)  # FP8: rows and columns of a scale block
+    act: int = 0  # ACTIVATIONS.index: 0 SwiGLU, 1 gpt-oss's clamped SwiGLU
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias_at: int = -1  # the biases' byte offset in a blob, or -1: none
 
     @classmethod
     def of(cls, fmt: Any) -> Weights:
         """What blobs of the one-layer expert format `fmt` (cache/formats.py's ExpertFormat,
         after at(layer)) hold."""
         if fmt.kernel_weights == "blocks":
-            return cls.blocks(fmt.kernel_types, fmt.hidden_size, fmt.ffn_size)
-        if fmt.kernel_weights == "fp8":
-            return cls.fp8(fmt.kernel_block)
-        return cls()
+            w = cls.blocks(fmt.kernel_types, fmt.hidden_size, fmt.ffn_size)
+        elif fmt.kernel_weights == "fp8":
+            w = cls.fp8(fmt.kernel_block)
+        else:
+            w = cls()
+        mlp = fmt.mlp
+        return replace(w, act=ACTIVATIONS.index(mlp.act), alpha=mlp.alpha, limit=mlp.limit,
+                       bias_at=fmt.bias_at if mlp.bias else -1)
 
     @classmethod
     def blocks(cls, types: tuple[str, str, str], hidden: int, ffn: int) -> Weights:
@@ -89,13 +104,21 @@ class Weights:
         """The kernels' compile-time arguments."""
         return dict(KIND=self.kind, GT=self.types[0], UT=self.types[1], DT=self.types[2],
                     G_ROW=self.row_bytes[0], U_ROW=self.row_bytes[1], D_ROW=self.row_bytes[2],
-                    BO=self.block[0], BI=self.block[1])
+                    BO=self.block[0], BI=self.block[1], ACT=self.act, ALPHA=self.alpha,
+                    LIMIT=self.limit, BIAS_AT=self.bias_at)
 
 
 @triton.jit
 def _blob(g_addr_ptr, g, dtype, KIND: tl.constexpr):
     """Group g's blob: typed as the activations (DENSE) or as bytes."""
     return tl.load(g_addr_ptr + g).to(tl.pointer_type(dtype if KIND == 0 else tl.uint8))
+
+
+@triton.jit
+def _biases(g_addr_ptr, g, BIAS_AT: tl.constexpr):
+    """Group g's expert biases: fp32 [gate F | up F | down D], BIAS_AT bytes into its blob."""
+    return (tl.load(g_addr_ptr + g).to(tl.pointer_type(tl.uint8)) + BIAS_AT).to(
+        tl.pointer_type(tl.float32))
 
 
 @triton.jit
@@ -151,8 +174,9 @@ def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
                     D: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr, KIND: tl.constexpr,
                     GT: tl.constexpr, UT: tl.constexpr, DT: tl.constexpr, G_ROW: tl.constexpr,
                     U_ROW: tl.constexpr, D_ROW: tl.constexpr, BO: tl.constexpr,
-                    BI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                    LIMIT: tl.constexpr, BIAS_AT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
     g = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     blob = _blob(g_addr_ptr, g, dtype, KIND)
@@ -177,7 +201,16 @@ def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
         else:
             gate += tl.dot(x, w_gate)
             up += tl.dot(x, w_up)
-    act = gate * tl.sigmoid(gate) * up  # silu(gate) * up
+    if BIAS_AT >= 0:
+        bias = _biases(g_addr_ptr, g, BIAS_AT)
+        gate += tl.load(bias + f, mask=f_ok, other=0.0)[None, :]
+        up += tl.load(bias + F + f, mask=f_ok, other=0.0)[None, :]
+    if ACT == 1:  # gpt-oss: clamped, sigmoid(alpha g), (u + 1)
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        act = gate * tl.sigmoid(ALPHA * gate) * (up + 1.0)
+    else:
+        act = gate * tl.sigmoid(gate) * up  # silu(gate) * up
     tl.store(act_ptr + (start + m)[:, None] * F + f[None, :],
              act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & f_ok[None, :])
 
@@ -187,7 +220,8 @@ def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_
                  D: tl.constexpr, F: tl.constexpr, D_SPLIT: tl.constexpr, IEEE: tl.constexpr,
                  KIND: tl.constexpr, GT: tl.constexpr, UT: tl.constexpr, DT: tl.constexpr,
                  G_ROW: tl.constexpr, U_ROW: tl.constexpr, D_ROW: tl.constexpr,
-                 BO: tl.constexpr, BI: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BO: tl.constexpr, BI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                 LIMIT: tl.constexpr, BIAS_AT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
     g = tl.program_id(0)
     dtype = act_ptr.dtype.element_ty
@@ -211,6 +245,8 @@ def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_
             y += tl.dot(a, w, input_precision="ieee")
         else:
             y += tl.dot(a, w)
+    if BIAS_AT >= 0:
+        y += tl.load(_biases(g_addr_ptr, g, BIAS_AT) + 2 * F + d, mask=d_ok, other=0.0)[None, :]
     tl.store(y_ptr + dst[:, None] * D + d[None, :], weight[:, None] * y,
              mask=row_ok[:, None] & d_ok[None, :])
 

@@ -8,7 +8,7 @@ the pool, P positions per block, nb block-table columns, N rope table rows.
     qk_norm_rope(qkv [T, (H+2G)*Hd], H, G, Hd, q_norm, k_norm, eps, cos, sin [N, Hd],
                  positions [T])                             in place: per-head RMSNorm + RoPE
     decode_attention(q [T, H, Hd], k, v [B, P, G, Hd] (one layer's pool),
-                     block_ids [T, nb], lengths [T], scale) -> [T, H, Hd]
+                     block_ids [T, nb], lengths [T], scale, sinks [H], window) -> [T, H, Hd]
 
 Each replaces a chain of small torch ops (six for a norm, a dozen for the q/k norms and RoPE):
 fewer kernels per decode step, which is what a small-batch GPU step is made of. fp32 math.
@@ -29,10 +29,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ids_ptr, len_ptr, out_ptr, scale, ids_stride,
-                             H: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
-                             P: tl.constexpr, QH: tl.constexpr, QH_PAD: tl.constexpr,
-                             HD_PAD: tl.constexpr, P_PAD: tl.constexpr):
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ids_ptr, len_ptr, out_ptr, sinks_ptr, scale,
+                             ids_stride, window, H: tl.constexpr, G: tl.constexpr,
+                             HD: tl.constexpr, P: tl.constexpr, QH: tl.constexpr,
+                             QH_PAD: tl.constexpr, HD_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                             SINKS: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     n = tl.load(len_ptr + t)
@@ -42,19 +43,24 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ids_ptr, len_ptr, out_ptr, sca
     q_ok = (qh[:, None] < QH) & (hd[None, :] < HD)
     q = tl.load(q_ptr + t * H * HD + (g * QH + qh)[:, None] * HD + hd[None, :], mask=q_ok,
                 other=0.0).to(tl.float32)  # [QH_PAD, HD_PAD]
-    m_i = tl.full((QH_PAD,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((QH_PAD,), dtype=tl.float32)
+    if SINKS:  # the sink's logit starts the softmax: weight exp(0) = 1, no value
+        m_i = tl.load(sinks_ptr + g * QH + qh, mask=qh < QH, other=0.0).to(tl.float32)
+        l_i = tl.full((QH_PAD,), 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full((QH_PAD,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((QH_PAD,), dtype=tl.float32)
     acc = tl.zeros((QH_PAD, HD_PAD), dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, P)):
+    first = tl.where(window > 0, tl.maximum(n - window, 0), 0)  # a sliding window's start
+    for b in range(first // P, tl.cdiv(n, P)):
         block = tl.load(ids_ptr + t * ids_stride + b)
-        pos_ok = (p < P) & (b * P + p < n)  # [P_PAD]
+        pos_ok = (p < P) & (b * P + p < n) & (b * P + p >= first)  # [P_PAD]
         kv_off = ((block * P + p)[:, None] * G + g) * HD + hd[None, :]  # [P_PAD, HD_PAD]
         kv_ok = pos_ok[:, None] & (hd[None, :] < HD)
         k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [QH_PAD, P_PAD]
         s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block has a position
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block read has a position
         alpha = tl.exp(m_i - m_new)
         w = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(w, axis=1)
@@ -66,16 +72,20 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ids_ptr, len_ptr, out_ptr, sca
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor,
-                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, Hd]; k, v [B, P, G, Hd]; block_ids [T, nb]; lengths [T] (>= 1) -> [T, H, Hd]."""
+                     lengths: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                     window: int = 0) -> torch.Tensor:
+    """q [T, H, Hd]; k, v [B, P, G, Hd]; block_ids [T, nb]; lengths [T] (>= 1) -> [T, H, Hd].
+    sinks [H]: a logit per head in the softmax with no value; window > 0: each row's last
+    `window` positions only."""
     T, H, Hd = q.shape
     _, P, G, _ = k.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     _decode_attention_kernel[(T, G)](
-        q, k, v, block_ids, lengths, out, scale, block_ids.stride(0), H=H, G=G, HD=Hd, P=P,
-        QH=H // G, QH_PAD=triton.next_power_of_2(H // G), HD_PAD=triton.next_power_of_2(Hd),
-        P_PAD=triton.next_power_of_2(P))
+        q, k, v, block_ids, lengths, out, q if sinks is None else sinks.float().contiguous(),
+        scale, block_ids.stride(0), window, H=H, G=G, HD=Hd, P=P, QH=H // G,
+        QH_PAD=triton.next_power_of_2(H // G), HD_PAD=triton.next_power_of_2(Hd),
+        P_PAD=triton.next_power_of_2(P), SINKS=sinks is not None)
     return out
 
 

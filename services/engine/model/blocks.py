@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -190,6 +191,19 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 _DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k,
                "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4,
                "IQ4_XS": _iq4_xs}
+
+
+def mxfp4_from_openai(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Rows in OpenAI's MXFP4 layout (gpt-oss's safetensors: `*_blocks` uint8 [R, n, 16],
+    weight 2j of a block in byte j's low nibble and 2j + 1 in its high one; `*_scales` uint8
+    [R, n], the same E8M0 exponents) as GGUF MXFP4 rows [R, n * 17]: each block's exponent,
+    then weight j in byte j's low nibble and j + 16 in its high one. Every bit is kept."""
+    lo, hi = blocks & 0x0F, blocks >> 4  # [R, n, 16]
+    w = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)  # weight order
+    out = np.empty((*blocks.shape[:-1], 17), dtype=np.uint8)
+    out[..., 0] = scales
+    out[..., 1:] = w[..., :16] | (w[..., 16:] << 4)
+    return out.reshape(blocks.shape[0], -1)
 
 
 def dequantize(data: torch.Tensor, type_name: str) -> torch.Tensor:

@@ -3,6 +3,11 @@
 Expert weights come in two spellings, both read here:
   per expert  model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight   [F, D] [F, D] [D, F]
   fused 3-D   model.layers.L.mlp.experts.gate_up_proj [E, 2F, D], .down_proj [E, D, F]
+              (gpt_oss: gate_up_proj [E, D, 2F] with gate and up columns alternating,
+              down_proj [E, F, D], and their biases gate_up_proj_bias [E, 2F], down_proj_bias)
+  MXFP4       gpt-oss as released: {gate_up,down}_proj_blocks [E, rows, in / 32, 16] and
+              _scales [E, rows, in / 32], rows of OpenAI's MXFP4 blocks, kept as stored
+              (re-laid into GGUF's MXFP4 block, bit for bit: blocks.mxfp4_from_openai)
 (`transformers` 5 holds the fused form in memory and converts to per-expert keys on save.)
 Other families rename the block and the projections (WeightNames: mixtral's
 block_sparse_moe.experts.E.{w1,w3,w2}); the reader is told which names its checkpoint uses.
@@ -17,18 +22,16 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-from services.engine.model.blocks import FP8_STORED, fp8_values
+from services.engine.model.blocks import FP8_STORED, dequantize, fp8_values, mxfp4_from_openai
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, find_gguf
 from services.engine.model.families import parse_config
 from services.engine.model.gguf_reader import GGUFCheckpoint, load_gguf_config
-
-if TYPE_CHECKING:
-    import numpy as np
 
 EXPERTS = "model.layers.{layer}.{moe}.experts"
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -147,9 +150,32 @@ class CheckpointReader:
         """A tensor's stored block type and bytes (GGUF files only: safetensors hold floats)."""
         raise CheckpointError(f"{self.model_dir.name} stores {name} as floats, not blocks")
 
+    def _mxfp4_prefix(self, layer: int) -> str | None:
+        """The experts' prefix of a layer stored in OpenAI's MXFP4 blocks (gpt-oss), or None."""
+        prefix = EXPERTS.format(layer=layer, moe=self.weight_names.moe)
+        stacks = [f"{prefix}.{p}_proj_{part}" for p in ("gate_up", "down")
+                  for part in ("blocks", "scales")]
+        return prefix if all(name in self for name in stacks) else None
+
     def read_expert_blocks(self, layer: int, expert: int, out: np.ndarray) -> int:
-        """One pair's stored blocks into `out` (GGUF files only)."""
-        raise CheckpointError(f"{self.model_dir.name} stores experts as floats, not blocks")
+        """One pair's stored MXFP4 blocks into `out` as cache/formats.py's BlockFormat holds
+        them: gate rows, up rows, down rows of GGUF MXFP4 blocks (gpt-oss's safetensors; the
+        gate and up rows of the fused stack alternate). Returns the bytes written."""
+        prefix = self._mxfp4_prefix(layer)
+        if prefix is None:
+            raise CheckpointError(f"{self.model_dir.name} stores experts as floats, not blocks")
+        gu = mxfp4_from_openai(self._read(f"{prefix}.gate_up_proj_blocks", expert).numpy(),
+                               self._read(f"{prefix}.gate_up_proj_scales", expert).numpy())
+        down = mxfp4_from_openai(self._read(f"{prefix}.down_proj_blocks", expert).numpy(),
+                                 self._read(f"{prefix}.down_proj_scales", expert).numpy())
+        half = gu.shape[0] // 2
+        gate, up = ((gu[0::2], gu[1::2]) if self.weight_names.gate_up_interleaved
+                    else (gu[:half], gu[half:]))
+        at = 0
+        for rows in (gate, up, down):
+            out[at:at + rows.size] = rows.reshape(-1)
+            at += rows.size
+        return at
 
     def _expert_names(self, layer: int, expert: int) -> list[tuple[str, int | None]]:
         """The stored (name, slab index) of one pair's gate, up and down: per-expert tensors,
@@ -185,12 +211,15 @@ class CheckpointReader:
     def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
         """Each MoE layer's (gate, up, down) expert types, for a format that keeps them as
         stored: FP8 checkpoints with block scales (per-expert tensors), (FP8_STORED,) * 3
-        per layer; plain floats: None (GGUF files: model/gguf_reader.py)."""
+        per layer; gpt-oss's MXFP4 stacks, ("MXFP4",) * 3; plain floats: None (GGUF files:
+        model/gguf_reader.py)."""
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
             return None
         layers = sorted({int(name.split(".")[2]) for name in self._file_of
                          if ".experts." in name and name.startswith("model.layers.")})
+        if layers and all(self._mxfp4_prefix(layer) for layer in layers):
+            return {layer: ("MXFP4",) * 3 for layer in layers}
         out = {}
         for layer in layers:
             parts = self._expert_names(layer, 0)
@@ -251,6 +280,14 @@ class CheckpointReader:
         n = self.weight_names
         prefix = EXPERTS.format(layer=layer, moe=n.moe)
         per_expert = f"{prefix}.{expert}.{n.gate}.weight"
+        if self._mxfp4_prefix(layer) is not None:  # MXFP4 stacks: their reference values
+            cut = ffn_size * hidden_size // 32 * 17  # one matrix's blocks
+            rows = np.empty(3 * cut, dtype=np.uint8)
+            self.read_expert_blocks(layer, expert, rows)
+            parts = torch.from_numpy(rows).split([cut, cut, cut])
+            return (dequantize(parts[0], "MXFP4").view(ffn_size, hidden_size).to(dtype),
+                    dequantize(parts[1], "MXFP4").view(ffn_size, hidden_size).to(dtype),
+                    dequantize(parts[2], "MXFP4").view(hidden_size, ffn_size).to(dtype))
         if per_expert in self:
             return tuple(
                 self._values(name, self._read(name)).to(dtype)  # type: ignore[misc]
@@ -269,12 +306,34 @@ class CheckpointReader:
                 f"{expert} of layer {layer} (neither per-expert nor fused keys)"
             )
         gate_up = self._values(fused_gu, self._read(fused_gu, expert), expert).to(dtype)
+        if n.gate_up_interleaved:  # gpt_oss, [D, 2F] gate, up, gate, up ... and down [F, D]
+            # (by layout, not shape: gpt-oss-120b's D and F are both 2880)
+            down = self._values(fused_down, self._read(fused_down, expert), expert).to(dtype)
+            return gate_up.t()[0::2], gate_up.t()[1::2], down.t()
         if gate_up.shape != (2 * ffn_size, hidden_size):  # some writers store [D, 2F]
             gate_up = gate_up.t()
-        down = self._values(fused_down, self._read(fused_down, expert), expert).to(dtype)
-        if down.shape != (hidden_size, ffn_size):
-            down = down.t()
-        return gate_up[:ffn_size], gate_up[ffn_size:], down
+        return (gate_up[:ffn_size], gate_up[ffn_size:],
+                self._fused_down(fused_down, expert, hidden_size, ffn_size, dtype))
+
+    def _fused_down(self, name: str, expert: int, hidden_size: int, ffn_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Slab `expert` of a fused down stack as [D, F] (stored [D, F] or [F, D])."""
+        down = self._values(name, self._read(name, expert), expert).to(dtype)
+        return down if down.shape == (hidden_size, ffn_size) else down.t()
+
+    def expert_biases(self, layer: int, expert: int, hidden_size: int, ffn_size: int
+                      ) -> torch.Tensor:
+        """One pair's biases, fp32 [gate F | up F | down D] (cache/formats.py's blob tail):
+        slabs of the fused gate_up_proj_bias [E, 2F] (gate and up alternating where the
+        family interleaves them) and down_proj_bias [E, D]."""
+        n = self.weight_names
+        prefix = EXPERTS.format(layer=layer, moe=n.moe)
+        gate_up = self._read(f"{prefix}.gate_up_proj_bias", expert).float()
+        down = self._read(f"{prefix}.down_proj_bias", expert).float()
+        assert gate_up.shape == (2 * ffn_size,) and down.shape == (hidden_size,)
+        gate, up = ((gate_up[0::2], gate_up[1::2]) if n.gate_up_interleaved
+                    else (gate_up[:ffn_size], gate_up[ffn_size:]))
+        return torch.cat([gate, up, down])
 
     def fingerprint(self, config: ModelConfig) -> str:
         """Short hex sha256 over the canonical config and every tensor's name, shape and dtype."""

@@ -33,6 +33,9 @@ class WeightNames:
     shared: str = "shared_expert"  # the shared expert's block (families that have one)
     shared_gate: str | None = "shared_expert_gate"  # its sigmoid gate (None: ungated)
     router_bias: str = "gate.e_score_correction_bias"  # under {moe}: the choice's bias, if any
+    router: str = "gate"  # under {moe}: the router's linear layer (gpt_oss: "router")
+    gate_up_interleaved: bool = False  # fused gate_up stores [D, 2F], gate and up columns
+    # alternating (gpt_oss) instead of [2F, D] gate rows then up rows
 
 
 def req(raw: dict[str, Any], key: str) -> Any:
@@ -83,6 +86,18 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # gpt_oss: a learned sink logit per head in every attention softmax; sliding-window
+    # attention (the last `sliding_window` positions) on `sliding_layers`; the router's logits
+    # biased, top-K then softmax; experts with biases and the clamped SwiGLU (ExpertMlp)
+    attention_sinks: bool = False
+    attention_o_bias: bool = False  # o_proj has a bias too (attention_bias: q, k, v)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    router_logit_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -103,6 +118,10 @@ class ModelConfig:
     def moe_layers(self) -> tuple[int, ...]:
         """Layers with a sparse MoE block (the others run a dense SwiGLU MLP)."""
         return tuple(layer for layer in range(self.num_layers) if self.is_moe_layer(layer))
+
+    def window(self, layer: int) -> int:
+        """Positions layer attends to before its own (0: all of them)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return (

@@ -294,6 +294,6 @@ class QuantExpertLayout:
         return self._scratch[key]
 
     def _sections(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up bytes, down bytes) of blob [..., numel]."""
-        assert blob.dtype == torch.uint8 and blob.shape[-1] == self.numel, (blob.dtype, blob.shape)
-        return blob[..., : self.gate_up.nbytes], blob[..., self.gate_up.nbytes :]
+        """(gate_up bytes, down bytes) of blob [..., numel] (or more: biases after them)."""
+        assert blob.dtype == torch.uint8 and blob.shape[-1] >= self.numel, (blob.dtype, blob.shape)
+        return blob[..., : self.gate_up.nbytes], blob[..., self.gate_up.nbytes : self.numel]

@@ -160,7 +160,7 @@ def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False) -> Att
         q_norm=t.get(f"{a}.q_norm.weight") if norms else None,
         k_norm=t.get(f"{a}.k_norm.weight") if norms else None,
         qkv_bias=tuple(t.get(f"{a}.{p}_proj.bias") for p in "qkv") if bias else None,  # type: ignore[arg-type]
-        o_bias=t.get(f"{a}.o_proj.bias") if bias and f"{a}.o_proj.bias" in t else None,
+        o_bias=t.get(f"{a}.o_proj.bias") if c.attention_o_bias else None,
         clip_qkv=c.clip_qkv, rotary_dim=rotary_dim(c))
 
 
@@ -185,8 +185,9 @@ def moe_block(t: Tensors, c: ModelConfig, i: int, names: WeightNames) -> MoeBloc
     return MoeBlock(
         layer=i, moe_index=c.moe_layers.index(i), num_experts=c.num_experts,
         experts_per_token=c.experts_per_token, renormalize=c.norm_topk_prob,
-        router_t=t.get_t(f"{moe}.gate.weight"),
-        router_bias=t.get(bias) if bias in t else None, grouped=grouped, shared=shared)
+        router_t=t.get_t(f"{moe}.{names.router}.weight"),
+        router_bias=t.get(bias) if bias in t else None, grouped=grouped, shared=shared,
+        logit_bias=t.get(f"{moe}.{names.router}.bias") if c.router_logit_bias else None)
 
 
 def decoder_layer(t: Tensors, c: ModelConfig, i: int, attn: Any, names: WeightNames

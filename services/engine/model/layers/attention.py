@@ -24,48 +24,80 @@ from services.engine.model.layers.rope import apply_rope
 from services.engine.model.step import Step
 
 
-def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token over all N keys, GQA (query head h reads KV head h // (H/G), as HF's
-    repeat_kv): q [1, H, Hd], k/v [G, N, Hd] -> [1, H, Hd]."""
+    repeat_kv): q [1, H, Hd], k/v [G, N, Hd] -> [1, H, Hd]; sinks [H]: a logit per head in
+    the softmax that weighs no value."""
     _, H, Hd = q.shape
     G = k.shape[0]
     scores = torch.bmm(q.view(G, H // G, Hd), k.transpose(1, 2)) * Hd**-0.5  # [G, H/G, N]
-    return torch.bmm(torch.softmax(scores, dim=-1), v).view(1, H, Hd)
+    if sinks is None:
+        return torch.bmm(torch.softmax(scores, dim=-1), v).view(1, H, Hd)
+    with_sink = torch.cat([scores, sinks.view(G, H // G, 1).to(scores.dtype)], dim=-1)
+    probs = torch.softmax(with_sink, dim=-1)[..., :-1]  # [G, H/G, N]
+    return torch.bmm(probs, v).view(1, H, Hd)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+         sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, H, t, Hd] over k, v [B, G, N, Hd] where mask [B or 1, 1, t, N] (bool)
+    -> [B, H, t, Hd]. With sinks [H], each head's softmax has one more logit, the sink's, that
+    weighs no value: a zero key and value column whose additive mask is the sink."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    B, H, t = q.shape[0], q.shape[1], q.shape[2]
+    zero = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask,
+                                                                                float("-inf"))
+    sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(bias.shape[0], H, t, 1)
+    bias = torch.cat([bias.expand(-1, H, t, -1), sink], dim=-1)  # [B, H, t, N + 1]
+    return F.scaled_dot_product_attention(q, k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1),
+                                          attn_mask=bias, enable_gqa=gqa)
 
 
 def paged_attention(kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    step: Step) -> torch.Tensor:
+                    step: Step, sinks: torch.Tensor | None = None, window: int = 0
+                    ) -> torch.Tensor:
     """Write k, v [T, G, Hd] to the pool at the step's slots, then causal attention of
-    q [T, H, Hd] over each row's cached positions -> [T, H, Hd]."""
+    q [T, H, Hd] over each row's cached positions -> [T, H, Hd]; window > 0: over its last
+    `window` positions only (its own included); sinks [H]: attention sinks (sdpa)."""
     kv, decode = step.kv, step.decode
     kv.write(kv_layer, step.slots, k, v)
-    gqa = q.shape[1] != k.shape[1]
     out = q.new_empty(q.shape) if decode is None or not decode.all_rows else None
     for s in step.spans:
         rows = slice(s.row_start, s.row_end)
         n, t = s.pos_end, s.row_end - s.row_start
+        first = max(0, n - window) if window and t == 1 else 0
         k_all, v_all = kv.read(kv_layer, s.block_table, n)  # [G, N, Hd]
         if t == 1:  # a lone decode token: three small ops instead of SDPA's dispatch
-            out[rows] = single_query_attention(q[rows], k_all, v_all)
+            out[rows] = single_query_attention(q[rows], k_all[:, first:], v_all[:, first:],
+                                               sinks)
             continue
         q_pos = torch.arange(s.pos_start, n, device=q.device)  # query i sits at pos_start + i
-        mask = q_pos[:, None] >= torch.arange(n, device=q.device)[None, :]  # [t, N]
+        k_pos = torch.arange(n, device=q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]  # [t, N]
+        if window:
+            mask &= q_pos[:, None] - k_pos[None, :] < window
         # 4-D (a batch of one): on the CPU, 3-D inputs take SDPA's math path, 4-D its flash
         # kernel (2.6x faster at 512 tokens, 32 heads of 128)
-        out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=mask,
-            enable_gqa=gqa,
-        )[0].transpose(0, 1)  # [t, H, Hd]
+        out[rows] = sdpa(q[rows].transpose(0, 1)[None], k_all[None], v_all[None],
+                         mask[None, None], sinks)[0].transpose(0, 1)  # [t, H, Hd]
     if decode is not None:
         q_rows = q if decode.all_rows else q[decode.rows]  # [B, H, Hd]
         if decode.lengths is not None:
             res = step.backend.decode_attention(q_rows, kv.k[kv_layer], kv.v[kv_layer],
-                                                decode.ids, decode.lengths, decode.max_length)
+                                                decode.ids, decode.lengths, decode.max_length,
+                                                sinks, window)
         else:
             k_all, v_all = kv.read_batch(kv_layer, decode.ids)  # [B, G, N, Hd]
-            res = F.scaled_dot_product_attention(
-                q_rows[:, :, None], k_all, v_all, attn_mask=decode.mask, enable_gqa=gqa,
-            )[:, :, 0]  # [B, H, Hd]
+            mask = decode.mask  # [B, 1, 1, N]: each row's positions, a prefix
+            if window:
+                n = mask.sum(dim=-1, keepdim=True)  # [B, 1, 1, 1]
+                mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= n - window)
+            res = sdpa(q_rows[:, :, None], k_all, v_all, mask, sinks)[:, :, 0]  # [B, H, Hd]
         if out is None:
             out = res
         else:
@@ -93,15 +125,18 @@ class Attention:
     o_bias: torch.Tensor | None = None  # [D]
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after the q/k norm
     rotary_dim: int | None = None  # RoPE on each head's first Hr dims (glm4_moe: Hd / 2); None: all
+    sinks: torch.Tensor | None = None  # [H] fp32 attention-sink logits (gpt_oss)
+    window: int = 0  # > 0: sliding-window attention over the last `window` positions
 
     capturable = True  # in a CUDA graph
 
     @property
     def plain(self) -> bool:
-        """No bias, no clip, per-head or no q/k norm, RoPE over whole heads, weights not in
-        FP8: what the fused kernels compute."""
+        """No bias, no clip, per-head or no q/k norm, RoPE over whole heads, no sinks or
+        window, weights not in FP8: what the fused kernels compute."""
         return (self.qkv_bias is None and self.o_bias is None and self.clip_qkv is None
                 and self.qk_norm in ("head", "none") and self.rotary_dim is None
+                and self.sinks is None and not self.window
                 and not isinstance(self.qkv, Fp8Matrix) and not isinstance(self.o, Fp8Matrix))
 
     def project(self, x: torch.Tensor, step: Step
@@ -135,6 +170,6 @@ class Attention:
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [T, D] (normalized) -> [T, D]."""
         q, k, v = self.project(x, step)
-        out = paged_attention(self.kv_layer, q, k, v, step)  # [T, H, Hd]
+        out = paged_attention(self.kv_layer, q, k, v, step, self.sinks, self.window)  # [T, H, Hd]
         out = step.backend.linear(out.reshape(x.shape[0], -1), self.o)  # [T, D]
         return out if self.o_bias is None else out + self.o_bias

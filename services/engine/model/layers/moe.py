@@ -3,8 +3,9 @@ and an optional shared expert.
 
 Shape legend: T rows, D hidden, E experts, K routed per token, Gr expert groups.
 
-    router logits = h @ router_t                                     [T, E]
+    router logits = h @ router_t (+ a bias: gpt_oss)                  [T, E]
     softmax top-K (renormalized where the family does)  | grouped top-K (DeepSeek)
+      | top-K of the biased logits, then softmax over them (gpt_oss)
     experts.route(layer, top_idx, counts)   one lookup per distinct pair
     experts.predict(next MoE layer, its router on h)   next-layer prefetch, when wanted
     y = experts.apply(layer, h, top_idx, top_w) (+ shared expert(h))
@@ -76,6 +77,7 @@ class MoeBlock:
     grouped: GroupedRouting | None = None  # None: softmax top-K
     shared: DenseMlp | None = None
     next_router: MoeBlock | None = None  # the next MoE layer (next-layer prefetch)
+    logit_bias: torch.Tensor | None = None  # [E] added to the router's logits (gpt_oss)
 
     @property
     def capturable(self) -> bool:
@@ -85,14 +87,23 @@ class MoeBlock:
     @property
     def plain(self) -> bool:
         """Softmax top-K routing and no shared expert: what the fused kernels compute."""
-        return self.grouped is None and self.shared is None
+        return self.grouped is None and self.shared is None and self.logit_bias is None
+
+    def logits(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """The router's logits [T, E] of h [T, D]."""
+        logits = step.backend.matmul(h, self.router_t)
+        return logits if self.logit_bias is None else logits + self.logit_bias
 
     def route(self, h: torch.Tensor, step: Step) -> Routing:
         """h [T, D] -> (top_idx [T, K], top_w [T, K], counts [E] or None), on h's device."""
+        if self.logit_bias is not None:  # top-K of the logits, softmax over those K
+            top_v, top_idx = torch.topk(self.logits(h, step).float(), self.experts_per_token,
+                                        dim=-1)
+            return top_idx, torch.softmax(top_v, dim=-1).to(h.dtype), None
         if self.grouped is None:
             return step.backend.softmax_topk(h, self.router_t, self.experts_per_token,
                                              self.renormalize)
-        top_w, top_idx = self.grouped(step.backend.matmul(h, self.router_t).float(), self.experts_per_token,
+        top_w, top_idx = self.grouped(self.logits(h, step).float(), self.experts_per_token,
                                       self.renormalize, self.router_bias)
         return top_idx, top_w.to(h.dtype), None
 
@@ -113,7 +124,7 @@ class MoeBlock:
             if nxt is not None and step.experts.wants_predictions:
                 # Prefetch: the next MoE layer's router on this layer's input predicts its
                 # experts (softmax is monotonic: top-K of the logits is top-K of the scores).
-                next_logits = step.backend.matmul(h, nxt.router_t)  # [T, E]
+                next_logits = nxt.logits(h, step)  # [T, E]
                 step.experts.predict(nxt.layer, torch.topk(next_logits, self.experts_per_token,
                                                            dim=-1).indices)  # [T, K]
             y = step.experts.apply(self.layer, h, top_idx, top_w)  # [T, D]

@@ -8,7 +8,7 @@
 
 So the one loader (load_qwen3_moe, HostStore) runs GGUF files unchanged: quantized experts
 arrive as fp32 and `--expert-dtype int8|int4` requantizes them as it does any checkpoint.
-Supported: qwen3moe, qwen2moe, olmoe and llama with experts (Mixtral). llama.cpp's converter
+Supported: qwen3moe, qwen2moe, olmoe, gpt-oss and llama with experts (Mixtral). llama.cpp's converter
 permutes llama's q/k rows for its interleaved RoPE; `_unpermute` undoes that. DeepSeek's GGUF
 attention tensors (split kv_b) are not mapped.
 """
@@ -37,14 +37,17 @@ except ImportError as e:  # a declared dependency, but say what to do if it is m
 
 # general.architecture -> model_type; llama is accepted only with experts (Mixtral)
 ARCH_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
-                   "llama": "mixtral"}
+                   "llama": "mixtral", "gpt-oss": "gpt_oss"}
 # top-k renormalization where the file does not say ({arch}.expert_weights_norm): what
 # llama.cpp's graph does for the architecture
-DEFAULT_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
+DEFAULT_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True,
+                     "gpt-oss": True}
 
 LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's MoE block
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # gpt-oss's spelling
+    "attn_sinks.weight": "self_attn.sinks",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -55,7 +58,8 @@ LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's Mo
     "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate_inp.weight": "{moe}.gate.weight",
+    "ffn_gate_inp.weight": "{moe}.{router}.weight",
+    "ffn_gate_inp.bias": "{moe}.{router}.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight",  # dense layers
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -67,6 +71,7 @@ LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's Mo
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")  # gpt-oss
 # llama.cpp's pre-tokenizer regexes that differ from GPT-2's (tokenizer.ggml.pre)
 PRE_TOKENIZER_REGEX = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
@@ -117,7 +122,7 @@ class GGUFCheckpoint:
             parts = name.split(".", 2)
             if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
                 target = LAYER_NAMES[parts[2]].format(moe=n.moe, shared=n.shared,
-                                                      shared_gate=n.shared_gate)
+                                                      shared_gate=n.shared_gate, router=n.router)
                 hf[f"model.layers.{parts[1]}.{target}"] = name
         return hf
 
@@ -174,6 +179,15 @@ class GGUFCheckpoint:
         gate, up, down = out
         assert gate.shape == (ffn_size, hidden_size) and down.shape == (hidden_size, ffn_size)
         return gate, up, down
+
+    def expert_biases(self, layer: int, expert: int, hidden_size: int, ffn_size: int
+                      ) -> torch.Tensor:
+        """One pair's biases, fp32 [gate F | up F | down D] (gpt-oss: blk.L.ffn_*_exps.bias)."""
+        parts = [self._dequant(self._tensor(f"blk.{layer}.{b}").data[expert],
+                               self._tensor(f"blk.{layer}.{b}").tensor_type)
+                 for b in EXPERT_BIASES]
+        assert [p.numel() for p in parts] == [ffn_size, ffn_size, hidden_size]
+        return torch.cat(parts)
 
     def expert_storage(self) -> dict[int, tuple[str, str, str]] | None:
         """Each MoE layer's (gate, up, down) expert-stack types when every one is a block type
@@ -287,9 +301,20 @@ class GGUFCheckpoint:
         )
         if scaling not in (None, "none"):
             given = {"factor": a("rope.scaling.factor"),
-                     "original_max_position_embeddings": a("rope.scaling.original_context_length")}
+                     "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                     "beta_fast": a("rope.scaling.yarn_beta_fast"),
+                     "beta_slow": a("rope.scaling.yarn_beta_slow")}
             raw["rope_scaling"] = {"rope_type": scaling,
                                    **{k: v for k, v in given.items() if v is not None}}
+        if self.arch == "gpt-oss":
+            # as every released gpt-oss config.json says (the GGUF keeps neither): YaRN's
+            # correction range not rounded to whole dims; sliding-window attention on the even
+            # layers (llama.cpp's gpt-oss graph: a window pattern of 2); the activation's
+            # alpha 1.702 and limit 7.0 (families/gpt_oss.py's defaults)
+            if "rope_scaling" in raw:
+                raw["rope_scaling"]["truncate"] = False
+            raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                  for i in range(layers)]
         if f"blk.{first_moe}.ffn_up_shexp.weight" in self._tensors:
             raw["shared_expert_intermediate_size"] = int(
                 reversed_shape(self._tensor(f"blk.{first_moe}.ffn_up_shexp.weight"))[0])

@@ -59,6 +59,7 @@ def non_expert_params(c: ModelConfig) -> int:
         attention = q + D * (R + Dr) + R + R * H * (Hd - Dr + Dv) + H * Dv * D
     else:
         attention = 2 * D * H * Hd + 2 * D * G * Hd  # q, o; k, v
+        attention += D * H * Hd if c.attention_output_gate else 0  # q_proj's gate half
         if c.attention_bias:
             attention += (H + 2 * G) * Hd + (D if c.attention_o_bias else 0)
         attention += H if c.attention_sinks else 0
@@ -70,10 +71,31 @@ def non_expert_params(c: ModelConfig) -> int:
         per_moe += D if names.shared_gate else 0
     moe_layers = len(c.moe_layers)
     dense_layers = c.num_layers - moe_layers
-    layers = c.num_layers * (attention + 2 * D) + moe_layers * per_moe + dense_layers * (
-        3 * D * c.intermediate_size)
+    linear = len(c.linear_layers)  # Gated DeltaNet in place of attention
+    layers = ((c.num_layers - linear) * attention + linear * linear_attention_params(c)
+              + c.num_layers * 2 * D + moe_layers * per_moe
+              + dense_layers * 3 * D * c.intermediate_size)
     vocab = c.vocab_size * D * (1 if c.tie_word_embeddings else 2)
     return layers + vocab + D  # + the final norm
+
+
+def linear_attention_params(c: ModelConfig) -> int:
+    """One Gated DeltaNet layer's parameters (layers/delta_net.py)."""
+    D, Hk, Hv = c.hidden_size, c.linear_key_heads, c.linear_value_heads
+    Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
+    channels = 2 * Hk * Dk + Hv * Dv  # q | k | v through the conv
+    return (D * (channels + Hv * Dv) + D * 2 * Hv + channels * c.linear_conv_kernel
+            + 2 * Hv + Dv + Hv * Dv * D)
+
+
+def linear_state_bytes(c: ModelConfig) -> int:
+    """One sequence's recurrent state over every linear-attention layer (fp32: the conv's
+    last inputs and the delta rule's Dk x Dv per value head)."""
+    channels = 2 * c.linear_key_heads * c.linear_key_head_dim + (
+        c.linear_value_heads * c.linear_value_head_dim)
+    per_layer = (c.linear_conv_kernel - 1) * channels + (
+        c.linear_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
+    return 4 * per_layer * len(c.linear_layers)
 
 
 def fp8_attention_shapes(c: ModelConfig) -> list[list[tuple[int, int]]]:
@@ -153,6 +175,10 @@ def render(plan: ConfigPlan, device_mib: list[float], source: str) -> str:
         f"| format | bytes per pair | all pairs (host) | coverage at {sizes} |",
         "|---|---|---|---|",
     ]
+    if c.linear_layers:
+        lines.insert(2, f"linear attention on {len(c.linear_layers)} of {c.num_layers} layers "
+                        f"(no KV there): {linear_state_bytes(c) / MIB:.1f} MiB of recurrent "
+                        "state per running sequence, outside the KV pool (from the reserve)")
     for row in plan.rows([round(m * MIB) for m in device_mib]):
         if row["pair_bytes"] is None:
             lines.append(f"| {row['format']} | n/a (rows not whole blocks) | | |")

@@ -117,6 +117,17 @@ class Engine:
         self.spec_tokens = spec_tokens if draft_source is not None else 0
         self.context_window: int = runner.config.context_window  # type: ignore[attr-defined]
         self.totals = EngineTotals()
+        if getattr(runner, "per_sequence_state", False):
+            # linear-attention layers' state lives outside the KV pool: a sequence reusing
+            # another's prefix blocks would skip positions that state never saw
+            if self.spec_tokens:
+                raise ValueError("speculative decoding is not supported for models with "
+                                 "per-sequence recurrent state (qwen3_next's linear "
+                                 "attention): run with --spec-tokens 0")
+            if prefix_reuse:
+                log.info("prefix reuse off: the model's linear-attention layers keep a "
+                         "recurrent state per sequence, which shared KV blocks do not carry")
+                prefix_reuse = False
         runner.kv.claim(self)  # the scheduler's block manager hands out the KV pool's blocks
         self.scheduler = Scheduler(
             BlockManager(runner.kv.num_blocks, runner.kv.block_size, prefix_reuse), max_running,

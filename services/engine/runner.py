@@ -373,7 +373,8 @@ class ModelRunner:
             n = len(chunk.token_ids)
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.pos_start, chunk.pos_start + n))
-            spans.append(Span(row, row + n, chunk.pos_start, chunk.block_table))
+            spans.append(Span(row, row + n, chunk.pos_start, chunk.block_table,
+                              -1 if chunk.seq_id is None else chunk.seq_id))
             prefill_rows.extend([chunk.prefill] * n)
             logit_rows.extend(range(row + n - chunk.num_logits, row + n))
         self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
@@ -426,6 +427,11 @@ class ModelRunner:
         if bad:
             raise PromptError(
                 f"token id {bad[0]} outside the vocabulary of {self.config.vocab_size}")
+
+    @property
+    def per_sequence_state(self) -> bool:
+        """Whether layers keep state per sequence outside the paged KV (linear attention)."""
+        return bool(self.model.per_sequence)
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was preempted: layers that keep per-sequence state (beyond

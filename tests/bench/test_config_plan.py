@@ -103,6 +103,42 @@ def test_gpt_oss_120b_plans_its_mxfp4_experts_with_their_biases(tmp_path, capsys
     assert non_expert_params(c) == 36 * per_layer + 2 * 201088 * 2880 + 2880
 
 
+QWEN3_NEXT_80B_CONFIG = {  # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+    "eos_token_id": 151645, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16,
+    "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+    "num_key_value_heads": 2, "output_router_logits": False, "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.0.dev0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+
+
+def test_qwen3_next_plans_its_attention_layers_kv_and_its_linear_state(tmp_path, capsys):
+    """Qwen3-Next-80B: 48 x 512 = 24,576 pairs (the reference deployment's count); only its
+    12 full-attention layers hold KV (2 heads of 256, K and V: 24 KiB a token in bf16); each
+    running sequence carries 36 layers of conv inputs and 32 heads of 128 x 128 fp32 state."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_NEXT_80B_CONFIG))
+    assert plan_main(["--config", str(path), "--json", "--kv-tokens", "4096"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pairs"] == 24576
+    assert out["kv_bytes"] == 4096 * 12 * 2 * 2 * 256 * 2
+    assert out["state_bytes_per_sequence"] == 36 * 4 * (3 * (2 * 16 * 128 + 32 * 128)
+                                                        + 32 * 128 * 128)
+    assert {r["format"]: r for r in out["formats"]}["Q4_K"]["pair_bytes"] == (
+        3 * 2048 * 512 // 256 * 144)
+    assert plan_main(["--config", str(path)]) == 0
+    assert "75.4 MiB of recurrent state per running sequence" in capsys.readouterr().out
+
+
 def test_a_bad_config_is_a_clear_error(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "rope_scaling": {"type": "longrope"}}))

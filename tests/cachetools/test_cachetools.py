@@ -81,3 +81,27 @@ def test_prompt_sets_are_disjoint(text):
     assert len(a) == len(b) == 24 and not set(a) & set(b)
     if text == "stdlib":  # snippets of distinct files
         assert len(set(a)) == len(set(b)) == 24
+
+
+def test_bench_cache_runs_on_a_qwen3_next_shaped_model(tmp_path, capsys):
+    """The reference deployment's shape: 48 layers (36 Gated DeltaNet, 12 attention) x 512
+    experts, 10 routed + 1 shared (tiny widths): its 24,576 pairs profiled, replayed and
+    compared across policies."""
+    pytest.importorskip("transformers")
+    from tests.engine.test_model_families import make_family_checkpoint
+
+    model_dir, _ = make_family_checkpoint(
+        tmp_path / "qwen3-next-shaped", "qwen3_next", num_hidden_layers=48, layer_types=None,
+        num_experts=512, num_experts_per_tok=10, hidden_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2,
+        max_position_embeddings=512)
+    from services.engine.model.checkpoint import load_model_config
+
+    config = load_model_config(model_dir)
+    assert config.total_pairs == 24576 and len(config.linear_layers) == 36
+    argv = ["--model", str(model_dir), "--prompts", "2", "--max-tokens", "6", "--json"]
+    assert bench_cmd.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    for row in out["coverage"].values():
+        assert row["belady"] >= max(row["static"], row["lru"]) > 0

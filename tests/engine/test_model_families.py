@@ -57,6 +57,14 @@ FAMILIES = {
             rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
             original_max_position_embeddings=64, rope_theta=150000.0),
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Gated DeltaNet on layers 0 and 2 (2 key heads serving 4 value heads), gated attention
+    # on layer 1 (RoPE on a quarter of each head), (1 + w) norms, a gated shared expert
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -77,6 +85,8 @@ def make_family_checkpoint(
         for name, param in model.named_parameters():
             if name.endswith(("self_attn.sinks", "gate_up_proj_bias", "down_proj_bias")):
                 param.normal_(0.0, 0.5)
+            if family == "qwen3_next" and name.endswith("norm.weight"):  # (1 + w), w = 0
+                param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     write_byte_tokenizer(path, context_window=config.max_position_embeddings)
     return path, model
@@ -113,6 +123,12 @@ CASES = [
     ("gpt_oss", {}),
     ("gpt_oss", dict(layer_types=["sliding_attention"] * 3, num_experts_per_tok=3,
                      sliding_window=4)),
+    # linear attention with the conv and delta-rule state carried from prefill into decode,
+    # gated attention, (1 + w) norms, a gated shared expert; then a dense layer, 4 value heads
+    # per key head, top-3
+    ("qwen3_next", {}),
+    ("qwen3_next", dict(layer_types=["full_attention", "linear_attention", "linear_attention"],
+                        mlp_only_layers=[1], linear_num_key_heads=1, num_experts_per_tok=3)),
     ("deepseek_v2", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
         beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
@@ -258,13 +274,16 @@ def test_family_settings_not_computed_are_refused_by_name(family, patch, message
         parse_config({**raw, **patch})
 
 
-@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
-def test_gpt_oss_batched_with_prefix_reuse_matches_transformers(tmp_path, cpu_kernels):
-    """Sinks and the sliding window in every attention path: prompts shorter and longer than
-    the window decoded together (the C paged kernel, or batched SDPA with the sink column),
-    one reusing another's prefix blocks, at a third of the pairs cached; each equals
-    transformers' greedy decoding alone (over the tokenizer's ids, as Strata samples)."""
-    model_dir, ref = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", seed=2)
+@pytest.mark.parametrize(("family", "cpu_kernels"), [
+    ("gpt_oss", "auto"), ("gpt_oss", "off"), ("qwen3_next", "auto")])
+def test_batched_with_prefix_reuse_matches_transformers(tmp_path, family, cpu_kernels):
+    """Prompts shorter and longer than gpt-oss's window decoded together, in chunks of a
+    shared step (sinks and the window in every attention path: the C paged kernel, or batched
+    SDPA with the sink column), one reusing another's prefix blocks, at a third of the pairs
+    cached; each equals transformers' greedy decoding alone (over the tokenizer's ids, as
+    Strata samples). qwen3_next's linear-attention state per sequence: the engine turns
+    prefix reuse off (a shared prefix's state is not in the KV pool), the rest holds."""
+    model_dir, ref = make_family_checkpoint(tmp_path / family, family, seed=2)
     runner = ModelRunner(model_dir, cache_slots=8, reserved_bytes=0, dtype="fp32",
                          cpu_kernels=cpu_kernels)
     shared = "Routing picks four experts for every token, and "
@@ -275,7 +294,8 @@ def test_gpt_oss_batched_with_prefix_reuse_matches_transformers(tmp_path, cpu_ke
         clients = run_all(engine, [request(p, max_tokens=10) for p in prompts])
     finally:
         engine.stop()
-    assert sum(c.finished.stats.reused_prompt_tokens for c in clients) > 0  # prefix reused
+    reused = sum(c.finished.stats.reused_prompt_tokens for c in clients)
+    assert reused > 0 if family == "gpt_oss" else reused == 0
     for prompt, client in zip(prompts, clients, strict=True):
         ids = runner.tokenizer.encode(prompt)
         want = []

@@ -98,6 +98,21 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False
+    # qwen3_next: Gated DeltaNet (linear attention, per-sequence recurrent state, no KV) on
+    # `linear_layers`; a sigmoid output gate on the attention layers; (1 + w) RMSNorm weights
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False
+    norm_offset: bool = False
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers with K/V in the paged pool (not the linear-attention ones), in pool order."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     @property
     def kv_heads(self) -> int:

@@ -74,7 +74,7 @@ class Decoder:
         others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
         cos, sin = self.rope.rows(positions)
         step = Step(positions, self.rope, cos, sin, slots, others, decode, kv, experts,
-                    self.backend)
+                    self.backend, all_spans=spans)
         x = self.embed_rows(token_ids)  # [T, D]
         if (self.fusable and decode is not None and decode.all_rows
                 and decode.lengths is not None):

@@ -49,8 +49,8 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
     # MLA rotates its rope part, GQA the partial_rotary_factor share of a head
     rope = Rope(config.qk_rope_head_dim or rotary_dim(config) or config.head_dim,
                 config.rope_theta, config.context_window, backend.device, config.rope_scaling)
-    model = Decoder(config, embed, layers, t.get("model.norm.weight"), lm_head, rope, backend,
-                    dtype)
+    final_norm = t.get("model.norm.weight") + (1 if config.norm_offset else 0)  # (1 + w)
+    model = Decoder(config, embed, layers, final_norm, lm_head, rope, backend, dtype)
     log.info("loaded non-expert weights of %d layers in %.1f s", config.num_layers,
              time.perf_counter() - t0)
     return model

@@ -80,15 +80,16 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, c: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                   device: torch.device, kv_dtype: str = "auto") -> PagedKVCache:
-        """The pool a model's layers attend over (MLA: its latent, one shared K/V tensor)."""
-        return cls(c.num_layers, num_blocks, block_size, c.kv_heads, c.kv_head_dim, dtype,
+        """The pool a model's layers attend over (MLA: its latent, one shared K/V tensor; the
+        layers with K/V only: config.kv_layers)."""
+        return cls(len(c.kv_layers), num_blocks, block_size, c.kv_heads, c.kv_head_dim, dtype,
                    device, kv_dtype, c.kv_shared)
 
     @staticmethod
     def model_bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype,
                               kv_dtype: str = "auto") -> int:
         """bytes_per_block of for_model's pool."""
-        return PagedKVCache.bytes_per_block(c.num_layers, block_size, c.kv_heads,
+        return PagedKVCache.bytes_per_block(len(c.kv_layers), block_size, c.kv_heads,
                                             c.kv_head_dim, dtype, kv_dtype, c.kv_shared)
 
     def slots(self, table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ class Span:
     row_end: int
     pos_start: int
     block_table: Sequence[int]
+    seq_id: int = -1  # whose tokens (layers with per-sequence state key it by this)
 
     @property
     def pos_end(self) -> int:
@@ -94,6 +95,7 @@ class Step:
     experts: Any  # ExpertSource; in a graphed step the ExpertCache (apply_graphed)
     backend: TorchBackend
     route_top: torch.Tensor | None = None  # graphed step: each MoE layer's top-K [Lm, T, K]
+    all_spans: Sequence[Span] = ()  # every span, decode rows' too (per-sequence state)
     fused: Any = None  # model.fused_decode.FusedDecode: the CPU fused decode layer's buffers
 
     @property

@@ -1,7 +1,7 @@
 """Model families, one file each, registered by `model_type`.
 
     families/qwen3_moe.py  mixtral.py  olmoe.py  qwen2_moe.py  deepseek.py (v2, v3, kimi_k2)  glm4_moe.py
-    minimax_m2.py  gpt_oss.py
+    minimax_m2.py  gpt_oss.py  qwen3_next.py
 
 A family says how its config.json maps to ModelConfig, where its tensors are (WeightNames)
 and what its layers are (base.Family). A new family is a new file here plus its line in
@@ -25,13 +25,14 @@ from services.engine.model.families import (
     olmoe,
     qwen2_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from services.engine.model.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     qwen3_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, deepseek.DEEPSEEK_V2,
     deepseek.DEEPSEEK_V3, deepseek.KIMI_K2, glm4_moe.FAMILY, minimax_m2.FAMILY,
-    gpt_oss.FAMILY)}
+    gpt_oss.FAMILY, qwen3_next.FAMILY)}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 

@@ -154,7 +154,8 @@ def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False) -> Att
     a = f"model.layers.{i}.self_attn"
     norms = c.qk_norm != "none"
     return Attention(
-        kv_layer=i, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        kv_layer=c.kv_layers.index(i), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
         qkv=t.linear(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
         o=t.linear(f"{a}.o_proj.weight"), eps=c.rms_norm_eps, qk_norm=c.qk_norm,
         q_norm=t.get(f"{a}.q_norm.weight") if norms else None,

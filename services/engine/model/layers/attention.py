@@ -127,6 +127,8 @@ class Attention:
     rotary_dim: int | None = None  # RoPE on each head's first Hr dims (glm4_moe: Hd / 2); None: all
     sinks: torch.Tensor | None = None  # [H] fp32 attention-sink logits (gpt_oss)
     window: int = 0  # > 0: sliding-window attention over the last `window` positions
+    output_gate: bool = False  # qkv also yields H*Hd gate columns (after v): the output is
+    # times their sigmoid before o (qwen3_next)
 
     capturable = True  # in a CUDA graph
 
@@ -136,15 +138,15 @@ class Attention:
         window, weights not in FP8: what the fused kernels compute."""
         return (self.qkv_bias is None and self.o_bias is None and self.clip_qkv is None
                 and self.qk_norm in ("head", "none") and self.rotary_dim is None
-                and self.sinks is None and not self.window
+                and self.sinks is None and not self.window and not self.output_gate
                 and not isinstance(self.qkv, Fp8Matrix) and not isinstance(self.o, Fp8Matrix))
 
-    def project(self, x: torch.Tensor, step: Step
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q [T, H, Hd], k, v [T, G, Hd], normalized and rotated."""
-        T, H, G, Hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+    def rotate(self, qkv: torch.Tensor, step: Step
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused product qkv [T, (H+2G)*Hd] of x -> q [T, H, Hd], k, v [T, G, Hd],
+        normalized and rotated."""
+        T, H, G, Hd = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         be = step.backend
-        qkv = be.linear(x, self.qkv)  # [T, (H+2G)*Hd]
         if be.fused_rope and self.plain:  # per-head norm and RoPE in one call, in place
             be.qk_norm_rope(qkv, H, G, Hd, self.q_norm, self.k_norm, self.eps, step.rope.cos,
                             step.rope.sin, step.positions)
@@ -169,7 +171,15 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [T, D] (normalized) -> [T, D]."""
-        q, k, v = self.project(x, step)
+        qkv = step.backend.linear(x, self.qkv)  # [T, (H+2G)*Hd] (+ H*Hd gate columns)
+        gate = None
+        if self.output_gate:
+            qkv, gate = qkv.split([qkv.shape[1] - self.num_heads * self.head_dim,
+                                   self.num_heads * self.head_dim], dim=1)
+        q, k, v = self.rotate(qkv, step)
         out = paged_attention(self.kv_layer, q, k, v, step, self.sinks, self.window)  # [T, H, Hd]
-        out = step.backend.linear(out.reshape(x.shape[0], -1), self.o)  # [T, D]
+        out = out.reshape(x.shape[0], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = step.backend.linear(out, self.o)  # [T, D]
         return out if self.o_bias is None else out + self.o_bias

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.model.layers.attention import Attention
+from services.engine.model.layers.delta_net import GatedDeltaNet
 from services.engine.model.layers.mla import LatentAttention
 from services.engine.model.layers.mlp import DenseMlp
 from services.engine.model.layers.moe import MoeBlock, Routing
@@ -22,7 +23,7 @@ class DecoderLayer:
     index: int
     input_norm: torch.Tensor  # [D]
     post_attn_norm: torch.Tensor  # [D]
-    attn: Attention | LatentAttention
+    attn: Attention | LatentAttention | GatedDeltaNet
     mlp: DenseMlp | MoeBlock
     eps: float
 

@@ -1,0 +1,76 @@
+"""Gated DeltaNet (services/engine/model/layers/delta_net.py): a prefill span's closed-form
+chunks equal the token-by-token recurrence, however the tokens are split into spans and
+steps; states are per sequence and dropped on release."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.engine.cache.layout import split_columns
+from services.engine.kernels.backend import TorchBackend
+from services.engine.model.layers.delta_net import GatedDeltaNet
+from services.engine.model.step import Span
+
+D, Hk, Hv, Dk, Dv, Kc = 32, 2, 4, 8, 8, 4
+
+
+def layer(seed: int = 0) -> GatedDeltaNet:
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * Hk * Dk + Hv * Dv
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return split_columns((torch.randn(rows, cols, generator=g) * 0.3).t())
+
+    return GatedDeltaNet(qkvz=w(C + Hv * Dv, D), ba=w(2 * Hv, D),
+                         conv=torch.randn(Kc, C, generator=g) * 0.5,
+                         decay=-torch.rand(Hv, generator=g) * 2, dt_bias=torch.ones(Hv),
+                         norm=torch.ones(Dv) + 0.1 * torch.randn(Dv, generator=g),
+                         out=w(D, Hv * Dv), key_heads=Hk, value_heads=Hv, key_dim=Dk,
+                         value_dim=Dv, eps=1e-6)
+
+
+def run(net: GatedDeltaNet, x: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    step = SimpleNamespace(backend=TorchBackend(torch.device("cpu")), all_spans=spans)
+    return net(x, step)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cut", [1, 63, 64, 100])
+def test_chunked_prefill_equals_the_token_recurrence(cut):
+    """150 tokens of one sequence as a prefill of `cut` tokens, then the rest as another
+    prefill (the state carried between them, chunk boundaries anywhere), equal one token
+    per step; a second sequence in the same steps does not disturb the first."""
+    x = torch.randn(150, D, generator=torch.Generator().manual_seed(1))
+    by_token = layer()
+    want = torch.cat([run(by_token, x[t:t + 1], [Span(0, 1, t, (), 7)]) for t in range(150)])
+    chunked = layer()
+    other = torch.randn(5, D)
+    first = run(chunked, torch.cat([x[:cut], other]), [Span(0, cut, 0, (), 7),
+                                                       Span(cut, cut + 5, 0, (), 8)])
+    rest = run(chunked, x[cut:], [Span(0, 150 - cut, cut, (), 7)]) if cut > 1 else None
+    if cut == 1:  # a one-token "prefill" is a decode row: advance the rest as decode rows
+        rest = torch.cat([run(chunked, x[t:t + 1], [Span(0, 1, t, (), 7)])
+                          for t in range(1, 150)])
+    got = torch.cat([first[:cut], rest])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert set(chunked.states) == {7, 8}
+    chunked.release(8)
+    assert set(chunked.states) == {7}
+
+
+def test_decode_rows_of_several_sequences_advance_together():
+    net, alone = layer(2), layer(2)
+    x = torch.randn(3, 10, D, generator=torch.Generator().manual_seed(3))
+    for t in range(10):
+        spans = [Span(i, i + 1, t, (), i) for i in range(3)]
+        together = run(net, x[:, t], spans)
+        for i in range(3):
+            one = run(alone, x[i, t:t + 1], [Span(0, 1, t, (), i)])
+            torch.testing.assert_close(together[i:i + 1], one, rtol=1e-5, atol=1e-6)
+
+
+def test_a_position_past_zero_without_its_state_is_refused():
+    with pytest.raises(RuntimeError, match="without its state"):
+        run(layer(), torch.randn(2, D), [Span(0, 2, 16, (), 3)])

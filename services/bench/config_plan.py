@@ -88,16 +88,6 @@ def linear_attention_params(c: ModelConfig) -> int:
             + 2 * Hv + Dv + Hv * Dv * D)
 
 
-def linear_state_bytes(c: ModelConfig) -> int:
-    """One sequence's recurrent state over every linear-attention layer (fp32: the conv's
-    last inputs and the delta rule's Dk x Dv per value head)."""
-    channels = 2 * c.linear_key_heads * c.linear_key_head_dim + (
-        c.linear_value_heads * c.linear_value_head_dim)
-    per_layer = (c.linear_conv_kernel - 1) * channels + (
-        c.linear_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
-    return 4 * per_layer * len(c.linear_layers)
-
-
 def fp8_attention_shapes(c: ModelConfig) -> list[list[tuple[int, int]]]:
     """The [out, in] parts of each layer's attention matrix an FP8 checkpoint may keep as
     stored (families/base.py's Tensors.linear: q | k | v, o; MLA's q or q_b, and o)."""
@@ -177,8 +167,9 @@ def render(plan: ConfigPlan, device_mib: list[float], source: str) -> str:
     ]
     if c.linear_layers:
         lines.insert(2, f"linear attention on {len(c.linear_layers)} of {c.num_layers} layers "
-                        f"(no KV there): {linear_state_bytes(c) / MIB:.1f} MiB of recurrent "
-                        "state per running sequence, outside the KV pool (from the reserve)")
+                        f"(no KV there): {c.linear_state_bytes / MIB:.1f} MiB of recurrent "
+                        "state per running sequence, outside the KV pool (the engine budgets "
+                        "it for --max-running sequences)")
     for row in plan.rows([round(m * MIB) for m in device_mib]):
         if row["pair_bytes"] is None:
             lines.append(f"| {row['format']} | n/a (rows not whole blocks) | | |")

@@ -167,7 +167,7 @@ def plan_main(argv: list[str]) -> int:
 
 
 def _config_main(a: argparse.Namespace) -> int:
-    from services.bench.config_plan import config_plan, linear_state_bytes, render
+    from services.bench.config_plan import config_plan, render
     from services.engine.model.checkpoint import load_model_config
     from services.engine.model.config import CheckpointError
     from services.engine.model.families import parse_config
@@ -187,7 +187,7 @@ def _config_main(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"pairs": config.total_pairs, "weights_bytes": plan.weight_bytes,
                           "kv_bytes": plan.kv_bytes, "kv_tokens": plan.kv_tokens,
-                          "state_bytes_per_sequence": linear_state_bytes(config),
+                          "state_bytes_per_sequence": config.linear_state_bytes,
                           "device_mib": sizes,
                           "formats": plan.rows([round(m * MIB) for m in sizes])}))
     else:

@@ -63,7 +63,8 @@ async def serve(config: EngineConfig) -> None:
                              kv_memory_bytes=config.kv_memory, kv_block_size=config.kv_block_size,
                              dtype=config.dtype, kv_dtype=config.kv_dtype,
                              expert_dtype=config.expert_dtype, cpu_kernels=config.cpu_kernels,
-                             graph_batches=range(1, min(config.max_running, MAX_BATCH) + 1))
+                             graph_batches=range(1, min(config.max_running, MAX_BATCH) + 1),
+                             max_running=config.max_running)
     except BudgetError as exc:  # the numbers, and what to change
         raise ConfigError(f"--device-memory / --cache-slots: {exc}") from None
     draft_source = _draft_source(config, runner, device)  # in the room reserved above

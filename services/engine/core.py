@@ -124,6 +124,10 @@ class Engine:
                 raise ValueError("speculative decoding is not supported for models with "
                                  "per-sequence recurrent state (qwen3_next's linear "
                                  "attention): run with --spec-tokens 0")
+            budgeted = getattr(runner, "max_running", max_running)
+            if max_running > budgeted:
+                raise ValueError(f"max_running {max_running} exceeds the {budgeted} sequences "
+                                 "whose linear-attention state the runner budgeted")
             if prefix_reuse:
                 log.info("prefix reuse off: the model's linear-attention layers keep a "
                          "recurrent state per sequence, which shared KV blocks do not carry")

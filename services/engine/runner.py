@@ -47,6 +47,7 @@ from services.engine.cache.slot_pool import FillReport, SlotPool
 from services.engine.cache.trace import TraceWriter
 from services.engine.kernels.backend import select_backend
 from services.engine.model.checkpoint import (
+    NOT_LOADED,
     CheckpointReader,
     load_model_config,
     open_checkpoint,
@@ -100,7 +101,8 @@ def non_expert_bytes(reader: CheckpointReader, weight_dtype: torch.dtype,
     block-type tensors. Layers past num_layers (a checkpoint's MTP layers) are not loaded."""
     def loaded(name: str) -> bool:
         layer = re.match(r"model\.layers\.(\d+)\.", name)
-        return ".experts." not in name and (layer is None or int(layer[1]) < num_layers)
+        return (".experts." not in name and not name.startswith(NOT_LOADED)
+                and (layer is None or int(layer[1]) < num_layers))
 
     params = sum(math.prod(reader.shape(name)) for name in reader.names if loaded(name))
     return params * weight_dtype.itemsize
@@ -159,6 +161,7 @@ class ModelRunner:
         graph_batches: abc.Sequence[int] = DEFAULT_GRAPH_BATCHES,
         cpu_kernels: str = "auto",
         host_memory_bytes: int | None = None,  # host memory to fit (default: MemAvailable)
+        max_running: int = 8,  # sequences at once (linear attention's state is budgeted)
     ):
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
@@ -213,6 +216,12 @@ class ModelRunner:
                  self.slot_bytes, 8 * self.slot_bytes / (3 * c.hidden_size
                                                         * c.moe_intermediate_size))
         self.total_pairs = c.total_pairs
+        self.max_running = max_running
+        self.state_bytes = c.linear_state_bytes * max_running  # with the KV pool's bytes
+        if self.state_bytes:
+            log.info("linear-attention state: %.1f MiB per sequence x %d running = %.0f MiB, "
+                     "budgeted with the KV pool", c.linear_state_bytes / 2**20, max_running,
+                     self.state_bytes / 2**20)
         self.cache_size = self._size_cache(device_memory_bytes, free_bytes, reserved_bytes,
                                            draft_head_bytes, cache_slots)
         self.slots = self.cache_size.slots
@@ -322,7 +331,8 @@ class ModelRunner:
                     draft: int, cache_slots: int | None) -> CacheSize:
         """The one budget rule (services/common/sizing.py) with this engine's terms. On CPU
         without a budget, --cache-slots alone sizes the cache (the budget is what it takes)."""
-        terms = {"weight_bytes": self.model.weight_bytes(), "kv_bytes": self.kv.nbytes}
+        terms = {"weight_bytes": self.model.weight_bytes(),
+                 "kv_bytes": self.kv.nbytes + self.state_bytes}  # sequence memory
         if configured is None and free is None:
             if cache_slots is None:
                 raise ValueError("device_memory_bytes is required on CPU (it stands in for "

@@ -65,6 +65,13 @@ FAMILIES = {
         linear_value_head_dim=8,
         layer_types=["linear_attention", "full_attention", "linear_attention"],
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Qwen3.5's MoE text model: the same with flat DeltaNet projections, every layer MoE
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -85,7 +92,7 @@ def make_family_checkpoint(
         for name, param in model.named_parameters():
             if name.endswith(("self_attn.sinks", "gate_up_proj_bias", "down_proj_bias")):
                 param.normal_(0.0, 0.5)
-            if family == "qwen3_next" and name.endswith("norm.weight"):  # (1 + w), w = 0
+            if family.startswith("qwen3_") and name.endswith("norm.weight"):  # (1 + w), w = 0
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     write_byte_tokenizer(path, context_window=config.max_position_embeddings)
@@ -129,6 +136,7 @@ CASES = [
     ("qwen3_next", {}),
     ("qwen3_next", dict(layer_types=["full_attention", "linear_attention", "linear_attention"],
                         mlp_only_layers=[1], linear_num_key_heads=1, num_experts_per_tok=3)),
+    ("qwen3_5_moe", {}),
     ("deepseek_v2", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
         beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
@@ -304,3 +312,79 @@ def test_batched_with_prefix_reuse_matches_transformers(tmp_path, family, cpu_ke
                 logits = ref(torch.tensor([ids + want])).logits[0, -1, :TOKENIZER_VOCAB]
             want.append(int(logits.argmax()))
         assert client.tokens == want, prompt
+
+
+def test_qwen3_5_moe_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """A Qwen3.5 checkpoint as released (Qwen3_5MoeForConditionalGeneration: the text config
+    nested in text_config, the language model under model.language_model.*, a vision tower):
+    its language model gives transformers' text logits; the vision tower is not loaded or
+    counted."""
+    import transformers
+
+    from services.engine.model.checkpoint import load_model_config, open_checkpoint
+    from services.engine.model.families import weight_names
+    from services.engine.runner import non_expert_bytes
+
+    _, _, text = FAMILIES["qwen3_5_moe"]
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                  out_hidden_size=BASE["hidden_size"], patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    torch.manual_seed(7)
+    config = transformers.Qwen3_5MoeConfig(text_config={**BASE, **text}, vision_config=vision)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "q35")
+    write_byte_tokenizer(tmp_path / "q35", context_window=BASE["max_position_embeddings"])
+    c = load_model_config(tmp_path / "q35")
+    assert c.model_type == "qwen3_5_moe" and c.linear_layers == (0, 2)
+    reader = open_checkpoint(tmp_path / "q35", weight_names(c))
+    assert not any(n.startswith("model.language_model.") for n in reader.names)
+    text_params = sum(p.numel() for n, p in model.named_parameters()
+                      if "visual" not in n and ".experts." not in n)
+    assert non_expert_bytes(reader, torch.float32, c.num_layers) == 4 * text_params
+    assert_matches_reference(tmp_path / "q35", model, steps=4)
+
+
+def test_linear_attention_state_is_budgeted_for_the_running_sequences(tmp_path):
+    """The recurrent state of max_running sequences is budgeted with the KV pool: more running
+    sequences, fewer expert slots in the same device memory; an engine running more sequences
+    than the runner budgeted is refused."""
+    from services.engine.model.checkpoint import load_model_config
+
+    model_dir, _ = make_family_checkpoint(tmp_path / "qwen3_next", "qwen3_next")
+    config = load_model_config(model_dir)
+    per_sequence = config.linear_state_bytes
+    assert per_sequence == 4 * 2 * (3 * (2 * 2 * 8 + 4 * 8) + 4 * 8 * 8)  # 2 DeltaNet layers
+    probe = ModelRunner(model_dir, max_running=1, cache_slots=1, reserved_bytes=0,
+                        kv_memory_bytes=2**16)
+    size = probe.cache_size  # room for 22 of the 24 pairs beside one sequence's state:
+    budget = dict(device_memory_bytes=size.weight_bytes + size.kv_bytes + 22 * size.slot_bytes,
+                  reserved_bytes=0, kv_memory_bytes=2**16)
+    few = ModelRunner(model_dir, max_running=1, **budget)
+    many = ModelRunner(model_dir, max_running=8, **budget)
+    assert many.state_bytes == 8 * per_sequence and few.slots == 22
+    assert many.slots == 22 - -(-7 * per_sequence // few.slot_bytes)
+    with pytest.raises(ValueError, match="exceeds the 1 sequences"):
+        Engine(few, max_running=2)
+
+
+def test_gpt_oss_experts_requantized_to_int8_keep_their_biases(tmp_path):
+    """--expert-dtype int8 on gpt-oss: the int8 blobs end in the experts' fp32 biases, so the
+    logits stay within int8's rounding of the fp32 ones (without the biases, N(0, 0.5) each,
+    they would not)."""
+    from services.engine.driver import SequenceDriver
+
+    model_dir, _ = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", seed=3)
+    logits = {}
+    for expert_dtype in ("auto", "int8"):
+        runner = ModelRunner(model_dir, cache_slots=0, reserved_bytes=0, dtype="fp32",
+                             expert_dtype=expert_dtype)
+        assert runner.cache.format.bias_at > 0
+        drive = SequenceDriver(runner)
+        logits[expert_dtype] = drive.prefill(drive.start(runner.tokenizer.encode(
+            "Routing picks four experts for every token, and")))[:TOKENIZER_VOCAB]
+    err = (logits["int8"] - logits["auto"]).norm() / logits["auto"].norm()
+    assert err < 0.02, err

@@ -34,6 +34,8 @@ from services.engine.model.families import parse_config
 from services.engine.model.gguf_reader import GGUFCheckpoint, load_gguf_config
 
 EXPERTS = "model.layers.{layer}.{moe}.experts"
+LANGUAGE_MODEL = "model.language_model."  # a multimodal checkpoint's text model
+NOT_LOADED = ("model.visual.", "mtp.")  # a vision tower, a multi-token-prediction head
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
                       "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -71,6 +73,14 @@ class CheckpointReader:
         for f, handle in self._handles.items():
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self._file_of[name] = f
+        # A multimodal checkpoint (Qwen3.5) keeps its language model under
+        # model.language_model.*: read under the model.* names every family uses; the vision
+        # tower (model.visual.*) is not loaded.
+        self._stored: dict[str, str] = {}  # name as read -> name in the file
+        for name in [n for n in self._file_of if n.startswith(LANGUAGE_MODEL)]:
+            logical = "model." + name[len(LANGUAGE_MODEL):]
+            self._file_of[logical] = self._file_of.pop(name)
+            self._stored[logical] = name
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}  # file -> (data start, header)
 
     def _shard_files(self) -> list[str]:
@@ -103,7 +113,7 @@ class CheckpointReader:
     def _slice(self, name: str):
         if name not in self._file_of:
             raise CheckpointError(f"checkpoint {self.model_dir.name} lacks tensor {name!r}")
-        return self._handles[self._file_of[name]].get_slice(name)
+        return self._handles[self._file_of[name]].get_slice(self._stored.get(name, name))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -114,7 +124,8 @@ class CheckpointReader:
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self._slice(name)  # raises a CheckpointError naming a missing tensor
-        return self._values(name, self._handles[self._file_of[name]].get_tensor(name)).to(dtype)
+        tensor = self._handles[self._file_of[name]].get_tensor(self._stored.get(name, name))
+        return self._values(name, tensor).to(dtype)
 
     @functools.cached_property
     def fp8_block(self) -> tuple[int, int]:
@@ -239,7 +250,7 @@ class CheckpointReader:
                 (size,) = struct.unpack("<Q", fh.read(8))
                 self._headers[f] = (8 + size, json.loads(fh.read(size)))
         start, header = self._headers[f]
-        entry = header[name]
+        entry = header[self._stored.get(name, name)]
         shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
         if index is not None:
             slab = (end - begin) // shape[0]

@@ -115,6 +115,16 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     @property
+    def linear_state_bytes(self) -> int:
+        """One sequence's recurrent state over every linear-attention layer (fp32: the conv's
+        last Kc - 1 inputs and the delta rule's Dk x Dv per value head); 0 without them."""
+        channels = (2 * self.linear_key_heads * self.linear_key_head_dim
+                    + self.linear_value_heads * self.linear_value_head_dim)
+        per_layer = (max(self.linear_conv_kernel - 1, 0) * channels + self.linear_value_heads
+                     * self.linear_key_head_dim * self.linear_value_head_dim)
+        return 4 * per_layer * len(self.linear_layers)
+
+    @property
     def kv_heads(self) -> int:
         """KV heads the paged pool holds per position: MLA caches one latent 'head'."""
         return 1 if self.kv_lora_rank else self.num_kv_heads

@@ -1,7 +1,7 @@
 """Model families, one file each, registered by `model_type`.
 
     families/qwen3_moe.py  mixtral.py  olmoe.py  qwen2_moe.py  deepseek.py (v2, v3, kimi_k2)  glm4_moe.py
-    minimax_m2.py  gpt_oss.py  qwen3_next.py
+    minimax_m2.py  gpt_oss.py  qwen3_next.py (and qwen3_5_moe)
 
 A family says how its config.json maps to ModelConfig, where its tensors are (WeightNames)
 and what its layers are (base.Family). A new family is a new file here plus its line in
@@ -32,7 +32,7 @@ from services.engine.model.families.base import Family
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     qwen3_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, deepseek.DEEPSEEK_V2,
     deepseek.DEEPSEEK_V3, deepseek.KIMI_K2, glm4_moe.FAMILY, minimax_m2.FAMILY,
-    gpt_oss.FAMILY, qwen3_next.FAMILY)}
+    gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_next.QWEN3_5_MOE, qwen3_next.QWEN3_5_MOE_TEXT)}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
@@ -47,6 +47,11 @@ def family(model_type: str | None) -> Family:
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """A config.json dict (or a GGUF file's metadata as one) -> ModelConfig: the common fields,
     then the family's own."""
+    if isinstance(raw.get("text_config"), dict):  # a multimodal model: its language model
+        text = raw["text_config"]
+        raw = {**text, "model_type": raw["model_type"],
+               "tie_word_embeddings": raw.get("tie_word_embeddings",
+                                              text.get("tie_word_embeddings", False))}
     fam = family(raw.get("model_type"))
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")

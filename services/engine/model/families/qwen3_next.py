@@ -1,5 +1,8 @@
 """qwen3_next: Qwen3-Next-80B-A3B (the reference deployment's shape: 48 layers x 512 experts,
-10 routed + 1 shared).
+10 routed + 1 shared); qwen3_5_moe: Qwen3.5's MoE models (35B-A3B to 397B-A17B), the same
+architecture with the DeltaNet's projections stored flat (in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a) and every layer MoE (the language model of a Qwen3.5 checkpoint; its vision tower is
+not loaded).
 
 Three of every four layers are Gated DeltaNet linear attention (layers/delta_net.py: a
 recurrent state per sequence, no K/V); the rest are GQA with per-head q/k norms, RoPE on the
@@ -61,11 +64,16 @@ def delta_net(t: Tensors, c: ModelConfig, i: int) -> GatedDeltaNet:
     Hk, Hv, Dk, Dv = (c.linear_key_heads, c.linear_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     r = Hv // Hk  # value heads per key head
-    w = t.reader.get(f"{p}.in_proj_qkvz.weight", t.dtype)  # per key head: q, k, v, z rows
-    q, k, v, z = w.view(Hk, -1, c.hidden_size).split([Dk, Dk, r * Dv, r * Dv], dim=1)
-    qkvz = torch.cat([part.reshape(-1, c.hidden_size) for part in (q, k, v, z)])
-    b, a = t.reader.get(f"{p}.in_proj_ba.weight", t.dtype).view(Hk, 2 * r, -1).split([r, r], 1)
-    ba = torch.cat([b.reshape(-1, c.hidden_size), a.reshape(-1, c.hidden_size)])
+    if f"{p}.in_proj_qkv.weight" in t:  # Qwen3.5: stored flat, in the order used
+        qkvz = torch.cat([t.reader.get(f"{p}.in_proj_{n}.weight", t.dtype) for n in ("qkv", "z")])
+        ba = torch.cat([t.reader.get(f"{p}.in_proj_{n}.weight", t.dtype) for n in ("b", "a")])
+    else:  # Qwen3-Next: grouped per key head (q, k, v, z rows; b, a rows): re-laid flat
+        w = t.reader.get(f"{p}.in_proj_qkvz.weight", t.dtype)
+        q, k, v, z = w.view(Hk, -1, c.hidden_size).split([Dk, Dk, r * Dv, r * Dv], dim=1)
+        qkvz = torch.cat([part.reshape(-1, c.hidden_size) for part in (q, k, v, z)])
+        b, a = t.reader.get(f"{p}.in_proj_ba.weight", t.dtype).view(Hk, 2 * r, -1).split(
+            [r, r], 1)
+        ba = torch.cat([b.reshape(-1, c.hidden_size), a.reshape(-1, c.hidden_size)])
     conv = t.reader.get(f"{p}.conv1d.weight")[:, 0, :].t().contiguous()  # [Kc, C] fp32
     return GatedDeltaNet(
         qkvz=split_columns(qkvz.t()).to(t.device), ba=split_columns(ba.t()).to(t.device),
@@ -99,4 +107,12 @@ def build_layer(t: Tensors, c: ModelConfig, i: int) -> DecoderLayer:
                         c.rms_norm_eps)
 
 
+def qwen3_5_config_fields(raw: RawConfig) -> dict:
+    """Qwen3.5's text config: qwen3_next's, routing always renormalized, every layer MoE."""
+    return {**config_fields(raw), "norm_topk_prob": True, "mlp_only_layers": (),
+            "decoder_sparse_step": 1}
+
+
 FAMILY = Family("qwen3_next", NAMES, config_fields, build_layer)
+QWEN3_5_MOE = Family("qwen3_5_moe", NAMES, qwen3_5_config_fields, build_layer)
+QWEN3_5_MOE_TEXT = Family("qwen3_5_moe_text", NAMES, qwen3_5_config_fields, build_layer)

@@ -6,8 +6,8 @@ out) for side-by-side speed runs of Strata and llama.cpp on the same file.
 The per-layer shape is gpt-oss-20b's (hidden 2880, 64 query / 8 KV heads of 64, experts of
 FFN 2880, top-4, sinks, a 128-position window on even layers, vocab 201088); --layers and
 --experts scale it (24 and 32: gpt-oss-20b itself; 36 and 128: 120b). Experts are random MXFP4
-blocks (E8M0 exponents around 2^-6), the other matrices random F16, norms and the router F32,
-as the converter writes them. Tensors are generated and written one at a time (a file larger
+blocks (E8M0 exponents around 2^-6), the other matrices random BF16 (the released checkpoints'
+type; `--dense F16` for the converter's default), norms, biases and the router F32. Tensors are generated and written one at a time (a file larger
 than memory streams out). The byte-level vocabulary is padded to the embedding's rows with one
 merge (llama.cpp's gpt2 vocabulary requires merges).
 """
@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dense", choices=("BF16", "F16"), default="BF16",
+                   help="type of the attention matrices, embeddings and lm_head")
     a = p.parse_args()
     rng = np.random.default_rng(a.seed)
     w = gguf.GGUFWriter(str(a.out), "gpt-oss")
@@ -78,8 +80,9 @@ def main() -> None:
     w.add_token_merges(["Ġ Ġ"])
     w.add_eos_token_id(257)
 
-    F16, F32, MXFP4 = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32,
+    F16, F32, MXFP4 = (gguf.GGMLQuantizationType[a.dense], gguf.GGMLQuantizationType.F32,
                        gguf.GGMLQuantizationType.MXFP4)
+    bf16 = a.dense == "BF16"  # written as raw bytes: numpy has no bfloat16
     E = a.experts
     specs: dict[str, tuple[tuple[int, ...], gguf.GGMLQuantizationType]] = {
         "token_embd.weight": ((VOCAB, D), F16), "output.weight": ((VOCAB, D), F16),
@@ -110,13 +113,19 @@ def main() -> None:
             return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         values = rng.standard_normal(shape, dtype=np.float32)
         values *= 0.5 if name.endswith(("sinks.weight", ".bias")) else 0.02
+        if qtype == F16 and bf16:  # round to nearest even, as bytes [rows, 2 * cols]
+            bits = values.view(np.uint32)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.astype(np.uint16).view(np.uint8).reshape(*shape[:-1], -1)
         return values.astype(np.float16 if qtype == F16 else np.float32)
 
     for name, (shape, qtype) in specs.items():
-        dtype = np.uint8 if qtype == MXFP4 else (np.float16 if qtype == F16 else np.float32)
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        w.add_tensor_info(name, shape, np.dtype(dtype), nbytes,
-                          raw_dtype=qtype if qtype == MXFP4 else None)
+        raw = qtype == MXFP4 or (qtype == F16 and bf16)
+        dtype = np.uint8 if raw else (np.float16 if qtype == F16 else np.float32)
+        item = 2 if qtype == F16 and bf16 else np.dtype(dtype).itemsize
+        byte_shape = (*shape[:-1], shape[-1] * 2) if qtype == F16 and bf16 else shape
+        w.add_tensor_info(name, byte_shape, np.dtype(dtype), int(np.prod(shape)) * item,
+                          raw_dtype=qtype if raw else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

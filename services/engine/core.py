@@ -70,10 +70,12 @@ class Runner(Protocol):
 class _Live:
     """The loop thread's state of one accepted request (the scheduler's SeqState.payload)."""
 
-    def __init__(self, handle: RequestHandle, tokenizer: object, context_window: int):
+    def __init__(self, handle: RequestHandle, tokenizer: Any, context_window: int):
         params = handle.request.params
         self.handle = handle
-        self.sampler = Sampler(params.sampling)
+        eos = () if params.ignore_eos else tuple(tokenizer.eos_token_ids)
+        self.end_ids = frozenset((*eos, *params.stop_token_ids))  # ids that end the sequence
+        self.sampler = Sampler(params.sampling, handle.prompt_ids, self.end_ids)
         self.text = TextStream(tokenizer, params.stop)
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
@@ -185,6 +187,14 @@ class Engine:
         prompt_ids = self._tokenize(request)
         if len(prompt_ids) >= self.context_window:
             raise PromptTooLong(len(prompt_ids), self.context_window)
+        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
+        params = request.params
+        for name, ids in (("logit_bias", [i for i, _ in params.sampling.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise InvalidRequest(f"{name}: token id {bad[0]} outside the vocabulary of "
+                                     f"{vocab}")
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         handle = RequestHandle(request, prompt_ids, sink)
@@ -302,6 +312,8 @@ class Engine:
         for seq in self.scheduler.running:
             live: _Live = seq.payload
             limit = min(self.spec_tokens, live.max_new - live.generated - 1)
+            if live.sampler.cfg.history_dependent:
+                limit = 0  # each verified row would need its own penalty history
             if seq.num_pending == 1 and limit > 0 and not seq.cancelled:
                 wanting.append(seq)
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, seq.prompt_len, limit))
@@ -352,11 +364,12 @@ class Engine:
         params = live.handle.request.params
         if live.first_token_at is None:
             live.first_token_at = time.perf_counter()
-        if token_id in self.runner.tokenizer.eos_token_ids:  # type: ignore[attr-defined]
+        if token_id in live.end_ids:  # EOS (unless ignore_eos) or one of stop_token_ids
             self._emit(live.handle, live.text.flush(), ())
             self._finish(seq, "stop")
             return False
         live.generated += 1
+        live.sampler.observe(token_id)
         new_text, hit_stop = live.text.push(token_id)
         logprobs = (self._logprobs(logits, token_id, params.top_logprobs),
                     ) if params.logprobs else ()

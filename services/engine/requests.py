@@ -36,6 +36,8 @@ class GenerateParams:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     logprobs: bool = False  # report the sampled token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives
+    ignore_eos: bool = False  # EOS does not end the sequence (it is generated as any token)
+    stop_token_ids: tuple[int, ...] = ()  # these end it as EOS does (finish reason "stop")
 
 
 @dataclass(frozen=True)

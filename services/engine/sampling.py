@@ -1,11 +1,23 @@
-"""Token sampling: greedy at temperature 0, otherwise temperature -> top-k -> top-p -> draw.
+"""Token sampling: the logits processed, then greedy at temperature 0, otherwise temperature ->
+top-k -> top-p -> min-p -> draw.
 
-Draws use a per-request torch.Generator on the CPU, so a seeded request is reproducible
-regardless of the device or of other requests.
+Processing, in vLLM's order (each off at its neutral value):
+
+    logit_bias           logits[id] += bias (OpenAI's; -100 / 100 ban or force in practice)
+    min_tokens           the ids that would end the sequence (EOS, stop_token_ids) are masked
+                         until this many tokens were generated
+    repetition_penalty   a token seen in the prompt or the output: logit / p if > 0, else * p
+    frequency_penalty    logit -= f * (times the token was generated)
+    presence_penalty     logit -= p * (1 if it was generated at all)
+
+The penalties read the request's own history, so a Sampler is per request: observe() is told
+every token it emits. Draws use a per-request torch.Generator on the CPU, so a seeded request
+is reproducible regardless of the device or of other requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +29,12 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens with p >= min_p * the most likely one's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0  # no end of sequence before this many tokens
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -25,25 +43,80 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def history_dependent(self) -> bool:
+        """Whether processing reads the tokens generated so far (then a verification step's
+        rows would each need their own history: such requests decode without drafts)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    @property
+    def processes(self) -> bool:
+        return self.history_dependent or bool(self.logit_bias)
+
 
 class Sampler:
-    def __init__(self, cfg: SamplingConfig):
+    def __init__(self, cfg: SamplingConfig, prompt_ids: Iterable[int] = (),
+                 end_ids: Iterable[int] = ()):
+        """prompt_ids: what repetition_penalty counts besides the output; end_ids: the ids
+        that end the sequence (EOS, stop_token_ids), masked before min_tokens."""
         self.cfg = cfg
         self._gen = torch.Generator(device="cpu")
         if cfg.seed is None:
             self._gen.seed()
         else:
             self._gen.manual_seed(cfg.seed)
+        self._prompt = sorted(set(prompt_ids)) if cfg.repetition_penalty != 1.0 else []
+        self._end = sorted(set(end_ids))
+        self._counts: dict[int, int] = {}  # generated token -> times
+        self.generated = 0
+
+    def observe(self, token_id: int) -> None:
+        """The request emitted token_id (its history for the penalties and min_tokens)."""
+        self.generated += 1
+        if self.cfg.history_dependent:
+            self._counts[token_id] = self._counts.get(token_id, 0) + 1
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] or [R, V] -> processed fp32 CPU logits (each row with the same
+        history); unchanged when nothing is configured."""
+        cfg = self.cfg
+        if not cfg.processes:
+            return logits
+        out = logits.detach().float().cpu().clone()
+        if cfg.logit_bias:
+            ids = torch.tensor([i for i, _ in cfg.logit_bias if i < out.shape[-1]])
+            bias = torch.tensor([b for i, b in cfg.logit_bias if i < out.shape[-1]])
+            out[..., ids] += bias
+        if self.generated < cfg.min_tokens and self._end:
+            out[..., torch.tensor(self._end)] = float("-inf")
+        if cfg.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(self._prompt) | set(self._counts)), dtype=torch.long)
+            if len(seen):
+                picked = out[..., seen]
+                out[..., seen] = torch.where(picked > 0, picked / cfg.repetition_penalty,
+                                             picked * cfg.repetition_penalty)
+        if self._counts and (cfg.frequency_penalty or cfg.presence_penalty):
+            ids = torch.tensor(list(self._counts), dtype=torch.long)
+            counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
+            out[..., ids] -= cfg.frequency_penalty * counts + cfg.presence_penalty
+        return out
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] -> one token id."""
         if self.cfg.greedy:
-            return int(torch.argmax(logits))
+            return int(torch.argmax(self.process(logits)))
         return self.draw(self.probs(logits))
 
     def draw(self, probs: torch.Tensor) -> int:
@@ -55,8 +128,9 @@ class Sampler:
         return float(torch.rand(1, generator=self._gen))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution drawn from: [V] fp32, zero outside the top-k / top-p support."""
-        scaled = logits.detach().float().cpu() / self.cfg.temperature  # [V]
+        """The distribution drawn from: [V] fp32, zero outside the top-k / top-p / min-p
+        support."""
+        scaled = self.process(logits).detach().float().cpu() / self.cfg.temperature  # [V]
         if 0 < self.cfg.top_k < scaled.shape[0]:
             keep = torch.topk(scaled, self.cfg.top_k).indices
             cut = torch.full_like(scaled, float("-inf"))
@@ -68,5 +142,8 @@ class Sampler:
             before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
             sorted_p[before >= self.cfg.top_p] = 0.0  # the first token always stays
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            probs = probs / probs.sum()
+        if self.cfg.min_p > 0.0:
+            probs = torch.where(probs >= self.cfg.min_p * probs.max(), probs, 0.0)
             probs = probs / probs.sum()
         return probs

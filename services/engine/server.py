@@ -59,13 +59,23 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
         raise InvalidRequest("sampling parameters out of range: temperature >= 0, "
                              "0 <= top_p <= 1, top_k >= 0, max_tokens >= 0, "
                              f"0 <= top_logprobs <= {MAX_TOP_LOGPROBS}")
+    try:
+        sampling = SamplingConfig(
+            temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None, min_p=s.min_p,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty or 1.0,
+            logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens)
+    except ValueError as e:
+        raise InvalidRequest(f"sampling parameters out of range: {e}") from None
     params = GenerateParams(
         max_tokens=s.max_tokens,
         stop=tuple(s.stop),
         logprobs=s.logprobs or s.top_logprobs > 0,
         top_logprobs=s.top_logprobs,
-        sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                                seed=s.seed if s.HasField("seed") else None))
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=tuple(s.stop_token_ids),
+        sampling=sampling)
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")
     if which == "chat":

@@ -137,9 +137,12 @@ def _logprob(pb: engine_pb2.TokenLogprob) -> TokenLogprob:
 
 def _request(spec: GenerateInput, request_id: str) -> engine_pb2.GenerateRequest:
     s = spec.sampling
-    sampling = engine_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                         max_tokens=s.max_tokens, stop=list(s.stop),
-                                         logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+    sampling = engine_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
+        min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids))
     if s.seed is not None:
         sampling.seed = s.seed
     if spec.is_chat:

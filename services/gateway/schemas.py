@@ -22,6 +22,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_STOP_TOKEN_IDS = 64
+MAX_REPETITION_PENALTY = 10.0
+# Tool calling arrives with #23; until then these are refused by name, never ignored.
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,14 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position, needs logprobs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,8 +80,7 @@ def parse_chat(body: Any) -> GenerateInput:
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages per request", "messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    max_tokens = _first_present(body, "max_completion_tokens", "max_tokens")
-    sampling = _sampling(body, max_tokens, default_max_tokens=0)
+    sampling = _sampling(body, _max_tokens_key(body), default_max_tokens=0)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise InvalidRequest("'logprobs' must be true or false", "logprobs")
@@ -113,7 +125,28 @@ def parse_completion(body: Any) -> GenerateInput:
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    _unicode(body)
     return body
+
+
+def _unicode(body: dict[str, Any]) -> None:
+    """Refuse a string anywhere in the body that is not valid Unicode: JSON lets a lone UTF-16
+    surrogate ("\\ud800") through, which no tokenizer or response can encode."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+            keys = [k for k in value if isinstance(k, str)]
+            stack.extend((f"{path} (a key)", k) for k in keys)
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequest(f"'{path}' is not valid Unicode (a lone surrogate at "
+                                     f"character {e.start})", path or None) from None
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -132,8 +165,10 @@ def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
         if fmt["type"] != "text":
             raise InvalidRequest(f"response_format type {fmt['type']!r} is not supported yet; "
                                  "only 'text'", "response_format", code="unsupported_parameter")
-    if body.get("tools"):
-        raise InvalidRequest("'tools' is not supported yet", "tools", code="unsupported_parameter")
+    for name in TOOL_FIELDS:
+        if body.get(name) is not None:
+            raise InvalidRequest(f"'{name}' is not supported yet (tool calling)", name,
+                                 code="unsupported_parameter")
     if "prompt" in body:  # a completions field: refused by name, not ignored
         raise InvalidRequest("'prompt' is a /v1/completions field; a chat completion takes "
                              "'messages'", "prompt", code="unsupported_parameter")
@@ -173,6 +208,9 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
         stream = False
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false", "stream")
+    if body.get("stream_options") is not None and not stream:
+        raise InvalidRequest("'stream_options' is only allowed with 'stream': true",
+                             "stream_options")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
@@ -202,15 +240,74 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
     seed = None
     if body.get("seed") is not None:
         seed = _int(body, "seed", low=0, high=2**64 - 1)
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if _float(body, penalty, 0.0, low=-2.0, high=2.0) != 0.0:
-            raise InvalidRequest(f"'{penalty}' is not supported yet (only 0)", penalty,
-                                 code="unsupported_parameter")
-    if body.get("logit_bias"):
-        raise InvalidRequest("'logit_bias' is not supported yet", "logit_bias",
-                             code="unsupported_parameter")
+    repetition = _float(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY)
+    if repetition == 0.0:
+        raise InvalidRequest(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}]",
+                             "repetition_penalty")
+    min_tokens = 0
+    if body.get("min_tokens") is not None:
+        min_tokens = _int(body, "min_tokens", low=0, high=MAX_TOKENS_LIMIT)
+        if max_tokens and min_tokens > max_tokens:
+            raise InvalidRequest(f"'min_tokens' ({min_tokens}) exceeds the maximum tokens "
+                                 f"({max_tokens})", "min_tokens")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise InvalidRequest("'ignore_eos' must be true or false", "ignore_eos")
     return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                    max_tokens=max_tokens, stop=_stop(body.get("stop")))
+                    max_tokens=max_tokens, stop=_stop(body.get("stop")),
+                    presence_penalty=_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+                    frequency_penalty=_float(body, "frequency_penalty", 0.0, low=-2.0,
+                                             high=2.0),
+                    repetition_penalty=repetition, logit_bias=_logit_bias(body.get("logit_bias")),
+                    min_p=_float(body, "min_p", 0.0, low=0.0, high=1.0), min_tokens=min_tokens,
+                    ignore_eos=bool(ignore_eos), stop_token_ids=_token_ids(body))
+
+
+def _max_tokens_key(body: dict[str, Any]) -> str | None:
+    """The chat limit's key: max_completion_tokens (OpenAI's current name) or max_tokens; both
+    are validated, and given together they must agree."""
+    given = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+    values = {k: _int(body, k, low=1, high=MAX_TOKENS_LIMIT) for k in given}
+    if len(set(values.values())) > 1:
+        raise InvalidRequest(f"'max_completion_tokens' ({values['max_completion_tokens']}) and "
+                             f"'max_tokens' ({values['max_tokens']}) disagree; give one",
+                             "max_tokens")
+    return given[0] if given else None
+
+
+def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} with biases in [-100, 100]."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise InvalidRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries",
+                             "logit_bias")
+    out = []
+    for key, bias in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise InvalidRequest(f"'logit_bias' keys are token ids (non-negative integers as "
+                                 f"strings); got {key!r}", "logit_bias")
+        if (not isinstance(bias, int | float) or isinstance(bias, bool)
+                or not math.isfinite(bias) or not -100 <= bias <= 100):
+            raise InvalidRequest(f"'logit_bias' values must be numbers in [-100, 100]; got "
+                                 f"{bias!r} for {key}", "logit_bias")
+        if int(key) >= 2**31:
+            raise InvalidRequest(f"'logit_bias' token id {key} is out of range", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def _token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    raw = body.get("stop_token_ids")
+    if raw is None:
+        return ()
+    if (not isinstance(raw, list) or len(raw) > MAX_STOP_TOKEN_IDS
+            or not all(_is_int(i) and 0 <= i < 2**31 for i in raw)):
+        raise InvalidRequest(f"'stop_token_ids' must be a list of at most "
+                             f"{MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    return tuple(raw)
 
 
 def _stop(stop: Any) -> tuple[str, ...]:

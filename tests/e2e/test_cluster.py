@@ -239,3 +239,33 @@ async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(
     assert 1 <= status.requests_finished - before.requests_finished <= served
     assert status.tokens_generated - before.tokens_generated < served * 2000 // 10, \
         "the engine kept generating for clients that had left"
+
+
+def test_sampling_fields_reach_the_engine_and_do_what_they_say(cluster):
+    """The vLLM-style and OpenAI sampling fields through the official client (their exact
+    arithmetic: tests/engine/test_sampling.py): ignore_eos runs to max_tokens; logit_bias
+    forces a token; stop_token_ids ends at it, after min_tokens at the earliest; the penalties
+    change the greedy continuation."""
+    from services.engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir())
+    (x_id,) = tok.encode("x")
+    c = client(cluster)
+
+    def complete(**extra):
+        return c.completions.create(model=MODEL, prompt="def f(x):\n    return", max_tokens=24,
+                                    temperature=0, extra_body=extra)
+
+    long = complete(ignore_eos=True)
+    assert long.usage.completion_tokens == 24 and long.choices[0].finish_reason == "length"
+    forced = complete(logit_bias={str(x_id): 100})
+    assert forced.choices[0].text == "x" * 24
+    stopped = complete(logit_bias={str(x_id): 100}, stop_token_ids=[x_id])
+    assert stopped.usage.completion_tokens == 0 and stopped.choices[0].finish_reason == "stop"
+    later = complete(logit_bias={str(x_id): 100}, stop_token_ids=[x_id], min_tokens=5)
+    assert later.usage.completion_tokens == 5 and later.choices[0].finish_reason == "stop"
+    assert "x" not in later.choices[0].text
+    plain = complete(ignore_eos=True).choices[0].text
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                    {"repetition_penalty": 1.8}):
+        assert complete(ignore_eos=True, **penalty).choices[0].text != plain, penalty

@@ -59,3 +59,37 @@ def test_top_k_then_top_p():
 def test_invalid_configs_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
+
+
+def test_penalties_follow_their_definitions():
+    """On constructed logits: OpenAI's frequency and presence penalties subtract per generated
+    occurrence and once per generated token; vLLM's repetition penalty divides a positive
+    logit and multiplies a negative one for tokens of the prompt or the output."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    s = Sampler(SamplingConfig(frequency_penalty=0.5, presence_penalty=0.25))
+    for t in (3, 3, 0):
+        s.observe(t)
+    want = logits.clone()
+    want[3] -= 0.5 * 2 + 0.25
+    want[0] -= 0.5 * 1 + 0.25
+    assert torch.equal(s.process(logits), want)
+    r = Sampler(SamplingConfig(repetition_penalty=2.0), prompt_ids=[1, 4])
+    r.observe(3)
+    assert torch.equal(r.process(logits), torch.tensor([2.0, -2.0, 0.5, 1.5, 0.5]))
+    assert Sampler(SamplingConfig()).process(logits) is logits  # nothing to do: untouched
+
+
+def test_logit_bias_min_tokens_and_min_p():
+    logits = torch.tensor([0.0, 1.0, 5.0, 1.0])
+    biased = Sampler(SamplingConfig(logit_bias=((0, 10.0), (2, -100.0))))
+    assert biased.sample(logits) == 0  # greedy over the biased logits
+    ending = Sampler(SamplingConfig(min_tokens=2), end_ids=[2])
+    assert ending.sample(logits) != 2  # EOS masked before min_tokens
+    ending.observe(1)
+    ending.observe(1)
+    assert ending.sample(logits) == 2  # and allowed after
+    keep = Sampler(SamplingConfig(temperature=1.0, min_p=0.1, seed=0)).probs(logits)
+    assert keep[2] > 0 and torch.equal(keep[[0, 1, 3]], torch.zeros(3))  # e^-4 < 0.1 of e^0
+    assert abs(float(keep.sum()) - 1.0) < 1e-6
+    assert SamplingConfig(min_tokens=1).history_dependent
+    assert not SamplingConfig(logit_bias=((1, 1.0),)).history_dependent

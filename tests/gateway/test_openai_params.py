@@ -119,15 +119,53 @@ async def test_deadline_exceeded_is_504(make_gateway, engine):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"max_tokens": 2**31}, "max_tokens"),
     ({"top_k": 10**9}, "top_k"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 11}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    # refused by name until tool calling exists (#23), never ignored
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"max_tokens": 2**31, "max_completion_tokens": 4}, "max_tokens"),  # both validated
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),  # and they disagree
 ])
 async def test_unsupported_or_out_of_bounds_is_a_clear_400(client, engine, patch, param):
     servicer, _ = engine
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=patch)
     assert info.value.body["param"] == param
+    assert servicer.requests == []
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ('{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content"),
+    ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}',
+     "stop[0]"),
+])
+async def test_a_lone_surrogate_is_a_400_naming_its_field(make_gateway, engine, body, param):
+    """JSON lets a lone UTF-16 surrogate through (the openai client cannot even send one);
+    it is refused by name before anything reaches the engine, not a 500."""
+    servicer, _ = engine
+    base = await make_gateway()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(base + "/v1/chat/completions", data=body % MODEL,
+                             headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+    assert error["param"] == param and "lone surrogate" in error["message"]
     assert servicer.requests == []

@@ -35,7 +35,7 @@ def accept_tokens(
     k = len(draft)
     assert logits.shape[0] == k + 1, (logits.shape, k)
     if sampler.cfg.greedy:
-        targets = torch.argmax(logits, dim=-1).tolist()  # [k+1]
+        targets = torch.argmax(sampler.process(logits), dim=-1).tolist()  # [k+1]
         kept = 0
         while kept < k and targets[kept] == draft[kept]:
             kept += 1

@@ -162,10 +162,10 @@ async def test_a_lone_surrogate_is_a_400_naming_its_field(make_gateway, engine, 
     it is refused by name before anything reaches the engine, not a 500."""
     servicer, _ = engine
     base = await make_gateway()
-    async with aiohttp.ClientSession() as http:
-        async with http.post(base + "/v1/chat/completions", data=body % MODEL,
-                             headers={"Content-Type": "application/json"}) as r:
-            assert r.status == 400
-            error = (await r.json())["error"]
+    async with aiohttp.ClientSession() as http, http.post(
+            base + "/v1/chat/completions", data=body % MODEL,
+            headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
     assert error["param"] == param and "lone surrogate" in error["message"]
     assert servicer.requests == []

@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     live = argparse.ArgumentParser(add_help=False)
     live.add_argument("--url", default=os.environ.get("STRATA_BENCH_URL",
                                                       "http://127.0.0.1:8000/v1"),
-                      help="gateway base URL [env STRATA_BENCH_URL]")
+                      help="gateway base URL, with or without /v1 [env STRATA_BENCH_URL]")
     live.add_argument("--model", help="model id (default: the gateway's first)")
     live.add_argument("--api-key", default=os.environ.get("STRATA_BENCH_API_KEY"))
     live.add_argument("--context-window", type=int,

@@ -48,12 +48,19 @@ class Outcome:
         return d
 
 
+def api_base(url: str) -> str:
+    """A gateway URL given with or without its /v1 (and trailing slashes) as the API's base."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 class Gateway:
-    """An aiohttp session against one gateway base URL (".../v1")."""
+    """An aiohttp session against one gateway base URL (".../v1", or the gateway's root:
+    "/v1" is added)."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0, origin: float | None = None):
-        self.base_url = base_url.rstrip("/")
+        self.base_url = api_base(base_url)
         self.model = model
         self.origin = time.perf_counter() if origin is None else origin
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

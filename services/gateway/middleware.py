@@ -73,7 +73,8 @@ async def _handle(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = web.json_response({"error": {
             "message": f"{exc.reason}: {request.method} {request.path}",
             "type": "invalid_request_error", "param": None, "code": _slug(exc.reason)}},
-            status=exc.status)
+            status=exc.status, headers={k: v for k, v in exc.headers.items()
+                                        if k.lower() == "allow"})  # a 405's methods
     except Exception as exc:
         error = http_error(exc, request_id(request), request.app[ADMISSION].retry_after_s())
         log_failure(request, exc, error.status)

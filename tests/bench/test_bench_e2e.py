@@ -69,7 +69,8 @@ def test_bench_run_reports_cases_quality_and_files(cluster, tmp_path, capsys):
 
 def test_longctx_over_window_is_a_clean_400_and_dataset_pairs_the_log(cluster, tmp_path,
                                                                        capsys):
-    result = run_json(["longctx", "--url", cluster.base_url, "--out", str(tmp_path / "l"),
+    root = cluster.base_url.removesuffix("/v1") + "/"  # --url without /v1 works too
+    result = run_json(["longctx", "--url", root, "--out", str(tmp_path / "l"),
                        "--fractions", "0.05", "1.0", "1.5"], capsys)
     assert [r["status"] for r in result["rungs"]] == [200, 400, 400]
     assert result["passed"] == 3 and result["serving_after"]
@@ -77,6 +78,13 @@ def test_longctx_over_window_is_a_clean_400_and_dataset_pairs_the_log(cluster, t
                      str(tmp_path / "d")], capsys)
     served = cluster.engine_log().count("strata serve: prompt")
     assert data["num_requests"] == served > 0 and data["num_rejected"] == 0
+
+
+def test_a_gateway_url_is_taken_with_or_without_v1():
+    from services.bench.client import api_base
+
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert api_base(url) == "http://h:8000/v1"
 
 
 def test_sampler_reads_cpu_ram_and_a_process_rss():

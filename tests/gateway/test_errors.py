@@ -86,6 +86,7 @@ async def test_unknown_route_and_method(gateway):
         async with http.get(gateway + "/v1/chat/completions") as resp:
             assert resp.status == 405
             assert "error" in await resp.json()
+            assert resp.headers["Allow"] == "POST"
 
 
 @pytest.mark.parametrize("stream", [False, True])

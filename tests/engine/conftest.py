@@ -104,3 +104,15 @@ def tiny_bf16_dir(tiny_dir, tmp_path_factory) -> Path:
     weights = {k: v.to(torch.bfloat16) for k, v in load_file(out / "model.safetensors").items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="session")
+def cpu():
+    """The C kernels (services/engine/kernels), built once; the test is skipped where they
+    do not build."""
+    from services.engine import kernels
+
+    try:
+        return kernels.CpuKernels(kernels.build())
+    except (kernels.KernelBuildError, OSError) as exc:
+        pytest.skip(f"the CPU kernels do not build here: {exc}")

@@ -43,16 +43,6 @@ def random_rows(name: str, rows: int, in_features: int, rng: np.random.Generator
     return blocks.reshape(rows, -1)
 
 
-@pytest.fixture(scope="module")
-def cpu():
-    from services.engine import kernels
-
-    try:
-        return kernels.CpuKernels(kernels.build())
-    except (kernels.KernelBuildError, OSError) as exc:
-        pytest.skip(f"the CPU kernels do not build here: {exc}")
-
-
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantization_is_gguf_py_s_bit_for_bit(name):
     rows = random_rows(name, 8, 512, np.random.default_rng(1))

@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler he
 rms_norm = TorchBackend(torch.device("cpu")).rms_norm
 
 
-@pytest.fixture
-def cpu() -> kernels.CpuKernels:
-    k = kernels.load()
-    assert k is not None
-    return k
-
-
 def rows_alone(fn, *row_args):
     """fn applied to each row on its own (a call with one row), stacked."""
     T = row_args[0].shape[0]

@@ -15,14 +15,6 @@ from services.engine.cache.layout import ExpertLayout, join_columns, split_colum
 ROWS = [1, 2, 3, 4, 5, 9]
 
 
-@pytest.fixture(scope="module")
-def cpu() -> kernels.CpuKernels:
-    try:
-        return kernels.CpuKernels(kernels.build())
-    except (kernels.KernelBuildError, OSError) as exc:
-        pytest.skip(f"the CPU kernels do not build here: {exc}")
-
-
 def rows_alone(fn, *row_args):
     """fn applied to each row on its own (a call with one row), stacked."""
     T = row_args[0].shape[0]

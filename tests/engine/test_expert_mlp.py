@@ -17,16 +17,6 @@ GPT_OSS = ExpertMlp("clamped", alpha=1.702, limit=0.6, bias=True)  # the clamps 
 D, Fs, E, K = 256, 128, 5, 2
 
 
-@pytest.fixture(scope="module")
-def cpu():
-    from services.engine import kernels
-
-    try:
-        return kernels.CpuKernels(kernels.build())
-    except (kernels.KernelBuildError, OSError) as exc:
-        pytest.skip(f"the C kernels do not build here: {exc}")
-
-
 def blobs_of(fmt, rng: np.random.Generator) -> torch.Tensor:
     """E blobs of `fmt`: random weights (packed floats, or random stored rows / codes), then
     random biases where the format has them."""

@@ -26,6 +26,12 @@ BASE = dict(
     num_experts_per_tok=2,
     max_position_embeddings=256,
 )
+LINEAR_ATTENTION = dict(  # the Qwen3-Next / Qwen3.5 tiny shape
+    num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, layer_types=["linear_attention", "full_attention",
+                                          "linear_attention"],
+    eos_token_id=None, bos_token_id=None, pad_token_id=None)
 # family -> (transformers config/model class names, config overrides)
 FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8)),
@@ -59,19 +65,9 @@ FAMILIES = {
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
     # Gated DeltaNet on layers 0 and 2 (2 key heads serving 4 value heads), gated attention
     # on layer 1 (RoPE on a quarter of each head), (1 + w) norms, a gated shared expert
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
-        num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", LINEAR_ATTENTION),
     # Qwen3.5's MoE text model: the same with flat DeltaNet projections, every layer MoE
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
-        num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", LINEAR_ATTENTION),
 }
 
 

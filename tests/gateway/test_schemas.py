@@ -23,7 +23,7 @@ def test_chat_parameters():
                      {"role": "assistant", "content": None},
                      {"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}],
-        "max_tokens": 50, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.9,
+        "max_tokens": 7, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.9,
         "top_k": -1, "seed": 3, "stop": "END", "n": 1, "response_format": {"type": "text"},
         "some_future_field": {"ignored": True}})
     assert spec.messages == (Message("system", "rules"), Message("assistant", ""),
@@ -33,10 +33,11 @@ def test_chat_parameters():
     assert (spec.stream, spec.include_usage) == (True, True)
 
 
-def test_include_usage_needs_stream():
-    spec = parse_chat({"model": "m", "messages": MESSAGES,
-                       "stream_options": {"include_usage": True}})
-    assert not spec.include_usage
+def test_stream_options_need_stream():
+    with pytest.raises(InvalidRequest) as info:  # OpenAI answers 400 too
+        parse_chat({"model": "m", "messages": MESSAGES, "stream_options": {"include_usage": True}})
+    assert info.value.param == "stream_options"
+    assert not parse_chat({"model": "m", "messages": MESSAGES, "stream": False}).include_usage
 
 
 def test_completion_prompt_forms():
@@ -55,7 +56,8 @@ def test_completion_prompt_forms():
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"prompt": "once"}, "prompt"),  # a completions field (the fuzz test's find)
-    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
 ])
 def test_chat_rejections_name_the_parameter(patch, param):
     with pytest.raises(InvalidRequest) as info:

@@ -199,20 +199,21 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
         engine = await admission.acquire(ticket, min(config.queue_timeout_s,
                                                      deadline - time.monotonic()))
         engine_used = True
-        call = pool.generate(engine, spec, request_id(request),
-                             metadata=request[TRACE].metadata(),
-                             timeout_s=max(deadline - time.monotonic(), 0.001))
-        async with call:
-            event = await call.next_event()  # a bad prompt fails here, before any output
-            if not isinstance(event, Started):
-                raise EngineError("INTERNAL", f"expected Started first, got {event!r}", engine)
-            if not event.engine_id:
-                status = pool.statuses.get(engine)
-                event = replace(event, engine_id=status.engine_id if status else engine)
-            outcome.input_tokens = event.prompt_tokens
-            run = _Run(request, spec, renderer_cls(request_id(request), spec.model), call, event,
-                       arrived_at, ticket.queue_wait_s, outcome)
-            return await (_stream(run) if spec.stream else _complete(run))
+        renderer = renderer_cls(request_id(request), spec.model)
+        async with contextlib.AsyncExitStack() as calls:
+            runs = []
+            for i in range(spec.n):  # n choices: n engine requests, seeds apart
+                call = await calls.enter_async_context(pool.generate(
+                    engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
+                    metadata=request[TRACE].metadata(),
+                    timeout_s=max(deadline - time.monotonic(), 0.001)))
+                runs.append(_Run(request, spec, renderer, call,
+                                 await _started(call, engine, pool), arrived_at,
+                                 ticket.queue_wait_s, outcome))
+            outcome.input_tokens = runs[0].started.prompt_tokens
+            if spec.n == 1:
+                return await (_stream(runs[0]) if spec.stream else _complete(runs[0]))
+            return await (_stream_many(runs) if spec.stream else _complete_many(runs))
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
                  (time.monotonic() - arrived_at) * 1e3,
@@ -221,6 +222,33 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
         raise
     finally:
         admission.release(ticket, observed=engine_used)
+
+
+def _choice(spec: GenerateInput, i: int) -> GenerateInput:
+    """Choice i's engine request: a seeded request's choices draw with seed + i."""
+    seed = spec.sampling.seed
+    if i == 0 or seed is None:
+        return spec
+    return replace(spec, sampling=replace(spec.sampling, seed=(seed + i) % 2**64))
+
+
+async def _started(call: GenerateCall, engine: str, pool: Any) -> Started:
+    event = await call.next_event()  # a bad prompt fails here, before any output
+    if not isinstance(event, Started):
+        raise EngineError("INTERNAL", f"expected Started first, got {event!r}", engine)
+    if not event.engine_id:
+        status = pool.statuses.get(engine)
+        event = replace(event, engine_id=status.engine_id if status else engine)
+    return event
+
+
+def _usage_many(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
+    """n choices: the prompt once, every choice's completion tokens."""
+    counted = [run.usage(f) for run, f in zip(runs, finished, strict=True)]
+    out = usage(counted[0]["prompt_tokens"], sum(c["completion_tokens"] for c in counted),
+                sum(c["prompt_tokens_details"]["cached_tokens"] for c in counted))
+    runs[0].outcome.output_tokens = out["completion_tokens"]
+    return out
 
 
 def _json(raw: bytes) -> Any:
@@ -261,6 +289,99 @@ async def _complete(run: _Run) -> web.Response:
             return web.json_response(body, headers=figures.headers())
     raise EngineError("INTERNAL", "the event stream ended without a Finished event",
                       run.call.engine)
+
+
+async def _collect(run: _Run) -> tuple[str, Finished]:
+    parts: list[str] = []
+    async for event in run.call.events():
+        if isinstance(event, Delta):
+            run.on_delta(event)
+            parts.append(event.text)
+        elif isinstance(event, Finished):
+            if event.reason == "abort":
+                raise EngineAborted(event.error, run.call.engine)
+            run.log_done(event)
+            return "".join(parts), event
+    raise EngineError("INTERNAL", "the event stream ended without a Finished event",
+                      run.call.engine)
+
+
+async def _complete_many(runs: list[_Run]) -> web.Response:
+    results = await asyncio.gather(*(_collect(run) for run in runs))
+    finished = [f for _, f in results]
+    figures = runs[0].figures(finished[0])
+    body = runs[0].renderer.full_many(
+        [(text, f.reason, _logprobs(run, run.logprobs))
+         for run, (text, f) in zip(runs, results, strict=True)],
+        _usage_many(runs, finished), figures)
+    return web.json_response(body, headers=figures.headers())
+
+
+async def _stream_many(runs: list[_Run]) -> web.StreamResponse:
+    """n choices on one stream: each choice's chunks carry its index, in the order the engine
+    produces them; then (with include_usage) one usage chunk for all, then [DONE]."""
+    run0 = runs[0]
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        "X-Request-Id": request_id(run0.request),
+        "x-strata-queue-wait-ms": f"{run0.queue_wait_s * 1e3:.3f}",
+        "x-strata-engine-id": run0.started.engine_id})
+    await response.prepare(run0.request)
+    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, run: _Run) -> None:
+        try:
+            async for event in run.call.events():
+                await events.put((i, event))
+            await events.put((i, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the writer, which reports it
+            await events.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    finished: dict[int, Finished] = {}
+    try:
+        for i in range(len(runs)):
+            await response.write(sse.event(run0.renderer.chunk(first=True, index=i)))
+        ended = 0
+        while ended < len(runs):
+            i, event = await events.get()
+            if isinstance(event, Exception):
+                raise event
+            if event is None:
+                if i not in finished:
+                    raise EngineError("INTERNAL", "the event stream ended without a Finished "
+                                      "event", runs[i].call.engine)
+                ended += 1
+            elif isinstance(event, Delta):
+                runs[i].on_delta(event)
+                await response.write(sse.event(run0.renderer.chunk(
+                    text=event.text, logprobs=_logprobs(runs[i], event.logprobs), index=i)))
+            elif isinstance(event, Finished):
+                if event.reason == "abort":
+                    raise EngineAborted(event.error, runs[i].call.engine)
+                finished[i] = event
+                runs[i].log_done(event)
+                await response.write(sse.event(run0.renderer.chunk(
+                    finish_reason=event.reason, figures=runs[i].figures(event), index=i)))
+        ordered = [finished[i] for i in range(len(runs))]
+        if run0.spec.include_usage:
+            await response.write(sse.event(run0.renderer.usage_chunk(
+                _usage_many(runs, ordered), run0.figures(ordered[0]))))
+        await response.write(sse.DONE)
+    except ConnectionResetError as exc:
+        run0.outcome.fail(exc)
+        log.info("request %s: client went away mid-stream; engine calls cancelled",
+                 request_id(run0.request))
+    except Exception as exc:  # headers are sent: the error goes out as an event, and no [DONE]
+        run0.outcome.fail(exc)
+        error = http_error(exc, request_id(run0.request))
+        log_failure(run0.request, exc, error.status)
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(sse.event(error.body))
+    finally:
+        for task in tasks:
+            task.cancel()
+    return response
 
 
 async def _stream(run: _Run) -> web.StreamResponse:

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.schemas import (
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_REPETITION_PENALTY,
@@ -37,7 +38,8 @@ _SAMPLING = {
     "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": MAX_TOP_K,
               "description": "Strata extension; 0 or -1 disables"},
     "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**64 - 1},
-    "n": {"type": ["integer", "null"], "const": 1, "description": "only 1 for now"},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_CHOICES,
+          "description": "choices: one engine request each, seeds apart"},
     "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                        {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
                         "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},

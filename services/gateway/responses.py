@@ -75,15 +75,22 @@ class Renderer:
 
     def full(self, text: str, finish_reason: str, usage_: dict[str, int], figures: Figures,
              logprobs: Logprobs = None) -> dict[str, Any]:
-        choice = {**self._full_choice(text, finish_reason), "logprobs": self._logprobs(logprobs)}
-        return {**self._base(self.object_full), "choices": [choice], "usage": usage_,
+        return self.full_many([(text, finish_reason, logprobs)], usage_, figures)
+
+    def full_many(self, choices: Sequence[tuple[str, str, Logprobs]], usage_: dict[str, int],
+                  figures: Figures) -> dict[str, Any]:
+        """One body for n choices: (text, finish reason, logprobs) each, index in order."""
+        out = [{**self._full_choice(text, finish_reason), "index": index,
+                "logprobs": self._logprobs(logprobs, index)}
+               for index, (text, finish_reason, logprobs) in enumerate(choices)]
+        return {**self._base(self.object_full), "choices": out, "usage": usage_,
                 "strata": figures.as_dict()}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None,
               first: bool = False, figures: Figures | None = None,
-              logprobs: Logprobs = None) -> dict[str, Any]:
-        choice = {**self._chunk_choice(text, finish_reason, first),
-                  "logprobs": self._logprobs(logprobs) if logprobs else None}
+              logprobs: Logprobs = None, index: int = 0) -> dict[str, Any]:
+        choice = {**self._chunk_choice(text, finish_reason, first), "index": index,
+                  "logprobs": self._logprobs(logprobs, index) if logprobs else None}
         body = {**self._base(self.object_chunk), "choices": [choice]}
         if figures is not None:
             body["strata"] = figures.as_dict()
@@ -96,7 +103,7 @@ class Renderer:
     def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _logprobs(self, logprobs: Logprobs) -> dict[str, Any] | None:
+    def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,
@@ -113,7 +120,7 @@ class ChatRenderer(Renderer):
         return {"index": 0, "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason}
 
-    def _logprobs(self, logprobs: Logprobs) -> dict[str, Any] | None:
+    def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
         """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
         if logprobs is None:
             return None
@@ -137,7 +144,7 @@ class CompletionRenderer(Renderer):
 
     def __init__(self, request_id: str, model: str) -> None:
         super().__init__(request_id, model)
-        self._text_offset = 0  # characters of completion text already described by logprobs
+        self._text_offset: dict[int, int] = {}  # choice -> characters its logprobs described
 
     def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
         return {"index": 0, "text": text, "finish_reason": finish_reason}
@@ -146,14 +153,14 @@ class CompletionRenderer(Renderer):
                       first: bool) -> dict[str, Any]:
         return {"index": 0, "text": text or "", "finish_reason": finish_reason}
 
-    def _logprobs(self, logprobs: Logprobs) -> dict[str, Any] | None:
+    def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
         """Legacy completions shape: parallel lists per token, top alternatives as dicts."""
         if logprobs is None:
             return None
         offsets = []
         for lp in logprobs:
-            offsets.append(self._text_offset)
-            self._text_offset += len(lp.token)
+            offsets.append(self._text_offset.get(index, 0))
+            self._text_offset[index] = offsets[-1] + len(lp.token)
         return {"tokens": [lp.token for lp in logprobs],
                 "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],

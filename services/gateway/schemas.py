@@ -22,6 +22,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
+MAX_CHOICES = 16  # n
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPETITION_PENALTY = 10.0
@@ -65,6 +66,7 @@ class GenerateInput:
     prompt: str | None = None
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: n engine requests of the same prompt (the KV prefix reused)
 
     @property
     def is_chat(self) -> bool:
@@ -90,7 +92,7 @@ def parse_chat(body: Any) -> GenerateInput:
         if top_logprobs and not logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return GenerateInput(
-        model=_model(body), messages=parsed, **_stream(body),
+        model=_model(body), messages=parsed, **_stream(body), n=_choices(body),
         sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs))
 
 
@@ -116,7 +118,8 @@ def parse_completion(body: Any) -> GenerateInput:
     sampling = _sampling(body, max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
-    return GenerateInput(model=_model(body), prompt=prompt, **_stream(body), sampling=sampling)
+    return GenerateInput(model=_model(body), prompt=prompt, **_stream(body), n=_choices(body),
+                         sampling=sampling)
 
 
 # -- pieces ------------------------------------------------------------------------------------
@@ -223,9 +226,6 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
 
 def _sampling(body: dict[str, Any], max_tokens_key: str | None,
               default_max_tokens: int) -> Sampling:
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise InvalidRequest(f"'n' must be 1 (one choice per request); got {n!r}", "n")
     max_tokens = default_max_tokens
     if max_tokens_key is not None:
         max_tokens = _int(body, max_tokens_key, low=1, high=MAX_TOKENS_LIMIT)
@@ -261,6 +261,10 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
                     repetition_penalty=repetition, logit_bias=_logit_bias(body.get("logit_bias")),
                     min_p=_float(body, "min_p", 0.0, low=0.0, high=1.0), min_tokens=min_tokens,
                     ignore_eos=bool(ignore_eos), stop_token_ids=_token_ids(body))
+
+
+def _choices(body: dict[str, Any]) -> int:
+    return 1 if body.get("n") is None else _int(body, "n", low=1, high=MAX_CHOICES)
 
 
 def _max_tokens_key(body: dict[str, Any]) -> str | None:

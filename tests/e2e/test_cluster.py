@@ -269,3 +269,36 @@ def test_sampling_fields_reach_the_engine_and_do_what_they_say(cluster):
     for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
                     {"repetition_penalty": 1.8}):
         assert complete(ignore_eos=True, **penalty).choices[0].text != plain, penalty
+
+
+def test_n_choices_are_independent_requests_of_one_prompt(cluster):
+    """n = 3: three choices; greedy ones equal, seeded sampled ones different; the prompt is
+    counted once and every choice's tokens; streamed choices (by index) assemble to the same
+    texts."""
+    c = client(cluster)
+    greedy = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=12,
+                                       temperature=0, n=3)
+    texts = [ch.message.content for ch in greedy.choices]
+    assert [ch.index for ch in greedy.choices] == [0, 1, 2] and len(set(texts)) == 1
+    one = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=12, temperature=0)
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    sampled = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=24,
+                                        temperature=1.0, seed=11, n=3)
+    assert len({ch.message.content for ch in sampled.choices}) > 1
+    again = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=24,
+                                      temperature=1.0, seed=11, n=3)
+    assert [ch.message.content for ch in again.choices] == [
+        ch.message.content for ch in sampled.choices]  # seed + i per choice: reproducible
+    parts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=12,
+                                           temperature=0, n=2, stream=True,
+                                           stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            parts[ch.index] = parts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert parts == {0: texts[0], 1: texts[0]} and set(finish) == {0, 1}

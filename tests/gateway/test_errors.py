@@ -32,7 +32,7 @@ BAD_BODIES = [
     ({**GOOD, "max_tokens": -5}, 400, "max_tokens"),
     ({**GOOD, "max_tokens": "10"}, 400, "max_tokens"),
     ({**GOOD, "max_completion_tokens": 1.5}, 400, "max_completion_tokens"),
-    ({**GOOD, "n": 2}, 400, "n"),
+    ({**GOOD, "n": 17}, 400, "n"),  # at most MAX_CHOICES
     ({**GOOD, "temperature": 2.5}, 400, "temperature"),
     ({**GOOD, "temperature": -0.1}, 400, "temperature"),
     ({**GOOD, "temperature": "hot"}, 400, "temperature"),

@@ -169,3 +169,26 @@ async def test_a_lone_surrogate_is_a_400_naming_its_field(make_gateway, engine, 
         error = (await r.json())["error"]
     assert error["param"] == param and "lone surrogate" in error["message"]
     assert servicer.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_n_choices_each_with_its_own_logprobs(client, engine, stream):
+    """n = 2 on /v1/completions: two engine requests (seeds 5 and 6), two choices by index,
+    each choice's logprob text offsets counted from its own text."""
+    servicer, _ = engine
+    kwargs = dict(model=MODEL, prompt="once upon", max_tokens=2, seed=5, logprobs=1, n=2)
+    if stream:
+        chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
+        text = {i: "".join(c.choices[0].text for c in chunks if c.choices
+                           and c.choices[0].index == i) for i in (0, 1)}
+        offsets = {i: [o for c in chunks if c.choices and c.choices[0].index == i
+                       and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+                   for i in (0, 1)}
+    else:
+        reply = await client.completions.create(**kwargs)
+        assert [ch.index for ch in reply.choices] == [0, 1]
+        assert reply.usage.completion_tokens == 4
+        text = {ch.index: ch.text for ch in reply.choices}
+        offsets = {ch.index: ch.logprobs.text_offset for ch in reply.choices}
+    assert text == {0: "Hello,", 1: "Hello,"} and offsets == {0: [0, 5], 1: [0, 5]}
+    assert sorted(r.sampling.seed for r in servicer.requests[-2:]) == [5, 6]

@@ -243,10 +243,11 @@ async def _started(call: GenerateCall, engine: str, pool: Any) -> Started:
 
 
 def _usage_many(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
-    """n choices: the prompt once, every choice's completion tokens."""
+    """n choices: the prompt once (its cached tokens: the most any choice reused), every
+    choice's completion tokens."""
     counted = [run.usage(f) for run, f in zip(runs, finished, strict=True)]
     out = usage(counted[0]["prompt_tokens"], sum(c["completion_tokens"] for c in counted),
-                sum(c["prompt_tokens_details"]["cached_tokens"] for c in counted))
+                max(c["prompt_tokens_details"]["cached_tokens"] for c in counted))
     runs[0].outcome.output_tokens = out["completion_tokens"]
     return out
 

@@ -78,7 +78,9 @@ class Sampler:
         else:
             self._gen.manual_seed(cfg.seed)
         self._prompt = sorted(set(prompt_ids)) if cfg.repetition_penalty != 1.0 else []
-        self._end = sorted(set(end_ids))
+        self._end = torch.tensor(sorted(set(end_ids)), dtype=torch.long)
+        self._bias_ids = torch.tensor([i for i, _ in cfg.logit_bias], dtype=torch.long)
+        self._bias = torch.tensor([b for _, b in cfg.logit_bias], dtype=torch.float32)
         self._counts: dict[int, int] = {}  # generated token -> times
         self.generated = 0
 
@@ -95,12 +97,10 @@ class Sampler:
         if not cfg.processes:
             return logits
         out = logits.detach().float().cpu().clone()
-        if cfg.logit_bias:
-            ids = torch.tensor([i for i, _ in cfg.logit_bias if i < out.shape[-1]])
-            bias = torch.tensor([b for i, b in cfg.logit_bias if i < out.shape[-1]])
-            out[..., ids] += bias
-        if self.generated < cfg.min_tokens and self._end:
-            out[..., torch.tensor(self._end)] = float("-inf")
+        if cfg.logit_bias:  # ids within the vocabulary: the engine refuses others at submit
+            out[..., self._bias_ids] += self._bias
+        if self.generated < cfg.min_tokens and len(self._end):
+            out[..., self._end] = float("-inf")
         if cfg.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(self._prompt) | set(self._counts)), dtype=torch.long)
             if len(seen):

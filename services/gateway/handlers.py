@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -211,9 +211,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                                  await _started(call, engine, pool), arrived_at,
                                  ticket.queue_wait_s, outcome))
             outcome.input_tokens = runs[0].started.prompt_tokens
-            if spec.n == 1:
-                return await (_stream(runs[0]) if spec.stream else _complete(runs[0]))
-            return await (_stream_many(runs) if spec.stream else _complete_many(runs))
+            return await (_stream(runs) if spec.stream else _complete(runs))
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
                  (time.monotonic() - arrived_at) * 1e3,
@@ -242,9 +240,9 @@ async def _started(call: GenerateCall, engine: str, pool: Any) -> Started:
     return event
 
 
-def _usage_many(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
-    """n choices: the prompt once (its cached tokens: the most any choice reused), every
-    choice's completion tokens."""
+def _usage(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
+    """The prompt once (its cached tokens: the most any choice reused), every choice's
+    completion tokens."""
     counted = [run.usage(f) for run, f in zip(runs, finished, strict=True)]
     out = usage(counted[0]["prompt_tokens"], sum(c["completion_tokens"] for c in counted),
                 max(c["prompt_tokens_details"]["cached_tokens"] for c in counted))
@@ -274,25 +272,8 @@ def _logprobs(run: _Run, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]
     return logprobs if run.spec.sampling.logprobs else None
 
 
-async def _complete(run: _Run) -> web.Response:
-    parts: list[str] = []
-    async for event in run.call.events():
-        if isinstance(event, Delta):
-            run.on_delta(event)
-            parts.append(event.text)
-        elif isinstance(event, Finished):
-            if event.reason == "abort":
-                raise EngineAborted(event.error, run.call.engine)
-            run.log_done(event)
-            figures = run.figures(event)
-            body = run.renderer.full("".join(parts), event.reason, run.usage(event), figures,
-                                     _logprobs(run, run.logprobs))
-            return web.json_response(body, headers=figures.headers())
-    raise EngineError("INTERNAL", "the event stream ended without a Finished event",
-                      run.call.engine)
-
-
 async def _collect(run: _Run) -> tuple[str, Finished]:
+    """One choice's text and its Finished event (non-streaming)."""
     parts: list[str] = []
     async for event in run.call.events():
         if isinstance(event, Delta):
@@ -307,20 +288,53 @@ async def _collect(run: _Run) -> tuple[str, Finished]:
                       run.call.engine)
 
 
-async def _complete_many(runs: list[_Run]) -> web.Response:
+async def _complete(runs: list[_Run]) -> web.Response:
     results = await asyncio.gather(*(_collect(run) for run in runs))
     finished = [f for _, f in results]
     figures = runs[0].figures(finished[0])
     body = runs[0].renderer.full_many(
         [(text, f.reason, _logprobs(run, run.logprobs))
          for run, (text, f) in zip(runs, results, strict=True)],
-        _usage_many(runs, finished), figures)
+        _usage(runs, finished), figures)
     return web.json_response(body, headers=figures.headers())
 
 
-async def _stream_many(runs: list[_Run]) -> web.StreamResponse:
-    """n choices on one stream: each choice's chunks carry its index, in the order the engine
-    produces them; then (with include_usage) one usage chunk for all, then [DONE]."""
+async def _events(runs: list[_Run]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice, event) in the order the engine produces them, (choice, None) where a choice's
+    stream ends. One choice is read directly; several are merged through a queue."""
+    if len(runs) == 1:
+        async for event in runs[0].call.events():
+            yield 0, event
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, run: _Run) -> None:
+        try:
+            async for event in run.call.events():
+                await queue.put((i, event))
+            await queue.put((i, None))
+        except Exception as exc:  # noqa: BLE001 - raised again by the reader below
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        ended = 0
+        while ended < len(runs):
+            i, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
+            ended += event is None
+            yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(runs: list[_Run]) -> web.StreamResponse:
+    """SSE for n choices: each choice's chunks carry its index, in the engine's order; then
+    (with include_usage) one usage chunk for all, then [DONE]. A failure after the headers
+    goes out as an error event, and no [DONE]."""
     run0 = runs[0]
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -328,50 +342,34 @@ async def _stream_many(runs: list[_Run]) -> web.StreamResponse:
         "x-strata-queue-wait-ms": f"{run0.queue_wait_s * 1e3:.3f}",
         "x-strata-engine-id": run0.started.engine_id})
     await response.prepare(run0.request)
-    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(i: int, run: _Run) -> None:
-        try:
-            async for event in run.call.events():
-                await events.put((i, event))
-            await events.put((i, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the writer, which reports it
-            await events.put((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
-    finished: dict[int, Finished] = {}
+    renderer, finished = run0.renderer, {}
     try:
         for i in range(len(runs)):
-            await response.write(sse.event(run0.renderer.chunk(first=True, index=i)))
-        ended = 0
-        while ended < len(runs):
-            i, event = await events.get()
-            if isinstance(event, Exception):
-                raise event
-            if event is None:
-                if i not in finished:
-                    raise EngineError("INTERNAL", "the event stream ended without a Finished "
-                                      "event", runs[i].call.engine)
-                ended += 1
-            elif isinstance(event, Delta):
-                runs[i].on_delta(event)
-                await response.write(sse.event(run0.renderer.chunk(
-                    text=event.text, logprobs=_logprobs(runs[i], event.logprobs), index=i)))
+            await response.write(sse.event(renderer.chunk(first=True, index=i)))
+        async for i, event in _events(runs):
+            run = runs[i]
+            if event is None and i not in finished:
+                raise EngineError("INTERNAL", "the event stream ended without a Finished "
+                                  "event", run.call.engine)
+            if isinstance(event, Delta):
+                run.on_delta(event)
+                await response.write(sse.event(renderer.chunk(
+                    text=event.text, logprobs=_logprobs(run, event.logprobs), index=i)))
             elif isinstance(event, Finished):
                 if event.reason == "abort":
-                    raise EngineAborted(event.error, runs[i].call.engine)
+                    raise EngineAborted(event.error, run.call.engine)
                 finished[i] = event
-                runs[i].log_done(event)
-                await response.write(sse.event(run0.renderer.chunk(
-                    finish_reason=event.reason, figures=runs[i].figures(event), index=i)))
+                await response.write(sse.event(renderer.chunk(
+                    finish_reason=event.reason, figures=run.figures(event), index=i)))
+                run.log_done(event)
         ordered = [finished[i] for i in range(len(runs))]
         if run0.spec.include_usage:
-            await response.write(sse.event(run0.renderer.usage_chunk(
-                _usage_many(runs, ordered), run0.figures(ordered[0]))))
+            await response.write(sse.event(renderer.usage_chunk(_usage(runs, ordered),
+                                                                run0.figures(ordered[0]))))
         await response.write(sse.DONE)
     except ConnectionResetError as exc:
         run0.outcome.fail(exc)
-        log.info("request %s: client went away mid-stream; engine calls cancelled",
+        log.info("request %s: client went away mid-stream; engine call cancelled",
                  request_id(run0.request))
     except Exception as exc:  # headers are sent: the error goes out as an event, and no [DONE]
         run0.outcome.fail(exc)
@@ -379,51 +377,4 @@ async def _stream_many(runs: list[_Run]) -> web.StreamResponse:
         log_failure(run0.request, exc, error.status)
         with contextlib.suppress(ConnectionResetError):
             await response.write(sse.event(error.body))
-    finally:
-        for task in tasks:
-            task.cancel()
     return response
-
-
-async def _stream(run: _Run) -> web.StreamResponse:
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-        "X-Request-Id": request_id(run.request),
-        "x-strata-queue-wait-ms": f"{run.queue_wait_s * 1e3:.3f}",
-        "x-strata-engine-id": run.started.engine_id})
-    await response.prepare(run.request)
-    try:
-        await response.write(sse.event(run.renderer.chunk(first=True)))
-        async for event in run.call.events():
-            if isinstance(event, Delta):
-                run.on_delta(event)
-                await response.write(sse.event(run.renderer.chunk(
-                    text=event.text, logprobs=_logprobs(run, event.logprobs))))
-            elif isinstance(event, Finished):
-                if event.reason == "abort":
-                    raise EngineAborted(event.error, run.call.engine)
-                await _finish_stream(run, response, event)
-                return response
-        raise EngineError("INTERNAL", "the event stream ended without a Finished event",
-                          run.call.engine)
-    except ConnectionResetError as exc:
-        run.outcome.fail(exc)
-        log.info("request %s: client went away mid-stream; engine call cancelled",
-                 request_id(run.request))
-    except Exception as exc:  # headers are sent: the error goes out as an event, and no [DONE]
-        run.outcome.fail(exc)
-        error = http_error(exc, request_id(run.request))
-        log_failure(run.request, exc, error.status)
-        with contextlib.suppress(ConnectionResetError):
-            await response.write(sse.event(error.body))
-    return response
-
-
-async def _finish_stream(run: _Run, response: web.StreamResponse, finished: Finished) -> None:
-    figures = run.figures(finished)
-    await response.write(sse.event(run.renderer.chunk(finish_reason=finished.reason,
-                                                      figures=figures)))
-    if run.spec.include_usage:
-        await response.write(sse.event(run.renderer.usage_chunk(run.usage(finished), figures)))
-    await response.write(sse.DONE)
-    run.log_done(finished)

@@ -42,7 +42,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from services.engine.cache.layout import ExpertLayout
 from services.engine.model.blocks import FP8_STORED, block_type, dequantize, fp8_values
@@ -217,10 +216,9 @@ class DenseFormat(_Common):
         self.kernel_weights = self.name  # "fp32" | "bf16"
         self._with_mlp(mlp)
 
-    def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        if self.mlp.plain:
-            return self.layout.forward(x, blob)
-        return self._mlp_forward(x.to(blob.dtype), blob).to(x.dtype)
+    def _mlp_forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        """In the blob's dtype, as layout.forward computes."""
+        return super()._mlp_forward(x.to(blob.dtype), blob).to(x.dtype)
 
     def describe(self) -> str:
         return f"{self.name} (unquantized)"
@@ -260,10 +258,7 @@ class _AsStored(_Common):
         return torch.cat([gate, up]).T.contiguous(), down.T.contiguous()
 
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-        if not self.mlp.plain:
-            return self._mlp_forward(x, blob)
-        gate, up, down = self.weights(blob, x.dtype)
-        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+        return self._mlp_forward(x, blob)  # the weights dequantized, then the expert MLP
 
 
 class BlockFormat(_AsStored):

@@ -149,14 +149,17 @@ class Tensors:
                         None if gate is None else self.get_t(f"{gate}.weight"))
 
 
-def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False) -> Attention:
-    """model.layers.i.self_attn's q/k/v/o (+ biases, + q/k norms) as an Attention."""
+def gqa_attention(t: Tensors, c: ModelConfig, i: int, bias: bool = False,
+                  qkv: torch.Tensor | None = None) -> Attention:
+    """model.layers.i.self_attn's q/k/v/o (+ biases, + q/k norms) as an Attention; `qkv`: the
+    fused product's weights where the family lays them out itself."""
     a = f"model.layers.{i}.self_attn"
     norms = c.qk_norm != "none"
+    if qkv is None:
+        qkv = t.linear(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight")
     return Attention(
         kv_layer=c.kv_layers.index(i), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        qkv=t.linear(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+        head_dim=c.head_dim, qkv=qkv,
         o=t.linear(f"{a}.o_proj.weight"), eps=c.rms_norm_eps, qk_norm=c.qk_norm,
         q_norm=t.get(f"{a}.q_norm.weight") if norms else None,
         k_norm=t.get(f"{a}.k_norm.weight") if norms else None,

@@ -86,13 +86,12 @@ def delta_net(t: Tensors, c: ModelConfig, i: int) -> GatedDeltaNet:
 def gated_attention(t: Tensors, c: ModelConfig, i: int):
     """GQA whose q_proj holds each head's query then its output gate: qkv re-laid as
     q | k | v | gate, the q/k norms offset."""
-    attn = gqa_attention(t, c, i)
     a = f"model.layers.{i}.self_attn"
     H, Hd = c.num_heads, c.head_dim
     q, gate = t.reader.get(f"{a}.q_proj.weight", t.dtype).view(H, 2, Hd, -1).unbind(1)
     rows = [q.reshape(H * Hd, -1), t.reader.get(f"{a}.k_proj.weight", t.dtype),
             t.reader.get(f"{a}.v_proj.weight", t.dtype), gate.reshape(H * Hd, -1)]
-    attn.qkv = split_columns(torch.cat(rows).t()).to(t.device)
+    attn = gqa_attention(t, c, i, qkv=split_columns(torch.cat(rows).t()).to(t.device))
     attn.q_norm, attn.k_norm = attn.q_norm + 1, attn.k_norm + 1  # type: ignore[operator]
     attn.output_gate = True
     return attn

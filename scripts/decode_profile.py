@@ -50,9 +50,9 @@ def main() -> None:
     decode_spent: dict[str, float] = {}
     step = runner.step
 
-    def decode_only(chunks):  # kernel time of decode steps only (not the prefill step)
+    def decode_only(chunks, *rest):  # kernel time of decode steps only (not the prefill step)
         before = dict(spent)
-        out = step(chunks)
+        out = step(chunks, *rest)
         if not any(c.prefill for c in chunks):
             for n, v in spent.items():
                 decode_spent[n] = decode_spent.get(n, 0.0) + v - before.get(n, 0.0)

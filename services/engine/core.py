@@ -3,7 +3,8 @@
     submit() --validate--> Started ──> intake ──> loop thread, once per step:
         scheduler.schedule()  decode tokens of running sequences + prefill chunks + admissions
         runner.step()         one forward pass over all of them (one shared expert cache)
-        per sampled chunk:    sample, detokenize, stop checks ──> Delta ... ──> Finished
+        per sampled chunk:    sample, detokenize, stop checks ──> one Delta per request
+                              (all the tokens of its step) ... ──> Finished
 
 With speculation on (`spec_tokens` > 0) every decoding sequence first gets up to k drafts from
 the draft source; its decode chunk verifies them in the same forward, and the accepted ones
@@ -84,6 +85,26 @@ class _Live:
         self.first_token_at: float | None = None
         self.drafts_proposed = self.drafts_accepted = self.verify_steps = 0
         self.rejected_lookups = self.draft_lookups = 0
+        # This step's output so far, sent as one Delta when the step is done with the request.
+        self.text_out: list[str] = []
+        self.ids_out: list[int] = []
+        self.logprobs_out: list[TokenLogprob] = []
+
+    def emit(self, text: str, token_id: int | None = None,
+             logprob: TokenLogprob | None = None) -> None:
+        if text:
+            self.text_out.append(text)
+        if token_id is not None:
+            self.ids_out.append(token_id)
+        if logprob is not None:
+            self.logprobs_out.append(logprob)
+
+    def flush(self) -> None:
+        """Send this step's output, if any, as one Delta."""
+        if self.text_out or self.ids_out:
+            self.handle.sink(Delta("".join(self.text_out), tuple(self.ids_out),
+                                   tuple(self.logprobs_out)))
+            self.text_out, self.ids_out, self.logprobs_out = [], [], []
 
     def stats(self, seq: SeqState, finished_at: float) -> RequestStats:
         h = self.handle
@@ -284,6 +305,7 @@ class Engine:
                         self._verify(chunk, logits, counters)
                     else:
                         self._advance(seq, logits)
+                    live.flush()  # one Delta per request and step, however many tokens
                 except Exception as exc:
                     log.exception("request %s failed after its step", live.handle.request.request_id)
                     self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
@@ -365,19 +387,18 @@ class Engine:
         if live.first_token_at is None:
             live.first_token_at = time.perf_counter()
         if token_id in live.end_ids:  # EOS (unless ignore_eos) or one of stop_token_ids
-            self._emit(live.handle, live.text.flush(), ())
+            live.emit(live.text.flush())
             self._finish(seq, "stop")
             return False
         live.generated += 1
         live.sampler.observe(token_id)
         new_text, hit_stop = live.text.push(token_id)
-        logprobs = (self._logprobs(logits, token_id, params.top_logprobs),
-                    ) if params.logprobs else ()
-        self._emit(live.handle, new_text, (token_id,), logprobs)
+        live.emit(new_text, token_id, self._logprobs(logits, token_id, params.top_logprobs)
+                  if params.logprobs else None)
         if hit_stop:
             self._finish(seq, "stop")
         elif live.generated >= live.max_new:
-            self._emit(live.handle, live.text.flush(), ())
+            live.emit(live.text.flush())
             self._finish(seq, "length")
         else:
             seq.token_ids.append(token_id)
@@ -393,6 +414,7 @@ class Engine:
         if seq.admitted_at is not None:
             self._log_request(stats)
         self.totals.add(stats)
+        live.flush()
         live.handle.sink(Finished(reason, stats, error))
 
     def _release(self, seq: SeqState) -> None:
@@ -400,12 +422,6 @@ class Engine:
         self.runner.release(seq.seq_id)
         if self.draft_source is not None:
             self.draft_source.release(seq.seq_id)
-
-    @staticmethod
-    def _emit(handle: RequestHandle, text: str, token_ids: tuple[int, ...],
-              logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        if text or token_ids:
-            handle.sink(Delta(text, token_ids, logprobs))
 
     def _logprobs(self, logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
         """Log-probabilities under the model's distribution (before temperature/top-p)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.counters import ByPhase, CacheCounters
@@ -107,9 +107,22 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Delta:
+    """What one engine step produced for a request: its text (held back only where it might
+    begin a stop string or an unfinished UTF-8 character) and its tokens, one or several (a
+    verified draft)."""
+
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+
+    @staticmethod
+    def join(deltas: Sequence[Delta]) -> Delta:
+        """Consecutive deltas as one (for a reader that fell behind)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        return Delta("".join(d.text for d in deltas),
+                     tuple(t for d in deltas for t in d.token_ids),
+                     tuple(lp for d in deltas for lp in d.logprobs))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ naming its request id and trace id and one record in the GenAI request metrics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -124,6 +126,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                  tracer_provider: TracerProvider | None = None):
         self._engine = engine
         self._status = status
+        self._outbox: Outbox | None = None  # made on the server's event loop
         # Without providers: spans still carry ids (for the log), nothing is exported.
         self._tracer = (tracer_provider or TracerProvider()).get_tracer("strata.engine")
         meter = (meter_provider or MeterProvider()).get_meter("strata.engine")
@@ -149,14 +152,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def _generate(self, request: engine_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext, call: _Call
                         ) -> AsyncIterator[engine_pb2.GenerateEvent]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(event: Event) -> None:  # called from the engine's loop thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
+        if self._outbox is None:
+            self._outbox = Outbox(asyncio.get_running_loop())
+        inbox = Inbox()
         try:
-            handle = self._engine.submit(request_from_proto(request), sink)
+            handle = self._engine.submit(request_from_proto(request),
+                                         functools.partial(self._outbox.put, inbox))
         except InvalidRequest as exc:
             call.error_type = "invalid_request"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -165,13 +166,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             while True:
-                event = await events.get()
-                yield event_to_proto(event, self._status.engine_id)
-                if isinstance(event, Started):
-                    call.prompt_tokens = event.prompt_tokens
-                if isinstance(event, Finished):
-                    call.finished = event
-                    return
+                for event in coalesce(await inbox.take()):
+                    yield event_to_proto(event, self._status.engine_id)
+                    if isinstance(event, Started):
+                        call.prompt_tokens = event.prompt_tokens
+                    if isinstance(event, Finished):
+                        call.finished = event
+                        return
         finally:
             # Client gone (or stream closed early): stop generating for it.
             handle.cancel()
@@ -179,6 +180,67 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetStatus(self, request: engine_pb2.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatus:
         return self._status.status()
+
+
+class Inbox:
+    """One call's events, in order, as the event loop received them."""
+
+    def __init__(self) -> None:
+        self._events: list[Event] = []
+        self._ready = asyncio.Event()
+
+    def put(self, event: Event) -> None:
+        self._events.append(event)
+        self._ready.set()
+
+    async def take(self) -> list[Event]:
+        """Every event that arrived since the last take (waits for one)."""
+        await self._ready.wait()
+        self._ready.clear()
+        events, self._events = self._events, []
+        return events
+
+
+class Outbox:
+    """Events from the engine's loop thread to the event loop's inboxes. A step's events for
+    every running request cross in one wake-up of the event loop, not one each: the first
+    event of a batch schedules the delivery, the rest join it until it runs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Inbox, Event]] = []
+
+    def put(self, inbox: Inbox, event: Event) -> None:  # any thread
+        with self._lock:
+            self._pending.append((inbox, event))
+            if len(self._pending) > 1:
+                return  # a delivery is already scheduled and has not run yet
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the event loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for inbox, event in pending:
+            inbox.put(event)
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """Consecutive deltas as one: a call whose reader fell behind the engine sends what piled
+    up in one message."""
+    out: list[Event] = []
+    run: list[Delta] = []
+    for event in events:
+        if isinstance(event, Delta):
+            run.append(event)
+            continue
+        if run:
+            out.append(Delta.join(run))
+            run = []
+        out.append(event)
+    if run:
+        out.append(Delta.join(run))
+    return out
 
 
 class _Call:

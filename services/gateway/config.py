@@ -67,12 +67,6 @@ def load_key_file(path: str) -> frozenset[bytes]:
     return frozenset(hashes)
 
 
-
-
-
-
-
-
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "STRATA_GATEWAY_HOST", str, "127.0.0.1", "address the HTTP server binds"),
     Setting("port", "STRATA_GATEWAY_PORT", port, 8000, "HTTP port"),
@@ -107,6 +101,10 @@ SETTINGS: tuple[Setting, ...] = (
             "shared-limit leases of a gateway that dies expire after this long"),
     Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", port, 9465,
             "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
+    Setting("stream_interval_ms", "STRATA_STREAM_INTERVAL_MS", non_negative_float, 0.0,
+            "streaming: the longest a token is held so that tokens produced close together "
+            "go out as one SSE event (0: each as soon as the client's socket takes it; tokens "
+            "that pile up while a client reads slowly are merged either way)"),
 )
 
 
@@ -129,6 +127,7 @@ class GatewayConfig:
     health_cache_s: float = 5.0
     lease_ttl_s: float = 15.0
     metrics_port: int = 9465  # 0: no Prometheus endpoint (set up by `serve`, not `init_app`)
+    stream_interval_ms: float = 0.0
     # Not operator settings: tests shorten them.
     health_interval_s: float = 2.0  # engine probes and registry reads
     engine_timeout_s: float = 2.0  # for GetStatus probes

@@ -72,9 +72,18 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Delta:
+    """One engine step's output for a request (one message), or several merged."""
+
     text: str
     num_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+
+    @staticmethod
+    def join(deltas: Sequence[Delta]) -> Delta:
+        if len(deltas) == 1:
+            return deltas[0]
+        return Delta("".join(d.text for d in deltas), sum(d.num_tokens for d in deltas),
+                     tuple(lp for d in deltas for lp in d.logprobs))
 
 
 @dataclass(frozen=True)

@@ -299,42 +299,64 @@ async def _complete(runs: list[_Run]) -> web.Response:
     return web.json_response(body, headers=figures.headers())
 
 
-async def _events(runs: list[_Run]) -> AsyncIterator[tuple[int, Any]]:
-    """(choice, event) in the order the engine produces them, (choice, None) where a choice's
-    stream ends. One choice is read directly; several are merged through a queue."""
-    if len(runs) == 1:
-        async for event in runs[0].call.events():
-            yield 0, event
-        yield 0, None
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+async def _batches(runs: list[_Run], interval_s: float
+                   ) -> AsyncIterator[list[tuple[int, Any]]]:
+    """The choices' events in the engine's order, in batches: whatever arrived while the
+    previous batch was being written (a client reading slower than the engine produces gets
+    fewer, larger events), and with `interval_s` no batch sooner than that after the last
+    one. Items are (choice, event), (choice, None) where a choice's stream ends, and
+    (choice, exception) where it failed."""
+    arrived: list[tuple[int, Any]] = []
+    ready = asyncio.Event()
 
     async def pump(i: int, run: _Run) -> None:
         try:
             async for event in run.call.events():
-                await queue.put((i, event))
-            await queue.put((i, None))
-        except Exception as exc:  # noqa: BLE001 - raised again by the reader below
-            await queue.put((i, exc))
+                arrived.append((i, event))
+                ready.set()
+            arrived.append((i, None))
+        except Exception as exc:  # noqa: BLE001 - raised again by the writer
+            arrived.append((i, exc))
+        ready.set()
 
+    loop = asyncio.get_running_loop()
     tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
     try:
-        ended = 0
+        ended, last = 0, -math.inf
         while ended < len(runs):
-            i, event = await queue.get()
-            if isinstance(event, Exception):
-                raise event
-            ended += event is None
-            yield i, event
+            await ready.wait()
+            if (wait := last + interval_s - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            ready.clear()
+            batch = arrived[:]
+            arrived.clear()
+            ended += sum(event is None or isinstance(event, Exception) for _, event in batch)
+            last = loop.time()
+            yield batch
     finally:
         for task in tasks:
             task.cancel()
 
 
+def _merged(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """A batch with each choice's consecutive deltas joined into one (its order kept)."""
+    out: list[tuple[int, Any]] = []
+    deltas: dict[int, list[Delta]] = {}
+    for i, event in batch:
+        if isinstance(event, Delta):
+            deltas.setdefault(i, []).append(event)
+            continue
+        if i in deltas:
+            out.append((i, Delta.join(deltas.pop(i))))
+        out.append((i, event))
+    out.extend((i, Delta.join(d)) for i, d in deltas.items())
+    return out
+
+
 async def _stream(runs: list[_Run]) -> web.StreamResponse:
-    """SSE for n choices: each choice's chunks carry its index, in the engine's order; then
-    (with include_usage) one usage chunk for all, then [DONE]. A failure after the headers
-    goes out as an error event, and no [DONE]."""
+    """SSE for n choices: each choice's chunks carry its index, in the engine's order, a
+    batch of arrivals written at once; then (with include_usage) one usage chunk for all,
+    then [DONE]. A failure after the headers goes out as an error event, and no [DONE]."""
     run0 = runs[0]
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -343,30 +365,41 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
         "x-strata-engine-id": run0.started.engine_id})
     await response.prepare(run0.request)
     renderer, finished = run0.renderer, {}
+    interval_s = run0.request.app[CONFIG].stream_interval_ms / 1e3
     try:
-        for i in range(len(runs)):
-            await response.write(sse.event(renderer.chunk(first=True, index=i)))
-        async for i, event in _events(runs):
-            run = runs[i]
-            if event is None and i not in finished:
-                raise EngineError("INTERNAL", "the event stream ended without a Finished "
-                                  "event", run.call.engine)
-            if isinstance(event, Delta):
-                run.on_delta(event)
-                await response.write(sse.event(renderer.chunk(
-                    text=event.text, logprobs=_logprobs(run, event.logprobs), index=i)))
-            elif isinstance(event, Finished):
-                if event.reason == "abort":
-                    raise EngineAborted(event.error, run.call.engine)
-                finished[i] = event
-                await response.write(sse.event(renderer.chunk(
-                    finish_reason=event.reason, figures=run.figures(event), index=i)))
-                run.log_done(event)
+        await response.write(b"".join(sse.event(renderer.chunk(first=True, index=i))
+                                      for i in range(len(runs))))
+        async for batch in _batches(runs, interval_s):
+            out: list[bytes] = []
+            try:
+                for i, event in _merged(batch):
+                    run = runs[i]
+                    if isinstance(event, Exception):
+                        raise event
+                    if event is None and i not in finished:
+                        raise EngineError("INTERNAL", "the event stream ended without a "
+                                          "Finished event", run.call.engine)
+                    if isinstance(event, Delta):
+                        run.on_delta(event)
+                        out.append(sse.event(renderer.chunk(
+                            text=event.text, logprobs=_logprobs(run, event.logprobs),
+                            index=i)))
+                    elif isinstance(event, Finished):
+                        if event.reason == "abort":
+                            raise EngineAborted(event.error, run.call.engine)
+                        finished[i] = event
+                        out.append(sse.event(renderer.chunk(
+                            finish_reason=event.reason, figures=run.figures(event), index=i)))
+                        run.log_done(event)
+            finally:  # what came before a failure still goes out
+                if out:
+                    await response.write(b"".join(out))
         ordered = [finished[i] for i in range(len(runs))]
+        tail = [sse.DONE]
         if run0.spec.include_usage:
-            await response.write(sse.event(renderer.usage_chunk(_usage(runs, ordered),
-                                                                run0.figures(ordered[0]))))
-        await response.write(sse.DONE)
+            tail.insert(0, sse.event(renderer.usage_chunk(_usage(runs, ordered),
+                                                          run0.figures(ordered[0]))))
+        await response.write(b"".join(tail))
     except ConnectionResetError as exc:
         run0.outcome.fail(exc)
         log.info("request %s: client went away mid-stream; engine call cancelled",

@@ -1,0 +1,229 @@
+"""Strata's HTTP serving against llama.cpp's llama-server on the same weights, interleaved.
+
+    python scripts/serve_vs_llama_server.py --model CKPT_DIR --gguf SAME_WEIGHTS.gguf \
+        --llama-cpp /path/to/llama.cpp [--clients 1 8] [--rounds 2] [--max-tokens 128]
+
+Both servers run at once (idle while the other is measured), each round measures every client
+count against Strata, then llama-server, then the in-process engine (`strata bench engine`, the
+same threads as Strata's engine), so drift in the host's memory bandwidth hits all three alike.
+Each client streams `/v1/completions` requests one after another: temperature 0, `ignore_eos`,
+`max_tokens` tokens. Per client count: aggregate tok/s (every completion token over the wall
+time of the level), per-stream decode tok/s (tokens after the first over the time from first to
+last token), TTFT p50. One JSON object on stdout; progress on stderr.
+
+The client is this script's own (aiohttp) and counts tokens from each server's final usage, not
+from SSE events: Strata sends several tokens in one event when they are produced together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+PROMPT = "The expert cache keeps the pairs that routing uses on the device, and"
+
+
+def log(line: str) -> None:
+    print(f"[serve-bench {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def stream_once(session: aiohttp.ClientSession, base: str, model: str,
+                      max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = events = 0
+    async with session.post(f"{base}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{base}: HTTP {response.status}: {await response.text()}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"{base}: stream error {chunk['error']}")
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                last = time.perf_counter()
+                first = first or last
+                events += 1
+            usage = chunk.get("usage") or {}
+            if usage.get("completion_tokens"):
+                tokens = usage["completion_tokens"]
+            elif chunk.get("timings", {}).get("predicted_n"):  # llama-server without usage
+                tokens = chunk["timings"]["predicted_n"]
+    end = time.perf_counter()
+    if not tokens or first is None:
+        raise RuntimeError(f"{base}: a stream without tokens or usage")
+    return {"ttft_s": first - t0, "tokens": tokens, "events": events, "first": first,
+            "last": last, "t0": t0, "end": end}
+
+
+async def level(base: str, model: str, clients: int, requests_per_client: int,
+                max_tokens: int) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
+        await stream_once(session, base, model, 8)  # warm: connection, first-call paths
+
+        async def client() -> list[dict[str, Any]]:
+            return [await stream_once(session, base, model, max_tokens)
+                    for _ in range(requests_per_client)]
+
+        t0 = time.perf_counter()
+        runs = [r for rs in await asyncio.gather(*(client() for _ in range(clients))) for r in rs]
+        wall = time.perf_counter() - t0
+    per_stream = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in runs
+                  if r["last"] > r["first"]]
+    return {"clients": clients, "requests": len(runs),
+            "aggregate_tok_s": sum(r["tokens"] for r in runs) / wall,
+            "stream_decode_tok_s": statistics.median(per_stream),
+            "ttft_p50_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
+            "tokens_per_event": sum(r["tokens"] for r in runs) / sum(r["events"] for r in runs)}
+
+
+async def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{what} not ready at {url} after {timeout_s:.0f} s")
+
+
+async def first_model(base: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{base}/v1/models") as r:
+        return (await r.json())["data"][0]["id"]
+
+
+def in_process(model: Path, threads: int, batch: int, max_tokens: int) -> float:
+    """`strata bench engine` decode tok/s (aggregate over the batch) with `threads` threads."""
+    cmd = [sys.executable, "-m", "services.cli", "bench", "engine", "--model", str(model),
+           "--batch", str(batch), "--gen-tokens", str(max_tokens), "--repeat", "1",
+           "--threads", str(threads), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout)["decode_tok_s"])
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("aggregate_tok_s", "stream_decode_tok_s", "ttft_p50_ms", "tokens_per_event")
+    return {k: statistics.median(r[k] for r in rows) for k in keys}
+
+
+async def main_async(a: argparse.Namespace) -> dict[str, Any]:
+    server = shutil.which("llama-server", path=f"{a.llama_cpp}/build/bin:{a.llama_cpp}/bin")
+    if server is None:
+        raise SystemExit(f"no llama-server under {a.llama_cpp}; build it with "
+                         "scripts/build_llama_cpp.sh")
+    logs = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    sp, lp = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if a.engine_threads:
+        env["STRATA_ENGINE_THREADS"] = str(a.engine_threads)
+    up_cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(a.model), "--port",
+              str(sp), "--engine-port", str(free_port()), "--cachemgr-port", str(free_port()),
+              "--metrics-port", str(free_port()), "--gateway-metrics-port", str(free_port()),
+              "--engine-metrics-port", str(free_port()), "--log-dir", str(logs), "--quiet",
+              *a.up_arg]
+    ls_cmd = [server, "-m", str(a.gguf), "-t", str(a.llama_threads), "-np", str(max(a.clients)),
+              "-c", str(a.llama_context), "--port", str(lp), "--host", "127.0.0.1"]
+    log(f"strata up -> :{sp}, llama-server -> :{lp}; logs in {logs}")
+    with open(logs / "up.out", "w") as up_out, open(logs / "llama-server.out", "w") as ls_out:
+        up = subprocess.Popen(up_cmd, stdout=up_out, stderr=subprocess.STDOUT, env=env)
+        ls = subprocess.Popen(ls_cmd, stdout=ls_out, stderr=subprocess.STDOUT)
+        try:
+            await wait_ready(f"http://127.0.0.1:{sp}/readyz", up, "strata up")
+            await wait_ready(f"http://127.0.0.1:{lp}/health", ls, "llama-server")
+            targets = {"strata": f"http://127.0.0.1:{sp}", "llama_server": f"http://127.0.0.1:{lp}"}
+            models = {name: await first_model(base) for name, base in targets.items()}
+            rows: dict[str, dict[int, list]] = {name: {c: [] for c in a.clients}
+                                                for name in (*targets, "in_process")}
+            for r in range(a.rounds):
+                for c in a.clients:
+                    for name, base in targets.items():
+                        row = await level(base, models[name], c, a.requests_per_client,
+                                          a.max_tokens)
+                        rows[name][c].append(row)
+                        log(f"round {r + 1}/{a.rounds}, {c} client(s), {name}: "
+                            f"{row['aggregate_tok_s']:.1f} tok/s aggregate, "
+                            f"{row['stream_decode_tok_s']:.1f} per stream, TTFT p50 "
+                            f"{row['ttft_p50_ms']:.0f} ms, {row['tokens_per_event']:.2f} "
+                            "tokens/event")
+                if a.engine_threads:
+                    tok_s = await asyncio.to_thread(in_process, a.model, a.engine_threads, 1,
+                                                    a.max_tokens)
+                    rows["in_process"][1].append({"stream_decode_tok_s": tok_s})
+                    log(f"round {r + 1}/{a.rounds}, in-process engine, batch 1, "
+                        f"{a.engine_threads} threads: {tok_s:.1f} tok/s")
+        finally:
+            for proc in (up, ls):
+                proc.send_signal(2)  # SIGINT: strata up drains and stops its children
+            for proc in (up, ls):
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    out: dict[str, Any] = {"command": " ".join(sys.argv), "max_tokens": a.max_tokens,
+                           "llama_server": " ".join(ls_cmd), "levels": {}}
+    for c in a.clients:
+        s, l_ = summarize(rows["strata"][c]), summarize(rows["llama_server"][c])
+        out["levels"][c] = {"strata": s, "llama_server": l_,
+                            "ratio_aggregate": s["aggregate_tok_s"] / l_["aggregate_tok_s"],
+                            "rounds": {k: rows[k][c] for k in targets}}
+    if rows["in_process"][1]:
+        tok_s = statistics.median(r["stream_decode_tok_s"] for r in rows["in_process"][1])
+        out["in_process_decode_tok_s"] = tok_s
+        if 1 in out["levels"]:
+            out["http_over_in_process"] = out["levels"][1]["strata"]["stream_decode_tok_s"] / tok_s
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="Strata checkpoint directory")
+    p.add_argument("--gguf", type=Path, required=True, help="the same weights as a GGUF file")
+    p.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp build directory")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--llama-context", type=int, default=8192,
+                   help="llama-server's -c (shared by its -np slots)")
+    p.add_argument("--engine-threads", type=int, default=None, help="STRATA_ENGINE_THREADS "
+                   "for strata up (default: its own rule), and the in-process comparison's "
+                   "threads (skipped without it)")
+    p.add_argument("--up-arg", action="append", default=[], help="extra `strata up` argument")
+    a = p.parse_args()
+    print(json.dumps(asyncio.run(main_async(a)), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -163,6 +163,9 @@ class Engine:
                  max_running, self.scheduler.max_step_tokens, "on" if prefix_reuse else "off")
         self._intake: collections.deque[SeqState] = collections.deque()
         self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
+        # Called by the loop thread after each step, once the step's events are all emitted:
+        # a transport can send them together (server.Outbox).
+        self.after_step: Callable[[], None] = lambda: None
         self._seq_ids = itertools.count()
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -273,6 +276,7 @@ class Engine:
                 self._step()
             except Exception:  # the loop must outlive any one step
                 log.exception("engine step failed outside the model; the engine keeps serving")
+            self.after_step()
 
     def _step(self) -> None:
         self._propose_drafts()

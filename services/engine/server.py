@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -154,6 +155,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         if self._outbox is None:
             self._outbox = Outbox(asyncio.get_running_loop())
+            self._engine.after_step = self._outbox.flush
         inbox = Inbox()
         try:
             handle = self._engine.submit(request_from_proto(request),
@@ -164,9 +166,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except RuntimeError as exc:
             call.error_type = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        interval_s = max(request.stream_interval_ms, 0.0) / 1e3
+        loop = asyncio.get_running_loop()
+        sent_at = -math.inf
         try:
             while True:
-                for event in coalesce(await inbox.take()):
+                events = await inbox.take()
+                if (wait := sent_at + interval_s - loop.time()) > 0 and not any(
+                        isinstance(e, Finished) for e in events):
+                    await asyncio.sleep(wait)  # hold these tokens for the ones after them
+                    events += inbox.take_nowait()
+                sent_at = loop.time()
+                for event in coalesce(events):
                     yield event_to_proto(event, self._status.engine_id)
                     if isinstance(event, Started):
                         call.prompt_tokens = event.prompt_tokens
@@ -196,31 +207,47 @@ class Inbox:
     async def take(self) -> list[Event]:
         """Every event that arrived since the last take (waits for one)."""
         await self._ready.wait()
+        return self.take_nowait()
+
+    def take_nowait(self) -> list[Event]:
         self._ready.clear()
         events, self._events = self._events, []
         return events
 
 
 class Outbox:
-    """Events from the engine's loop thread to the event loop's inboxes. A step's events for
-    every running request cross in one wake-up of the event loop, not one each: the first
-    event of a batch schedules the delivery, the rest join it until it runs."""
+    """Events from the engine to the event loop's inboxes. A step's events for every running
+    request cross in one wake-up of the event loop, not one each: events the engine's loop
+    thread emits wait for the end of its step (`flush`, the engine's after_step); events from
+    any other thread (Started, shutdown's aborts) schedule their delivery at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._pending: list[tuple[Inbox, Event]] = []
+        self._scheduled = False
+        self._stepping_thread: int | None = None  # the engine loop's, once it flushed
 
     def put(self, inbox: Inbox, event: Event) -> None:  # any thread
         with self._lock:
             self._pending.append((inbox, event))
-            if len(self._pending) > 1:
-                return  # a delivery is already scheduled and has not run yet
+            if self._scheduled or threading.get_ident() == self._stepping_thread:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def flush(self) -> None:  # the engine's loop thread, after each step
+        with self._lock:
+            self._stepping_thread = threading.get_ident()
+            if self._scheduled or not self._pending:
+                return
+            self._scheduled = True
         self._loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:  # the event loop
         with self._lock:
             pending, self._pending = self._pending, []
+            self._scheduled = False
         for inbox, event in pending:
             inbox.put(event)
 

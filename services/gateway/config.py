@@ -102,9 +102,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", port, 9465,
             "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
     Setting("stream_interval_ms", "STRATA_STREAM_INTERVAL_MS", non_negative_float, 0.0,
-            "streaming: the longest a token is held so that tokens produced close together "
-            "go out as one SSE event (0: each as soon as the client's socket takes it; tokens "
-            "that pile up while a client reads slowly are merged either way)"),
+            "the longest the engine holds a generated token so that tokens produced close "
+            "together travel as one gRPC message and one SSE event (0: each engine step's "
+            "tokens at once; tokens that pile up while a client reads slowly are merged "
+            "either way)"),
 )
 
 

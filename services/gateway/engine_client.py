@@ -144,7 +144,8 @@ def _logprob(pb: engine_pb2.TokenLogprob) -> TokenLogprob:
                               for t in pb.top))
 
 
-def _request(spec: GenerateInput, request_id: str) -> engine_pb2.GenerateRequest:
+def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
+             ) -> engine_pb2.GenerateRequest:
     s = spec.sampling
     sampling = engine_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
@@ -157,8 +158,10 @@ def _request(spec: GenerateInput, request_id: str) -> engine_pb2.GenerateRequest
     if spec.is_chat:
         chat = engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(role=m.role, content=m.content)
                                               for m in spec.messages])
-        return engine_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
-    return engine_pb2.GenerateRequest(request_id=request_id, prompt=spec.prompt, sampling=sampling)
+        return engine_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling,
+                                          stream_interval_ms=stream_interval_ms)
+    return engine_pb2.GenerateRequest(request_id=request_id, prompt=spec.prompt, sampling=sampling,
+                                      stream_interval_ms=stream_interval_ms)
 
 
 # gRPC codes that say the engine (not the request) is in trouble: they count against its breaker.
@@ -359,9 +362,10 @@ class EnginePool:
 
     def generate(self, address: str, spec: GenerateInput, request_id: str, *,
                  metadata: Sequence[tuple[str, str]] = (),
-                 timeout_s: float | None = None) -> GenerateCall:
+                 timeout_s: float | None = None,
+                 stream_interval_ms: float = 0.0) -> GenerateCall:
         call = self._stubs[address].Generate(
-            _request(spec, request_id), timeout=timeout_s,
+            _request(spec, request_id, stream_interval_ms), timeout=timeout_s,
             metadata=(("x-request-id", request_id), *metadata))
         return GenerateCall(call, address, self)
 

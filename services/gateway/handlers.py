@@ -206,7 +206,8 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                 call = await calls.enter_async_context(pool.generate(
                     engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
                     metadata=request[TRACE].metadata(),
-                    timeout_s=max(deadline - time.monotonic(), 0.001)))
+                    timeout_s=max(deadline - time.monotonic(), 0.001),
+                    stream_interval_ms=config.stream_interval_ms))
                 runs.append(_Run(request, spec, renderer, call,
                                  await _started(call, engine, pool), arrived_at,
                                  ticket.queue_wait_s, outcome))
@@ -299,13 +300,11 @@ async def _complete(runs: list[_Run]) -> web.Response:
     return web.json_response(body, headers=figures.headers())
 
 
-async def _batches(runs: list[_Run], interval_s: float
-                   ) -> AsyncIterator[list[tuple[int, Any]]]:
+async def _batches(runs: list[_Run]) -> AsyncIterator[list[tuple[int, Any]]]:
     """The choices' events in the engine's order, in batches: whatever arrived while the
     previous batch was being written (a client reading slower than the engine produces gets
-    fewer, larger events), and with `interval_s` no batch sooner than that after the last
-    one. Items are (choice, event), (choice, None) where a choice's stream ends, and
-    (choice, exception) where it failed."""
+    fewer, larger events). Items are (choice, event), (choice, None) where a choice's stream
+    ends, and (choice, exception) where it failed."""
     arrived: list[tuple[int, Any]] = []
     ready = asyncio.Event()
 
@@ -319,19 +318,15 @@ async def _batches(runs: list[_Run], interval_s: float
             arrived.append((i, exc))
         ready.set()
 
-    loop = asyncio.get_running_loop()
     tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
     try:
-        ended, last = 0, -math.inf
+        ended = 0
         while ended < len(runs):
             await ready.wait()
-            if (wait := last + interval_s - loop.time()) > 0:
-                await asyncio.sleep(wait)
             ready.clear()
             batch = arrived[:]
             arrived.clear()
             ended += sum(event is None or isinstance(event, Exception) for _, event in batch)
-            last = loop.time()
             yield batch
     finally:
         for task in tasks:
@@ -365,11 +360,10 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
         "x-strata-engine-id": run0.started.engine_id})
     await response.prepare(run0.request)
     renderer, finished = run0.renderer, {}
-    interval_s = run0.request.app[CONFIG].stream_interval_ms / 1e3
     try:
         await response.write(b"".join(sse.event(renderer.chunk(first=True, index=i))
                                       for i in range(len(runs))))
-        async for batch in _batches(runs, interval_s):
+        async for batch in _batches(runs):
             out: list[bytes] = []
             try:
                 for i, event in _merged(batch):

@@ -158,7 +158,13 @@ class ExpertCache:
 
     @property
     def wants_predictions(self) -> bool:
-        return len(self._decode_rows) > 0 and (self.prefetch or self.recorder is not None)
+        """Prefetch on and something left to prefetch (not every pair resident), or routing
+        recorded: then the forward predicts the next layer's experts."""
+        if not self._any_decode:
+            return False
+        if self.recorder is not None:
+            return True
+        return self.prefetch and self.residency.num_resident < len(self.host.pairs)
 
     def route(self, layer: int, top_idx: torch.Tensor | np.ndarray,
               counts: Sequence[int] | np.ndarray, graphed: bool = False) -> None:

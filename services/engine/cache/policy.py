@@ -241,6 +241,10 @@ class Residency:
         self._protected: set[Pair] = set()
 
     @property
+    def num_resident(self) -> int:
+        return len(self._slot_of)
+
+    @property
     def resident_pairs(self) -> list[Pair]:
         """Resident pairs in slot order."""
         return sorted(self._slot_of, key=self._slot_of.__getitem__)

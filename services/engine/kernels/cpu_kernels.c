@@ -63,6 +63,10 @@
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
 #define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
+#define THREADED_WEIGHTS (1 << 18) /* weights a call reads from which its work is shared among
+                                    * the threads: below, waking them (and waiting for one
+                                    * the scheduler has given to another process) costs more
+                                    * than the work (~50 us of one core) */
 #if TOK_TILE != 4
 #error "tile_product_of's register budget assumes TOK_TILE == 4"
 #endif
@@ -941,7 +945,7 @@ void strata_linear_blocks(const float *x, int64_t T, int64_t K, int64_t ldx, con
         m.rows[i] = rows[i];
         N += rows[i];
     }
-#pragma omp parallel
+#pragma omp parallel if (N * K >= THREADED_WEIGHTS)
     block_units(x, T, K, ldx, &m, work, y, N);
 }
 
@@ -981,7 +985,7 @@ static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, cons
 void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
                    int64_t wtype, int64_t S, int64_t n, float *y)
 {
-#pragma omp parallel
+#pragma omp parallel if (S * n * K >= THREADED_WEIGHTS)
     linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
 }
 
@@ -1229,7 +1233,7 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
     const struct block_matrix o_m = {.W = L->wo, .nseg = 1, .types = {L->o_type}, .rows = {D}};
     void *qmem = qkv_blocks || o_blocks ? malloc((size_t)strata_block_work_bytes(T, D > q_size ? D : q_size))
                         : NULL;
-#pragma omp parallel
+#pragma omp parallel if ((nqkv + q_size + s->E) * D >= THREADED_WEIGHTS)
     {
         rms_rows(s->x, T, D, D, s->add, L->in_norm, s->eps, s->h, D);
         if (qkv_blocks)
@@ -1453,7 +1457,7 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
     const struct q8rows x256 = q8rows_at(qmem + q8rows_bytes(T, D), T, D, QK);
     const struct q8rows hq = q8rows_at(qmem + 2 * q8rows_bytes(T, D), A, F, block_weights(dt));
 
-#pragma omp parallel
+#pragma omp parallel if (G * 3 * D * F >= THREADED_WEIGHTS)
     {
         if (blocks) {
             if (block_weights(gt) == 32 || block_weights(ut) == 32)

@@ -31,7 +31,8 @@ class ExpertSource(Protocol):
 
     @property
     def wants_predictions(self) -> bool:
-        """Whether predict() should be called this step (prefetch on, or routing recorded)."""
+        """Whether predict() should be called this step (prefetch on with pairs left to
+        prefetch, or routing recorded)."""
         ...
 
     def route(self, layer: int, top_idx: torch.Tensor, counts: np.ndarray) -> None:

@@ -62,6 +62,7 @@ class Gateway:
                  timeout_s: float = 600.0, origin: float | None = None):
         self.base_url = api_base(base_url)
         self.model = model
+        self.api_key = api_key
         self.origin = time.perf_counter() if origin is None else origin
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = aiohttp.ClientSession(
@@ -92,10 +93,21 @@ class Gateway:
         except (aiohttp.ClientError, json.JSONDecodeError):
             return None
 
-    async def complete(self, prompt: str, max_tokens: int, **extra: Any) -> Outcome:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+    async def livez(self) -> float:
+        """Seconds /livez took to answer (whatever its status)."""
+        root = re.sub(r"/v1$", "", self.base_url)
+        t0 = time.perf_counter()
+        async with self._session.get(f"{root}/livez") as response:
+            await response.read()
+        return time.perf_counter() - t0
+
+    def completion_body(self, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                 **extra}
+
+    async def complete(self, prompt: str, max_tokens: int, **extra: Any) -> Outcome:
+        body = self.completion_body(prompt, max_tokens, **extra)
         t0 = time.perf_counter()
         try:
             async with self._session.post(f"{self.base_url}/completions", json=body) as response:
@@ -160,8 +172,12 @@ async def _read_stream(response: aiohttp.ClientResponse, t0: float, origin: floa
     end = time.perf_counter()
     out.latency_s, out.text = end - t0, "".join(parts)
     out.ttft_s = (first_at or end) - t0
+    # Tokens after the first over the time between the first and the last: an SSE event may
+    # carry several tokens (stream_interval_ms, a client reading slower than the engine), so
+    # count them from usage where the stream reports it.
+    tokens = out.completion_tokens or num_chunks
     if first_at and last_at and num_chunks > 1 and last_at > first_at:
-        out.client_decode_tok_s = (num_chunks - 1) / (last_at - first_at)
+        out.client_decode_tok_s = (tokens - 1) / (last_at - first_at)
     if out.prompt_tokens:
         busy_s = out.ttft_s - (out.queue_wait_ms or 0.0) / 1e3
         out.prefill_tok_s = out.prompt_tokens / busy_s if busy_s > 0 else None

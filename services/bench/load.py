@@ -7,7 +7,8 @@ import re
 import time
 from collections.abc import Sequence
 
-from services.bench.client import Outcome, engine_status
+from services.bench.burst import burst, http_request
+from services.bench.client import Gateway, Outcome, engine_status
 from services.bench.stats import median, percentile
 from services.bench.suites import BenchContext, summarize
 
@@ -117,10 +118,15 @@ def memory_drift(samples: Sequence[dict], warmup_share: float = 0.1) -> dict:
 
 async def bench_overload(ctx: BenchContext, *, num_requests: int = 32, prompt_tokens: int = 32,
                          max_tokens: int = 32) -> dict:
+    gw = ctx.gateway
+    requests = [http_request(gw.base_url, "/completions", gw.completion_body(
+        ctx.prompts.make(prompt_tokens, seed=900 + i), max_tokens), gw.api_key)
+        for i in range(num_requests)]
     t0 = time.perf_counter()
-    outcomes = await asyncio.gather(*(
-        ctx.gateway.complete(ctx.prompts.make(prompt_tokens, seed=900 + i), max_tokens)
-        for i in range(num_requests)))
+    sent = asyncio.ensure_future(burst(gw.base_url, requests, gw.origin))
+    livez = asyncio.create_task(_probe_livez(gw, sent))
+    outcomes = await sent
+    livez_s = await livez
     accepted = [o for o in outcomes if o.ok]
     rejected = [o for o in outcomes if not o.ok]
     statuses: dict[str, int] = {}
@@ -133,8 +139,25 @@ async def bench_overload(ctx: BenchContext, *, num_requests: int = 32, prompt_to
             "accepted_latency_s_p50": percentile([o.latency_s for o in accepted], 50),
             "accepted_latency_s_max": max((o.latency_s for o in accepted), default=None),
             "rejected_latency_s_p50": percentile([o.latency_s for o in rejected], 50),
+            "rejected_latency_s_p99": percentile([o.latency_s for o in rejected], 99),
             "rejected_latency_s_max": max((o.latency_s for o in rejected), default=None),
+            "retry_after_s": sorted({o.retry_after_s for o in rejected
+                                     if o.retry_after_s is not None}),
+            # /livez answered while the burst runs: the floor a rejection is measured against
+            "livez_probes": len(livez_s), "livez_latency_s_p50": percentile(livez_s, 50),
+            "livez_latency_s_p99": percentile(livez_s, 99),
             "requests": [o.to_dict() for o in outcomes]}
+
+
+async def _probe_livez(gateway: Gateway, burst: asyncio.Future, interval_s: float = 0.01
+                       ) -> list[float]:
+    """Latencies of /livez, one probe at a time every interval_s until the burst is done."""
+    latencies: list[float] = []
+    await asyncio.sleep(0)  # let the burst's requests go out first
+    while not burst.done():
+        latencies.append(await gateway.livez())
+        await asyncio.sleep(interval_s)
+    return latencies
 
 
 LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 0.97, 1.0, 1.25)

@@ -17,6 +17,7 @@ from services.gateway.app import drain, init_app
 from services.gateway.config import SETTINGS, GatewayConfig
 
 log = logging.getLogger("strata.gateway")
+LISTEN_BACKLOG = 2048  # the kernel caps it at net.core.somaxconn (4096 by default)
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -35,7 +36,9 @@ async def serve(config: GatewayConfig) -> None:
     # Requests still running after the drain are cut off promptly, not waited for again.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # A burst of new connections waits in the kernel's accept queue; at aiohttp's default of
+    # 128 a larger burst loses SYNs, and those clients retry a second later.
+    site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
     await site.start()
     log.info("gateway listening on http://%s:%d, engines %s%s", config.host, config.port,
              ",".join(config.engine_addrs) or "(none static)",

@@ -40,6 +40,17 @@ _MAX_RETRY_AFTER_S = 600
 _EWMA_WEIGHT = 0.2  # of the newest request duration in the running mean
 
 
+# Admission estimates a request's prompt tokens from its body size, before anything parses or
+# tokenizes it: one token per 4 bytes, the usual average of BPE tokenizers on English text. The
+# JSON framing and field names count as prompt, which errs towards rejecting; text that
+# tokenizes densely (code, CJK: 1-3 bytes per token) is underestimated.
+BYTES_PER_TOKEN = 4
+
+
+def estimate_prompt_tokens(num_body_bytes: int) -> int:
+    return math.ceil(num_body_bytes / BYTES_PER_TOKEN)
+
+
 class Rejected(Exception):
     """The gateway turns this request away; `reason` becomes x-strata-drop-reason."""
 
@@ -88,6 +99,7 @@ class Admission:
         self.num_completed = 0
         self.draining = False
         self._shared_waiting = 0  # the queue length the ledger last reported (all gateways)
+        self._entering = 0  # enter() calls waiting for the ledger's answer (Redis)
         self._wakeup = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -181,17 +193,33 @@ class Admission:
 
     # -- the request path ----------------------------------------------------------------------
 
-    async def enter(self, tokens: int = 0) -> Ticket:
-        """Grant, queue or reject; never waits for a slot. Raises Rejected."""
+    def refusal(self, tokens: int = 0) -> Rejected | None:
+        """The rejection enter() would raise, when this gateway can tell on its own: it is
+        draining, no engine is ready, or its own leases already fill the limits (so every
+        gateway's together do too). None: only the ledger can tell. Synchronous and cheap: a
+        burst's rejections are answered from it before anything else is done for them."""
         if self.draining:
-            raise Rejected(DRAINING, max(1, math.ceil(self._no_engine_retry_s)),
-                           "the gateway is shutting down; another replica can take the request")
+            return Rejected(DRAINING, max(1, math.ceil(self._no_engine_retry_s)),
+                            "the gateway is shutting down; another replica can take the request")
         engines = self.ready_engines
         if not engines:
-            raise self._no_engine()
+            return self._no_engine()
+        if self.ledger.refuses(engines, tokens, self._entering):
+            return self._queue_full(self.num_waiting + self._entering, tokens)
+        return None
+
+    async def enter(self, tokens: int = 0) -> Ticket:
+        """Grant, queue or reject; never waits for a slot. Raises Rejected."""
+        if (refused := self.refusal(tokens)) is not None:
+            raise refused
+        engines = self.ready_engines
         ticket_id = next(self._ids)
         ticket = Ticket(ticket_id, f"{self._lease_prefix}:{ticket_id}", tokens, self._clock())
-        entered = await self.ledger.enter(ticket.lease, engines, tokens)
+        self._entering += 1  # until the ledger answers, it counts against the limits here
+        try:
+            entered = await self.ledger.enter(ticket.lease, engines, tokens)
+        finally:
+            self._entering -= 1
         self._shared_waiting = entered.num_waiting
         if entered.engine is not None:
             self._grant(ticket, entered.engine)
@@ -201,12 +229,7 @@ class Admission:
             self._idle.clear()
             self._wake()
         else:
-            lim = self.limits
-            raise Rejected(QUEUE_FULL, self.retry_after_s(),
-                           f"{self.num_inflight} requests running here and "
-                           f"{entered.num_waiting} queued (limits {lim.max_inflight} per engine, "
-                           f"queue {lim.max_queue} requests / {lim.max_queued_tokens} prompt "
-                           f"tokens; this one ~{tokens})")
+            raise self._queue_full(entered.num_waiting, tokens)
         return ticket
 
     async def acquire(self, ticket: Ticket, timeout_s: float | None = None) -> str:
@@ -310,6 +333,13 @@ class Admission:
     def _check_idle(self) -> None:
         if not self._waiting and not self.num_inflight:
             self._idle.set()
+
+    def _queue_full(self, num_waiting: int, tokens: int) -> Rejected:
+        lim = self.limits
+        return Rejected(QUEUE_FULL, self.retry_after_s(),
+                        f"{self.num_inflight} requests running here and {num_waiting} queued "
+                        f"(limits {lim.max_inflight} per engine, queue {lim.max_queue} requests "
+                        f"/ {lim.max_queued_tokens} prompt tokens; this one ~{tokens})")
 
     def _no_engine(self) -> Rejected:
         return Rejected(NO_ENGINE, self.retry_after_s(),

@@ -29,6 +29,7 @@ from services.gateway.middleware import (
     auth_middleware,
     error_middleware,
     limits_middleware,
+    shed_middleware,
 )
 from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, TRACER
 
@@ -40,7 +41,8 @@ REGISTRY = web.AppKey("registry", EngineRegistry)
 def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = None,
              tracer_provider: TracerProvider | None = None) -> web.Application:
     keys = ApiKeys(config.key_hashes)
-    app = web.Application(middlewares=[error_middleware, limits_middleware, auth_middleware(keys)],
+    app = web.Application(middlewares=[shed_middleware, error_middleware, limits_middleware,
+                                       auth_middleware(keys)],
                           client_max_size=config.max_body_bytes)
     limits = Limits(config.max_inflight, config.max_queue, config.max_queued_tokens)
     ledger: Ledger = (SharedLedger(config.redis_url, limits, lease_ttl_s=config.lease_ttl_s,

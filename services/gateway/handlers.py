@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,7 @@ from aiohttp import web
 
 from services.common.genai_metrics import GenAIMetrics
 from services.gateway import sse
-from services.gateway.admission import Rejected
+from services.gateway.admission import Rejected, estimate_prompt_tokens
 from services.gateway.engine_client import Delta, Finished, GenerateCall, Started, TokenLogprob
 from services.gateway.errors import (
     EngineAborted,
@@ -42,17 +41,6 @@ from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
 from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, TRACE, request_id
 
 log = logging.getLogger("strata.gateway")
-
-# Admission estimates a request's prompt tokens from its body size, before anything parses or
-# tokenizes it: one token per 4 bytes, the usual average of BPE tokenizers on English text. The
-# JSON framing and field names count as prompt, which errs towards rejecting; text that
-# tokenizes densely (code, CJK: 1-3 bytes per token) is underestimated.
-BYTES_PER_TOKEN = 4
-
-
-def estimate_prompt_tokens(num_body_bytes: int) -> int:
-    return math.ceil(num_body_bytes / BYTES_PER_TOKEN)
-
 
 async def served_models(app: web.Application) -> list[str]:
     pool = app[POOL]

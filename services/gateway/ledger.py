@@ -71,6 +71,18 @@ class LocalLedger:
         free = [e for e in engines if loads[e] < self.limits.max_inflight]
         return min(free, key=loads.__getitem__, default=None)
 
+    def refuses(self, engines: Sequence[str], tokens: int, pending: int = 0) -> bool:
+        """Whether enter() would reject: no engine slot to grant (or a queue ahead) and no
+        room in the queue, once `pending` entries still being decided elsewhere took theirs
+        (slots first, then queue places)."""
+        lim = self.limits
+        free = sum(max(0, lim.max_inflight - len(self.inflight.get(e, ()))) for e in engines)
+        if not self.queued and pending < free:
+            return False
+        if len(self.queued) + max(0, pending - free) >= lim.max_queue:
+            return True
+        return bool(self.queued) and sum(self.queued.values()) + tokens > lim.max_queued_tokens
+
     async def enter(self, lease: str, engines: Sequence[str], tokens: int) -> Entered:
         if not self.queued and (engine := self._least_loaded(engines)) is not None:
             self.force_grant(lease, engine)
@@ -302,6 +314,12 @@ class SharedLedger:
                     self.local.force_enqueue(lease, tokens)
                 return entered
         return await self.local.enter(lease, engines, tokens)
+
+    def refuses(self, engines: Sequence[str], tokens: int, pending: int = 0) -> bool:
+        """This gateway's own leases (mirrored locally) and its `pending` entries still at
+        Redis already fill the limits: a refusal without a Redis round trip, as every
+        gateway's together fill them too."""
+        return self.local.refuses(engines, tokens, pending)
 
     async def grant_queued(self, lease: str, engines: Sequence[str]) -> str | None:
         if self.shared:

@@ -7,10 +7,12 @@ stored digest in constant time, so neither the key file nor the timing gives key
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,7 +21,7 @@ from aiohttp import web
 from opentelemetry.trace import StatusCode
 
 from services.gateway import tracing
-from services.gateway.admission import Rejected
+from services.gateway.admission import Rejected, estimate_prompt_tokens
 from services.gateway.errors import (
     EngineAborted,
     EngineError,
@@ -27,7 +29,15 @@ from services.gateway.errors import (
     Unauthorized,
     http_error,
 )
-from services.gateway.state import ADMISSION, CONFIG, REQUEST_ID, TRACE, TRACER, request_id
+from services.gateway.state import (
+    ADMISSION,
+    CONFIG,
+    METRICS,
+    REQUEST_ID,
+    TRACE,
+    TRACER,
+    request_id,
+)
 
 log = logging.getLogger("strata.gateway")
 
@@ -35,6 +45,32 @@ _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/livez", "/readyz", "/openapi.json"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+
+@web.middleware
+async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A generation request admission would refuse is answered here, before anything else is
+    done for it (a span, the API key, the body, a Redis round trip): from its Content-Length
+    and this gateway's own counts (Admission.refusal). Its envelope, headers, log and metrics
+    are the ones the handler would give; it has no trace span."""
+    operation = GENERATE_PATHS.get(request.path)
+    if operation is None or request.method != "POST" or request.content_length is None:
+        return await handler(request)
+    refused = request.app[ADMISSION].refusal(estimate_prompt_tokens(request.content_length))
+    if refused is None:
+        return await handler(request)
+    started = time.monotonic()
+    given = request.headers.get("X-Request-Id", "")
+    rid = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    error = http_error(refused, rid)
+    REJECTIONS.add(f"POST {request.path} request {rid}", refused, error.status)
+    request.app[METRICS].record_request("", time.monotonic() - started, error_type=refused.reason,
+                                        operation=operation)
+    return web.json_response(error.body, status=error.status,
+                             headers={**error.headers, "X-Request-Id": rid})
 
 
 @web.middleware
@@ -124,10 +160,45 @@ def auth_middleware(keys: ApiKeys) -> Any:
     return auth
 
 
+class RejectionLog:
+    """Admission's rejections in the log: the first of a window in full, the rest of the
+    window as one line of counts by reason. Under a burst one line per rejection would cost
+    more than the answers (and bury the log)."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._counts: dict[str, int] = {}
+        self._level = logging.INFO  # WARNING once a 503 (no engine, draining) is counted
+        self._open = False
+
+    def add(self, where: str, exc: Rejected, status: int) -> None:
+        level = logging.WARNING if status >= 500 else logging.INFO
+        if not self._open:
+            self._open = True
+            log.log(level, "%s: %s -> %d", where, exc, status)
+            asyncio.get_running_loop().call_later(self.window_s, self._close)
+            return
+        self._counts[exc.reason] = self._counts.get(exc.reason, 0) + 1
+        self._level = max(self._level, level)
+
+    def _close(self) -> None:
+        self._open = False
+        if self._counts:
+            log.log(self._level, "%d more requests rejected in the last %.1f s: %s",
+                    sum(self._counts.values()), self.window_s,
+                    ", ".join(f"{n} {reason}" for reason, n in sorted(self._counts.items())))
+            self._counts, self._level = {}, logging.INFO
+
+
+REJECTIONS = RejectionLog()
+
+
 def log_failure(request: web.Request, exc: BaseException, status: int) -> None:
     where = (f"{request.method} {request.path} request {request_id(request)} "
              f"trace {request[TRACE].trace_id}")
-    if status >= 500 and not isinstance(exc, EngineError | EngineAborted | Rejected):
+    if isinstance(exc, Rejected):
+        REJECTIONS.add(where, exc, status)
+    elif status >= 500 and not isinstance(exc, EngineError | EngineAborted):
         log.error("%s failed with an unexpected error; answered 500", where, exc_info=exc)
     elif status >= 500 or isinstance(exc, EngineError | EngineAborted):
         log.warning("%s: %s -> %d", where, exc, status)

@@ -168,7 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         interval_s = max(request.stream_interval_ms, 0.0) / 1e3
         loop = asyncio.get_running_loop()
-        sent_at = -math.inf
+        sent_at = -math.inf  # when tokens last went out: the first ones are never held
         try:
             while True:
                 events = await inbox.take()
@@ -176,7 +176,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         isinstance(e, Finished) for e in events):
                     await asyncio.sleep(wait)  # hold these tokens for the ones after them
                     events += inbox.take_nowait()
-                sent_at = loop.time()
+                if any(isinstance(e, Delta) for e in events):
+                    sent_at = loop.time()
                 for event in coalesce(events):
                     yield event_to_proto(event, self._status.engine_id)
                     if isinstance(event, Started):

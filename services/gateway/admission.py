@@ -344,3 +344,33 @@ class Admission:
     def _no_engine(self) -> Rejected:
         return Rejected(NO_ENGINE, self.retry_after_s(),
                         "no engine is ready; the gateway retries them every few seconds")
+
+
+class RejectionLog:
+    """Admission's rejections in the log: the first of a window in full, the rest of the
+    window as one line of counts by reason. Under a burst one line per rejection would cost
+    more than the answers (and bury the log)."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._counts: dict[str, int] = {}
+        self._level = logging.INFO  # WARNING once a 503 (no engine, draining) is counted
+        self._open = False
+
+    def add(self, where: str, exc: Rejected, status: int) -> None:
+        level = logging.WARNING if status >= 500 else logging.INFO
+        if not self._open:
+            self._open = True
+            log.log(level, "%s: %s -> %d", where, exc, status)
+            asyncio.get_running_loop().call_later(self.window_s, self._close)
+            return
+        self._counts[exc.reason] = self._counts.get(exc.reason, 0) + 1
+        self._level = max(self._level, level)
+
+    def _close(self) -> None:
+        self._open = False
+        if self._counts:
+            log.log(self._level, "%d more requests rejected in the last %.1f s: %s",
+                    sum(self._counts.values()), self.window_s,
+                    ", ".join(f"{n} {reason}" for reason, n in sorted(self._counts.items())))
+            self._counts, self._level = {}, logging.INFO

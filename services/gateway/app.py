@@ -20,7 +20,7 @@ from services.common.genai_metrics import GenAIMetrics
 from services.common.registry import EngineRegistry, RegistryUnavailable
 from services.common.telemetry import setup_tracing
 from services.gateway import handlers, health, openapi
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, RejectionLog
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
 from services.gateway.ledger import Ledger, Limits, LocalLedger, SharedLedger
@@ -31,7 +31,7 @@ from services.gateway.middleware import (
     limits_middleware,
     shed_middleware,
 )
-from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, TRACER
+from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, REJECTIONS, TRACER
 
 log = logging.getLogger("strata.gateway")
 
@@ -89,6 +89,7 @@ def _telemetry(app: web.Application, meter_provider: MeterProvider | None,
     metrics = GenAIMetrics(meter_provider.get_meter("strata.gateway"))
     metrics.set_load_source(lambda: (admission.num_inflight, admission.num_waiting, None))
     app[METRICS] = metrics
+    app[REJECTIONS] = RejectionLog()
     app[TRACER] = tracer_provider.get_tracer("strata.gateway")
 
     async def shutdown(_: web.Application) -> AsyncIterator[None]:

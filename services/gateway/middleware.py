@@ -7,7 +7,6 @@ stored digest in constant time, so neither the key file nor the timing gives key
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import logging
@@ -33,6 +32,7 @@ from services.gateway.state import (
     ADMISSION,
     CONFIG,
     METRICS,
+    REJECTIONS,
     REQUEST_ID,
     TRACE,
     TRACER,
@@ -66,7 +66,7 @@ async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamR
     given = request.headers.get("X-Request-Id", "")
     rid = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
     error = http_error(refused, rid)
-    REJECTIONS.add(f"POST {request.path} request {rid}", refused, error.status)
+    request.app[REJECTIONS].add(f"POST {request.path} request {rid}", refused, error.status)
     request.app[METRICS].record_request("", time.monotonic() - started, error_type=refused.reason,
                                         operation=operation)
     return web.json_response(error.body, status=error.status,
@@ -160,44 +160,11 @@ def auth_middleware(keys: ApiKeys) -> Any:
     return auth
 
 
-class RejectionLog:
-    """Admission's rejections in the log: the first of a window in full, the rest of the
-    window as one line of counts by reason. Under a burst one line per rejection would cost
-    more than the answers (and bury the log)."""
-
-    def __init__(self, window_s: float = 1.0) -> None:
-        self.window_s = window_s
-        self._counts: dict[str, int] = {}
-        self._level = logging.INFO  # WARNING once a 503 (no engine, draining) is counted
-        self._open = False
-
-    def add(self, where: str, exc: Rejected, status: int) -> None:
-        level = logging.WARNING if status >= 500 else logging.INFO
-        if not self._open:
-            self._open = True
-            log.log(level, "%s: %s -> %d", where, exc, status)
-            asyncio.get_running_loop().call_later(self.window_s, self._close)
-            return
-        self._counts[exc.reason] = self._counts.get(exc.reason, 0) + 1
-        self._level = max(self._level, level)
-
-    def _close(self) -> None:
-        self._open = False
-        if self._counts:
-            log.log(self._level, "%d more requests rejected in the last %.1f s: %s",
-                    sum(self._counts.values()), self.window_s,
-                    ", ".join(f"{n} {reason}" for reason, n in sorted(self._counts.items())))
-            self._counts, self._level = {}, logging.INFO
-
-
-REJECTIONS = RejectionLog()
-
-
 def log_failure(request: web.Request, exc: BaseException, status: int) -> None:
     where = (f"{request.method} {request.path} request {request_id(request)} "
              f"trace {request[TRACE].trace_id}")
     if isinstance(exc, Rejected):
-        REJECTIONS.add(where, exc, status)
+        request.app[REJECTIONS].add(where, exc, status)
     elif status >= 500 and not isinstance(exc, EngineError | EngineAborted):
         log.error("%s failed with an unexpected error; answered 500", where, exc_info=exc)
     elif status >= 500 or isinstance(exc, EngineError | EngineAborted):

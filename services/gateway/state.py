@@ -6,7 +6,7 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 
 from services.common.genai_metrics import GenAIMetrics
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, RejectionLog
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
 from services.gateway.tracing import TraceContext
@@ -18,6 +18,7 @@ REQUEST_ID = web.RequestKey("request_id", str)
 TRACE = web.RequestKey("trace", TraceContext)
 TRACER = web.AppKey("tracer", Tracer)
 METRICS = web.AppKey("metrics", GenAIMetrics)  # the request metrics (GenAI conventions)
+REJECTIONS = web.AppKey("rejections", RejectionLog)  # admission's, in the log
 
 
 def request_id(request: web.Request) -> str:

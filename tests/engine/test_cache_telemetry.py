@@ -71,3 +71,16 @@ def test_request_stats_log_lines_and_status(tiny_dir, caplog):
     assert lifetime.lookups == s.lookups + second.stats.lookups
     assert 0 < lifetime.prefetch_precision <= 1 and lifetime.prefetch_fills >= 0
     assert lifetime == runner.cache.decode
+
+
+def test_prefetch_predicts_nothing_once_every_pair_is_resident(tiny_dir):
+    runner = runner_with_slots(tiny_dir, 24, placement="exact", prefetch=True)  # all 24 pairs
+    runner.fill_cache(runner.layer_order_pairs())
+    engine = Engine(runner)
+    engine.start()
+    try:
+        d = serve_one(engine, "The expert cache").stats.decode
+    finally:
+        engine.stop()
+    assert d.lookups == d.hits > 0  # every pair resident: nothing to prefetch, nor to predict
+    assert d.predicted == 0 and d.prefetch_fills == 0

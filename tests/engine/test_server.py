@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
 import pytest
@@ -118,3 +119,34 @@ async def test_status_and_health(engine_stub):
     assert d.hits + d.misses_host + d.misses_copied == d.lookups > 0
     health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_deltas_carry_every_token_once_and_ignore_eos_reaches_max_tokens(engine_stub):
+    stub, _, _ = engine_stub
+    events = await collect(stub, request(max_tokens=12, ignore_eos=True))
+    deltas = [e.delta for e in events if e.HasField("delta")]
+    # One message a step, or several steps' in one when this reader fell behind: together
+    # exactly the finished request's tokens.
+    assert sum(len(d.token_ids) for d in deltas) == events[-1].finished.stats.completion_tokens
+    assert events[-1].finished.stats.completion_tokens == 12
+
+
+async def test_stream_interval_holds_tokens_into_fewer_messages(engine_stub):
+    stub, _, _ = engine_stub
+    plain = await collect(stub, request(max_tokens=24, ignore_eos=True))
+    held = engine_pb2.GenerateRequest(request_id="r2", prompt="The cache", stream_interval_ms=500,
+                                      sampling=engine_pb2.SamplingParams(max_tokens=24,
+                                                                         ignore_eos=True))
+    started = time.perf_counter()
+    events = await collect(stub, held)
+    took_s = time.perf_counter() - started
+
+    def ids(evs):
+        return [t for e in evs if e.HasField("delta") for t in e.delta.token_ids]
+
+    assert ids(events) == ids(plain) and len(ids(events)) == 24  # the same tokens, in order
+    # The first tokens go out at once, then at most one message per 0.5 s (and Finished with
+    # the last ones, unheld): a step's message each would be 24.
+    deltas = [e for e in events if e.HasField("delta")]
+    assert len(deltas) <= 2 + took_s / 0.5 < 24
+    assert events[-1].WhichOneof("event") == "finished"

@@ -173,3 +173,39 @@ async def test_retry_after_from_observed_duration_and_drain_rate():
     assert admission.mean_duration_s == pytest.approx(7.0)
     # 4 queued now: (4 + 1) / (4 / 7) = 8.75 -> 9
     assert admission.retry_after_s() == 9
+
+
+def test_refuses_is_what_enter_would_answer_and_counts_pending_entries():
+    ledger = LocalLedger(Limits(max_inflight=2, max_queue=1, max_queued_tokens=100))
+    engines = ["e0"]
+    assert not ledger.refuses(engines, 1)
+    assert not ledger.refuses(engines, 1, pending=2)  # 2 slots + 1 queue place: room left
+    assert ledger.refuses(engines, 1, pending=3)  # ... taken by 3 entries still at the ledger
+    ledger.force_grant("a", "e0")
+    ledger.force_grant("b", "e0")
+    assert not ledger.refuses(engines, 1)  # the queue has its place
+    ledger.force_enqueue("c", 60)
+    assert ledger.refuses(engines, 1)  # slots and queue full
+    ledger = LocalLedger(Limits(max_inflight=1, max_queue=5, max_queued_tokens=100))
+    ledger.force_grant("a", "e0")
+    ledger.force_enqueue("b", 60)
+    assert not ledger.refuses(engines, 40) and ledger.refuses(engines, 41)  # the token cap
+
+
+async def test_refusal_answers_without_a_ticket_what_enter_raises():
+    admission = make(max_inflight=1, max_queue=1)
+    assert admission.refusal() is None
+    running, queued = await admission.enter(), await admission.enter()
+    refused = admission.refusal(tokens=7)
+    assert refused is not None and refused.reason == "queue_full" and "~7" in str(refused)
+    with pytest.raises(Rejected) as info:
+        await admission.enter(tokens=7)
+    assert info.value.reason == refused.reason
+    assert (admission.num_inflight, admission.num_waiting) == (1, 1)  # refusals took nothing
+    admission.set_ready("e0", False)
+    assert admission.refusal().reason == "no_engine"
+    admission.set_ready("e0", True)
+    admission.drain()
+    assert admission.refusal().reason == "draining"
+    admission.release(running)
+    admission.release(queued)

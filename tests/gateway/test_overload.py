@@ -148,3 +148,27 @@ async def test_streaming_client_disconnect_cancels_engine_call(gateway, engine):
         await _wait_for_queue_empty(http, gateway)
         health = await _health(http, gateway)
         assert health["inflight"] == 0
+
+
+async def test_refused_requests_are_answered_first_and_logged_once_a_second(
+        make_gateway, engine, caplog):
+    servicer, _ = engine
+    servicer.token_delay_s = 0.05
+    base = await make_gateway(max_inflight=1, max_queue=0)
+    caplog.set_level("INFO", logger="strata.gateway")
+    async with aiohttp.ClientSession() as http:
+        running = asyncio.create_task(_post(http, base))
+        await _wait_for(lambda: len(servicer.requests) == 1)
+        results = await asyncio.gather(*(
+            _post(http, base, headers={"X-Request-Id": f"burst-{i}"}) for i in range(6)))
+        assert (await running)[0] == 200
+    for i, (status, headers, payload, _) in enumerate(results):
+        headers = {k.lower(): v for k, v in headers.items()}
+        assert status == 429 and payload["error"]["code"] == "queue_full"
+        assert headers["x-request-id"] == f"burst-{i}" and int(headers["retry-after"]) >= 1
+    assert len(servicer.requests) == 1
+    await asyncio.sleep(1.2)  # the window of the rejection log closes
+    lines = [r.getMessage() for r in caplog.records if "burst-" in r.getMessage()
+             or "rejected" in r.getMessage()]
+    assert len(lines) == 2, lines  # the first in full, then the other five as one line
+    assert "burst-0" in lines[0] and lines[1].startswith("5 more requests rejected")

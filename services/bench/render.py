@@ -91,8 +91,12 @@ def render_overload(report: Report, r: dict) -> None:
         ["by status", ", ".join(f"{k}: {v}" for k, v in r["by_status"].items())],
         ["accepted latency s p50 / max", f"{fmt(r['accepted_latency_s_p50'], 2)} / "
                                          f"{fmt(r['accepted_latency_s_max'], 2)}"],
-        ["rejected latency ms p50 / max", f"{fmt(_ms(r['rejected_latency_s_p50']))} / "
-                                          f"{fmt(_ms(r['rejected_latency_s_max']))}"]], 2))
+        ["rejected latency ms p50 / p99 / max", f"{fmt(_ms(r['rejected_latency_s_p50']))} / "
+                                                f"{fmt(_ms(r['rejected_latency_s_p99']))} / "
+                                                f"{fmt(_ms(r['rejected_latency_s_max']))}"],
+        ["Retry-After s", ", ".join(fmt(v, 0) for v in r["retry_after_s"]) or "-"],
+        [f"/livez during the burst ms p50 / p99 ({r['livez_probes']} probes)",
+         f"{fmt(_ms(r['livez_latency_s_p50']))} / {fmt(_ms(r['livez_latency_s_p99']))}"]], 2))
     report.text(table(["#", "status", "reason", "latency s", "TTFT s"],
                       [[i, q["status"], q["drop_reason"] or q["error_code"] or "",
                         q["latency_s"], q["ttft_s"]] for i, q in enumerate(r["requests"])], 3))

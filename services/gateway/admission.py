@@ -140,11 +140,14 @@ class Admission:
         """Seconds until a new request would likely get a slot.
 
         The engines drain `capacity / mean_duration_s` requests per second; a newcomer waits for
-        everyone queued ahead of it plus itself to drain."""
+        everyone queued ahead of it plus itself to drain. Entries still at the ledger count
+        as queued beyond the free slots (a burst's tail is refused before its head is queued)."""
         if not self.capacity:
             return max(1, math.ceil(self._no_engine_retry_s))
         drain_per_s = self.capacity / self._mean_duration_s
-        ahead = max(self.num_waiting, self._shared_waiting if self.ledger.mode == "redis" else 0)
+        free = max(0, self.capacity - self.num_inflight)
+        ahead = max(self.num_waiting + max(0, self._entering - free),
+                    self._shared_waiting if self.ledger.mode == "redis" else 0)
         wait_s = (ahead + 1) / drain_per_s
         return min(_MAX_RETRY_AFTER_S, max(1, math.ceil(wait_s)))
 

@@ -172,3 +172,21 @@ async def test_refused_requests_are_answered_first_and_logged_once_a_second(
              or "rejected" in r.getMessage()]
     assert len(lines) == 2, lines  # the first in full, then the other five as one line
     assert "burst-0" in lines[0] and lines[1].startswith("5 more requests rejected")
+
+
+async def test_the_bench_burst_client_reads_streams_and_rejections(make_gateway, engine):
+    """services.bench.burst (strata bench overload's client) over kept-alive connections:
+    chunked SSE streams read to [DONE], rejections with their headers and error codes."""
+    from services.bench.burst import burst, http_request
+
+    servicer, _ = engine
+    servicer.token_delay_s = 0.05
+    base = await make_gateway(max_inflight=1, max_queue=2)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}
+    requests = [http_request(base + "/v1", "/completions", body) for _ in range(10)]
+    outcomes = await burst(base + "/v1", requests, time.perf_counter(), settle_s=0.05)
+    assert sorted(o.status for o in outcomes) == [200] * 3 + [429] * 7
+    assert all(o.ok for o in outcomes if o.status == 200)
+    for o in (o for o in outcomes if o.status == 429):
+        assert o.error_code == "queue_full" and o.drop_reason == "queue_full"
+        assert o.retry_after_s >= 1 and o.latency_s < max(x.latency_s for x in outcomes)

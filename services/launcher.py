@@ -80,14 +80,15 @@ class Child:
 
 
 def engine_threads() -> list[str]:
-    """The engine's tensor work gets every core unless STRATA_ENGINE_THREADS says otherwise:
-    the gateway, the cache manager and Redis are mostly idle (about 1 ms of CPU a streamed
-    token between them), and decode is bound by memory bandwidth, which one thread fewer
-    gives away. Measured through the gateway on 2 cores, bench preset: 2 engine threads
+    """The engine's tensor work gets every core this process may run on (its CPU affinity)
+    unless STRATA_ENGINE_THREADS says otherwise: the gateway, the cache manager and Redis are
+    mostly idle (about 1 ms of CPU a streamed token between them), and decode is bound by
+    memory bandwidth, which one thread fewer gives away. Measured through the gateway on 2 cores, bench preset: 2 engine threads
     decode 1.36x (1 client) and 1.69x (8 clients) what 1 thread does (docs/benchmarks.md)."""
     if os.environ.get("STRATA_ENGINE_THREADS"):
         return []
-    return ["--threads", str(os.cpu_count() or 1)]
+    return ["--threads", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1)]
 
 
 def grpc_serving(address: str) -> Callable[[], bool]:

@@ -56,13 +56,13 @@ async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamR
     done for it (a span, the API key, the body, a Redis round trip): from its Content-Length
     and this gateway's own counts (Admission.refusal). Its envelope, headers, log and metrics
     are the ones the handler would give; it has no trace span."""
+    started = time.monotonic()
     operation = GENERATE_PATHS.get(request.path)
     if operation is None or request.method != "POST" or request.content_length is None:
         return await handler(request)
     refused = request.app[ADMISSION].refusal(estimate_prompt_tokens(request.content_length))
     if refused is None:
         return await handler(request)
-    started = time.monotonic()
     given = request.headers.get("X-Request-Id", "")
     rid = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
     error = http_error(refused, rid)

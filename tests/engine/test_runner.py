@@ -178,8 +178,10 @@ def test_greedy_identical_for_every_policy_size_and_placement(tiny_dir, referenc
         if placement in ("host", "copy"):
             assert (d.misses_host if placement == "host" else d.misses_copied) == d.spilled
             assert set(d.reasons) <= {f"{placement}:forced"}
-        if prefetch and policy != "static":
+        if prefetch and policy != "static" and slots < TOTAL_PAIRS:
             assert d.predicted > 0 and 0 < d.prefetch_precision <= 1
+        if slots >= TOTAL_PAIRS:  # every pair resident: nothing to prefetch, so no prediction
+            assert d.predicted == 0
 
 
 def test_routing_counts_match_lookups(tiny_dir):

@@ -36,6 +36,11 @@ def http_request(url: str, path: str, body: dict[str, Any], api_key: str | None 
             "\r\n").encode() + payload
 
 
+def http_get(url: str, path: str) -> bytes:
+    parts = urlsplit(url)
+    return f"GET {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()
+
+
 async def burst(url: str, requests: list[bytes], origin: float, *,
                 settle_s: float = 0.2) -> list[Outcome]:
     """Send every request at once, each on its own kept-alive connection opened `settle_s`

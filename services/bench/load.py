@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import Sequence
 
-from services.bench.burst import burst, http_request
+from services.bench.burst import burst, http_get, http_request
 from services.bench.client import Gateway, Outcome, engine_status
 from services.bench.stats import median, percentile
 from services.bench.suites import BenchContext, summarize
@@ -127,6 +127,10 @@ async def bench_overload(ctx: BenchContext, *, num_requests: int = 32, prompt_to
     livez = asyncio.create_task(_probe_livez(gw, sent))
     outcomes = await sent
     livez_s = await livez
+    # The floor: as many GET /livez at once, the same way, once the burst is over: what any
+    # N simultaneous requests cost this gateway (and this client) on this host.
+    floor = [o.latency_s for o in await burst(gw.base_url, [http_get(gw.base_url, "/livez")]
+                                              * num_requests, gw.origin)]
     accepted = [o for o in outcomes if o.ok]
     rejected = [o for o in outcomes if not o.ok]
     statuses: dict[str, int] = {}
@@ -143,10 +147,18 @@ async def bench_overload(ctx: BenchContext, *, num_requests: int = 32, prompt_to
             "rejected_latency_s_max": max((o.latency_s for o in rejected), default=None),
             "retry_after_s": sorted({o.retry_after_s for o in rejected
                                      if o.retry_after_s is not None}),
-            # /livez answered while the burst runs: the floor a rejection is measured against
+            # /livez probed one at a time while the burst and its streams run
             "livez_probes": len(livez_s), "livez_latency_s_p50": percentile(livez_s, 50),
             "livez_latency_s_p99": percentile(livez_s, 99),
+            "livez_burst_latency_s_p50": percentile(floor, 50),
+            "livez_burst_latency_s_p99": percentile(floor, 99),
+            "rejected_over_livez_burst_p99": _ratio(percentile([o.latency_s for o in rejected],
+                                                               99), percentile(floor, 99)),
             "requests": [o.to_dict() for o in outcomes]}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 async def _probe_livez(gateway: Gateway, burst: asyncio.Future, interval_s: float = 0.01

@@ -96,7 +96,11 @@ def render_overload(report: Report, r: dict) -> None:
                                                 f"{fmt(_ms(r['rejected_latency_s_max']))}"],
         ["Retry-After s", ", ".join(fmt(v, 0) for v in r["retry_after_s"]) or "-"],
         [f"/livez during the burst ms p50 / p99 ({r['livez_probes']} probes)",
-         f"{fmt(_ms(r['livez_latency_s_p50']))} / {fmt(_ms(r['livez_latency_s_p99']))}"]], 2))
+         f"{fmt(_ms(r['livez_latency_s_p50']))} / {fmt(_ms(r['livez_latency_s_p99']))}"],
+        [f"{r['num_requests']} x /livez at once ms p50 / p99 (the floor)",
+         f"{fmt(_ms(r['livez_burst_latency_s_p50']))} / "
+         f"{fmt(_ms(r['livez_burst_latency_s_p99']))}"],
+        ["rejected p99 / the floor's p99", fmt(r["rejected_over_livez_burst_p99"], 2)]], 2))
     report.text(table(["#", "status", "reason", "latency s", "TTFT s"],
                       [[i, q["status"], q["drop_reason"] or q["error_code"] or "",
                         q["latency_s"], q["ttft_s"]] for i, q in enumerate(r["requests"])], 3))

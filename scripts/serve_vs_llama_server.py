@@ -11,8 +11,9 @@ Each client streams `/v1/completions` requests one after another: temperature 0,
 time of the level), per-stream decode tok/s (tokens after the first over the time from first to
 last token), TTFT p50. One JSON object on stdout; progress on stderr.
 
-The client is this script's own (aiohttp) and counts tokens from each server's final usage, not
-from SSE events: Strata sends several tokens in one event when they are produced together.
+The client is the benches' own (services/bench/client.py, a connection per request) and counts
+tokens from each server's final usage, not from SSE events: Strata sends several tokens in one
+event when they are produced together.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from typing import Any
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from services.bench.client import Gateway, Outcome  # noqa: E402
+
 PROMPT = "The expert cache keeps the pairs that routing uses on the device, and"
 
 
@@ -46,59 +50,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def stream_once(session: aiohttp.ClientSession, base: str, model: str,
-                      max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = events = 0
-    async with session.post(f"{base}/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{base}: HTTP {response.status}: {await response.text()}")
-        async for raw in response.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"{base}: stream error {chunk['error']}")
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-                events += 1
-            usage = chunk.get("usage") or {}
-            if usage.get("completion_tokens"):
-                tokens = usage["completion_tokens"]
-            elif chunk.get("timings", {}).get("predicted_n"):  # llama-server without usage
-                tokens = chunk["timings"]["predicted_n"]
-    end = time.perf_counter()
-    if not tokens or first is None:
-        raise RuntimeError(f"{base}: a stream without tokens or usage")
-    return {"ttft_s": first - t0, "tokens": tokens, "events": events, "first": first,
-            "last": last, "t0": t0, "end": end}
+async def stream_once(server: Gateway, max_tokens: int) -> Outcome:
+    outcome = await server.complete(PROMPT, max_tokens, ignore_eos=True)
+    if not outcome.ok or not outcome.completion_tokens:
+        raise RuntimeError(f"{server.base_url}: {outcome.status} {outcome.error_code}: "
+                           f"{outcome.error_message or 'a stream without usage'}")
+    return outcome
 
 
-async def level(base: str, model: str, clients: int, requests_per_client: int,
+async def level(base: str, clients: int, requests_per_client: int,
                 max_tokens: int) -> dict[str, Any]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
-                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
-        await stream_once(session, base, model, 8)  # warm: connection, first-call paths
+    # A connection per request: llama-server closes a stream's connection after it.
+    async with Gateway(base, timeout_s=900, keep_alive=False) as server:
+        await stream_once(server, 8)  # warm: first-call paths
 
-        async def client() -> list[dict[str, Any]]:
-            return [await stream_once(session, base, model, max_tokens)
-                    for _ in range(requests_per_client)]
+        async def client() -> list[Outcome]:
+            return [await stream_once(server, max_tokens) for _ in range(requests_per_client)]
 
         t0 = time.perf_counter()
         runs = [r for rs in await asyncio.gather(*(client() for _ in range(clients))) for r in rs]
         wall = time.perf_counter() - t0
-    per_stream = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in runs
-                  if r["last"] > r["first"]]
     return {"clients": clients, "requests": len(runs),
-            "aggregate_tok_s": sum(r["tokens"] for r in runs) / wall,
-            "stream_decode_tok_s": statistics.median(per_stream),
-            "ttft_p50_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
-            "tokens_per_event": sum(r["tokens"] for r in runs) / sum(r["events"] for r in runs)}
+            "aggregate_tok_s": sum(r.completion_tokens for r in runs) / wall,
+            "stream_decode_tok_s": statistics.median(r.client_decode_tok_s for r in runs
+                                                     if r.client_decode_tok_s),
+            "ttft_p50_ms": statistics.median(r.ttft_s for r in runs) * 1e3}
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
@@ -117,11 +93,6 @@ async def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: flo
     raise RuntimeError(f"{what} not ready at {url} after {timeout_s:.0f} s")
 
 
-async def first_model(base: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(f"{base}/v1/models") as r:
-        return (await r.json())["data"][0]["id"]
-
-
 def in_process(model: Path, threads: int, batch: int, max_tokens: int) -> float:
     """`strata bench engine` decode tok/s (aggregate over the batch) with `threads` threads."""
     cmd = [sys.executable, "-m", "services.cli", "bench", "engine", "--model", str(model),
@@ -132,7 +103,7 @@ def in_process(model: Path, threads: int, batch: int, max_tokens: int) -> float:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("aggregate_tok_s", "stream_decode_tok_s", "ttft_p50_ms", "tokens_per_event")
+    keys = ("aggregate_tok_s", "stream_decode_tok_s", "ttft_p50_ms")
     return {k: statistics.median(r[k] for r in rows) for k in keys}
 
 
@@ -161,20 +132,18 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             await wait_ready(f"http://127.0.0.1:{sp}/readyz", up, "strata up")
             await wait_ready(f"http://127.0.0.1:{lp}/health", ls, "llama-server")
             targets = {"strata": f"http://127.0.0.1:{sp}", "llama_server": f"http://127.0.0.1:{lp}"}
-            models = {name: await first_model(base) for name, base in targets.items()}
             rows: dict[str, dict[int, list]] = {name: {c: [] for c in a.clients}
                                                 for name in (*targets, "in_process")}
             for r in range(a.rounds):
                 for c in a.clients:
                     for name, base in targets.items():
-                        row = await level(base, models[name], c, a.requests_per_client,
+                        row = await level(base, c, a.requests_per_client,
                                           a.max_tokens)
                         rows[name][c].append(row)
                         log(f"round {r + 1}/{a.rounds}, {c} client(s), {name}: "
                             f"{row['aggregate_tok_s']:.1f} tok/s aggregate, "
                             f"{row['stream_decode_tok_s']:.1f} per stream, TTFT p50 "
-                            f"{row['ttft_p50_ms']:.0f} ms, {row['tokens_per_event']:.2f} "
-                            "tokens/event")
+                            f"{row['ttft_p50_ms']:.0f} ms")
                 if a.engine_threads:
                     tok_s = await asyncio.to_thread(in_process, a.model, a.engine_threads, 1,
                                                     a.max_tokens)

@@ -59,7 +59,8 @@ class Gateway:
     "/v1" is added)."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0, origin: float | None = None):
+                 timeout_s: float = 600.0, origin: float | None = None,
+                 keep_alive: bool = True):
         self.base_url = api_base(base_url)
         self.model = model
         self.api_key = api_key
@@ -67,7 +68,7 @@ class Gateway:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
-            connector=aiohttp.TCPConnector(limit=0))
+            connector=aiohttp.TCPConnector(limit=0, force_close=not keep_alive))
 
     async def __aenter__(self) -> Gateway:
         if self.model is None:

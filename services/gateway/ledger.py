@@ -74,7 +74,9 @@ class LocalLedger:
     def refuses(self, engines: Sequence[str], tokens: int, pending: int = 0) -> bool:
         """Whether enter() would reject: no engine slot to grant (or a queue ahead) and no
         room in the queue, once `pending` entries still being decided elsewhere took theirs
-        (slots first, then queue places)."""
+        (slots first, then queue places). The first request in an empty queue always fits, so
+        one huge prompt is not refused forever; after that the queued tokens stay under the
+        cap."""
         lim = self.limits
         free = sum(max(0, lim.max_inflight - len(self.inflight.get(e, ()))) for e in engines)
         if not self.queued and pending < free:
@@ -87,11 +89,7 @@ class LocalLedger:
         if not self.queued and (engine := self._least_loaded(engines)) is not None:
             self.force_grant(lease, engine)
             return Entered(engine, False, 0)
-        # The first request in an empty queue always fits, so one huge prompt is not refused
-        # forever; after that the queued tokens stay under the cap.
-        if len(self.queued) < self.limits.max_queue and (
-                not self.queued
-                or sum(self.queued.values()) + tokens <= self.limits.max_queued_tokens):
+        if not self.refuses(engines, tokens):
             self.force_enqueue(lease, tokens)
             return Entered(None, True, len(self.queued))
         return Entered(None, False, len(self.queued))

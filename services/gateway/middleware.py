@@ -47,6 +47,12 @@ PUBLIC_PATHS = frozenset({"/health", "/health/live", "/livez", "/readyz", "/open
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _request_id_of(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane one, else a new id."""
+    given = request.headers.get("X-Request-Id", "")
+    return given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
 GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
 
@@ -63,8 +69,7 @@ async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamR
     refused = request.app[ADMISSION].refusal(estimate_prompt_tokens(request.content_length))
     if refused is None:
         return await handler(request)
-    given = request.headers.get("X-Request-Id", "")
-    rid = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    rid = _request_id_of(request)
     error = http_error(refused, rid)
     request.app[REJECTIONS].add(f"POST {request.path} request {rid}", refused, error.status)
     request.app[METRICS].record_request("", time.monotonic() - started, error_type=refused.reason,
@@ -77,8 +82,7 @@ async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamR
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request ids, the request's server span, and the one place exceptions become OpenAI
     error envelopes."""
-    given = request.headers.get("X-Request-Id", "")
-    request[REQUEST_ID] = given if _VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    request[REQUEST_ID] = _request_id_of(request)
     resource = request.match_info.route.resource
     span = tracing.start_server_span(request.app[TRACER], request.method,
                                      resource.canonical if resource else "(unmatched)",

@@ -23,7 +23,13 @@ import json
 import sys
 from pathlib import Path
 
-from services.common.settings import ConfigError, non_negative_int, parse_bytes, positive_int
+from services.common.settings import (
+    ConfigError,
+    non_negative_int,
+    parse_bytes,
+    positive_float,
+    positive_int,
+)
 
 
 def _service_main(module: str, function: str = "main"):
@@ -71,7 +77,7 @@ def _cache(argv: list[str]) -> int:
 
 def _up(argv: list[str]) -> int:
     from services.engine.model.demo import strata_home
-    from services.launcher import UpConfig, run_up
+    from services.launcher import RestartPolicy, UpConfig, run_up
 
     parser = argparse.ArgumentParser(prog="strata up", description="Start redis, the cache "
                                      "manager, one engine and the gateway on this machine.")
@@ -92,6 +98,12 @@ def _up(argv: list[str]) -> int:
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where each service's log goes (default: $STRATA_HOME/run)")
     parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
+    parser.add_argument("--max-deaths", type=positive_int, default=RestartPolicy.max_deaths,
+                        help="a child that dies this many times within --death-window-s is "
+                        "crash-looping and stops the cluster (default: %(default)s); before "
+                        "that each death is restarted after a doubling backoff")
+    parser.add_argument("--death-window-s", type=positive_float,
+                        default=RestartPolicy.window_s, help="(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.device_memory:
         try:
@@ -104,7 +116,8 @@ def _up(argv: list[str]) -> int:
         cachemgr_port=args.cachemgr_port, metrics_port=args.metrics_port,
         log_dir=args.log_dir or strata_home() / "run", echo=not args.quiet,
         gateway_metrics_port=args.gateway_metrics_port,
-        engine_metrics_port=args.engine_metrics_port))
+        engine_metrics_port=args.engine_metrics_port),
+        RestartPolicy(max_deaths=args.max_deaths, window_s=args.death_window_s))
 
 
 def _model(argv: list[str]) -> int:

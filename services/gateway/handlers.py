@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,7 +37,7 @@ from services.gateway.errors import (
 from services.gateway.middleware import log_failure
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, Renderer, usage
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
-from services.gateway.state import ADMISSION, CONFIG, METRICS, POOL, TRACE, request_id
+from services.gateway.state import ADMISSION, CLOCK, CONFIG, METRICS, POOL, TRACE, request_id
 
 log = logging.getLogger("strata.gateway")
 
@@ -65,6 +64,7 @@ class _Outcome:
     """What the request metrics need, filled in as the request goes; recorded once at its end."""
 
     operation: str
+    clock: Callable[[], float]
     arrived_at: float
     model: str = ""  # unknown until the body is parsed
     first_token_at: float | None = None
@@ -78,7 +78,7 @@ class _Outcome:
     def record(self, metrics: GenAIMetrics) -> None:
         ttft_s = (self.first_token_at - self.arrived_at if self.first_token_at is not None
                   else None)
-        metrics.record_request(self.model, time.monotonic() - self.arrived_at,
+        metrics.record_request(self.model, self.clock() - self.arrived_at,
                                time_to_first_token_s=ttft_s, input_tokens=self.input_tokens,
                                output_tokens=self.output_tokens, error_type=self.error_type,
                                operation=self.operation)
@@ -113,14 +113,14 @@ class _Run:
 
     def on_delta(self, delta: Delta) -> None:
         self.first_token_at = self.outcome.first_token_at = (self.first_token_at
-                                                             or time.monotonic())
+                                                             or self.outcome.clock())
         self.num_deltas += delta.num_tokens or 1
         self.outcome.output_tokens = self.num_deltas
         self.logprobs.extend(delta.logprobs)
 
     def figures(self, finished: Finished) -> Figures:
         s = finished.stats
-        first = self.first_token_at or time.monotonic()
+        first = self.first_token_at or self.outcome.clock()
         return Figures(
             engine_id=self.started.engine_id,
             queue_wait_ms=self.queue_wait_s * 1e3, ttft_ms=(first - self.arrived_at) * 1e3,
@@ -149,8 +149,8 @@ class _Run:
 
 async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
                     renderer_cls: type[Renderer], operation: str) -> web.StreamResponse:
-    arrived_at = time.monotonic()
-    outcome = _Outcome(operation, arrived_at)
+    clock = request.app[CLOCK]
+    outcome = _Outcome(operation, clock, clock())
     try:
         return await _answer(request, parse, renderer_cls, outcome)
     except BaseException as exc:
@@ -163,7 +163,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
 async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                   renderer_cls: type[Renderer], outcome: _Outcome) -> web.StreamResponse:
     app = request.app
-    config, admission, pool = app[CONFIG], app[ADMISSION], app[POOL]
+    config, admission, pool, clock = app[CONFIG], app[ADMISSION], app[POOL], app[CLOCK]
     arrived_at = outcome.arrived_at
     deadline = arrived_at + config.request_timeout_s
     raw = None
@@ -185,7 +185,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
             if spec.model not in (served := await served_models(app)):
                 raise ModelNotFound(spec.model, served)
         engine = await admission.acquire(ticket, min(config.queue_timeout_s,
-                                                     deadline - time.monotonic()))
+                                                     deadline - clock()))
         engine_used = True
         renderer = renderer_cls(request_id(request), spec.model)
         async with contextlib.AsyncExitStack() as calls:
@@ -194,7 +194,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                 call = await calls.enter_async_context(pool.generate(
                     engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
                     metadata=request[TRACE].metadata(),
-                    timeout_s=max(deadline - time.monotonic(), 0.001),
+                    timeout_s=max(deadline - clock(), 0.001),
                     stream_interval_ms=config.stream_interval_ms))
                 runs.append(_Run(request, spec, renderer, call,
                                  await _started(call, engine, pool), arrived_at,
@@ -203,7 +203,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
             return await (_stream(runs) if spec.stream else _complete(runs))
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
-                 (time.monotonic() - arrived_at) * 1e3,
+                 (clock() - arrived_at) * 1e3,
                  "engine call cancelled" if engine_used else "left the queue",
                  "its slot is free again" if engine_used else "nothing reached the engine")
         raise

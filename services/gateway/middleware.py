@@ -11,7 +11,6 @@ import hashlib
 import hmac
 import logging
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +29,7 @@ from services.gateway.errors import (
 )
 from services.gateway.state import (
     ADMISSION,
+    CLOCK,
     CONFIG,
     METRICS,
     REJECTIONS,
@@ -62,7 +62,8 @@ async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamR
     done for it (a span, the API key, the body, a Redis round trip): from its Content-Length
     and this gateway's own counts (Admission.refusal). Its envelope, headers, log and metrics
     are the ones the handler would give; it has no trace span."""
-    started = time.monotonic()
+    clock = request.app[CLOCK]
+    started = clock()
     operation = GENERATE_PATHS.get(request.path)
     if operation is None or request.method != "POST" or request.content_length is None:
         return await handler(request)
@@ -72,7 +73,7 @@ async def shed_middleware(request: web.Request, handler: Handler) -> web.StreamR
     rid = _request_id_of(request)
     error = http_error(refused, rid)
     request.app[REJECTIONS].add(f"POST {request.path} request {rid}", refused, error.status)
-    request.app[METRICS].record_request("", time.monotonic() - started, error_type=refused.reason,
+    request.app[METRICS].record_request("", clock() - started, error_type=refused.reason,
                                         operation=operation)
     return web.json_response(error.body, status=error.status,
                              headers={**error.headers, "X-Request-Id": rid})

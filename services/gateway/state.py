@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
@@ -19,6 +21,7 @@ TRACE = web.RequestKey("trace", TraceContext)
 TRACER = web.AppKey("tracer", Tracer)
 METRICS = web.AppKey("metrics", GenAIMetrics)  # the request metrics (GenAI conventions)
 REJECTIONS = web.AppKey("rejections", RejectionLog)  # admission's, in the log
+CLOCK = web.AppKey("clock", Callable[[], float])  # monotonic seconds: durations, deadlines
 
 
 def request_id(request: web.Request) -> str:

@@ -3,6 +3,7 @@ prometheus_client, and its server span as the parent the engine is told about.""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
 import aiohttp
@@ -17,8 +18,20 @@ from services.gateway.app import init_app
 from services.gateway.config import GatewayConfig
 
 from .conftest import MODEL
+from .test_overload import _wait_for
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+class FakeClock:
+    """The gateway's monotonic clock, moved only by the test: every duration it measures is the
+    time the test let pass."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
@@ -41,26 +54,39 @@ async def observed_gateway(engine):
     tracer_provider = setup_tracing("strata-gateway", [SimpleSpanProcessor(spans)])
     config = GatewayConfig(host="127.0.0.1", port=0, engine_addrs=(address,),
                            health_interval_s=0.2, engine_timeout_s=1.0)
+    clock = FakeClock()
     runner = web.AppRunner(init_app(config, meter_provider=meter_provider,
-                                    tracer_provider=tracer_provider))
+                                    tracer_provider=tracer_provider, clock=clock))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}", meter_provider.prometheus_port, spans
+    yield f"http://{host}:{port}", meter_provider.prometheus_port, spans, clock
     await runner.cleanup()
     meter_provider.shutdown()
     tracer_provider.shutdown()
 
 
+async def _chat_held_for(http, base, servicer, clock, seconds):
+    """A chat completion whose first token the engine holds while `seconds` pass on the
+    gateway's clock; the rest follow at once (no time passes)."""
+    servicer.hold = asyncio.Event()
+    reply = asyncio.create_task(http.post(base + "/v1/chat/completions",
+                                          json={"model": MODEL, "messages": MESSAGES}))
+    await _wait_for(lambda: servicer.running == 1)  # Started sent, the tokens held
+    clock.now += seconds
+    servicer.hold.set()
+    async with await reply as r:
+        assert r.status == 200
+        return (await r.json())["usage"]
+
+
 async def test_known_requests_give_the_genai_metrics(observed_gateway, engine):
-    base, metrics_port, _ = observed_gateway
+    base, metrics_port, _, clock = observed_gateway
     servicer, _ = engine
     async with aiohttp.ClientSession() as http:
-        async with http.post(base + "/v1/chat/completions",
-                             json={"model": MODEL, "messages": MESSAGES}) as r:
-            assert r.status == 200
-            usage = (await r.json())["usage"]
+        usage = await _chat_held_for(http, base, servicer, clock, 0.3)
+        servicer.hold = None  # no time passes for the next two
         async with http.post(base + "/v1/completions",
                              json={"model": MODEL, "prompt": "one two", "max_tokens": 2}) as r:
             assert r.status == 200
@@ -77,9 +103,19 @@ async def test_known_requests_give_the_genai_metrics(observed_gateway, engine):
                  **chat) == usage["prompt_tokens"]
     assert value(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="output",
                  **chat) == usage["completion_tokens"] == len(servicer.tokens)
-    assert value(samples, "gen_ai_server_time_to_first_token_seconds_bucket", le="0.001",
-                 **chat) <= 1  # the conventions' first boundary
+    # 0.3 s to the first token and to the end: in the buckets either side of 0.3 exactly
+    ttft = "gen_ai_server_time_to_first_token_seconds"
+    assert [value(samples, f"{ttft}_bucket", le=le, **chat) for le in ("0.25", "0.5")] == [0, 1]
+    assert value(samples, f"{ttft}_sum", **chat) == pytest.approx(0.3)
+    duration = "gen_ai_server_request_duration_seconds"
+    assert [value(samples, f"{duration}_bucket", le=le, **chat) for le in ("0.16", "0.32")] == [
+        0, 1]
+    assert value(samples, f"{duration}_sum", **chat) == pytest.approx(0.3)
+    tpot = "gen_ai_server_time_per_output_token_seconds"
+    assert value(samples, f"{tpot}_bucket", le="0.01", **chat) == 1  # the rest took no time
+    assert value(samples, f"{tpot}_sum", **chat) == 0
     completion = chat | {"gen_ai_operation_name": "text_completion"}
+    assert value(samples, f"{ttft}_bucket", le="0.001", **completion) == 1  # none passed
     assert value(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="output",
                  **completion) == 2
     assert value(samples, "gen_ai_server_request_duration_seconds_count",
@@ -91,7 +127,7 @@ async def test_known_requests_give_the_genai_metrics(observed_gateway, engine):
 
 
 async def test_the_server_span_is_the_engines_parent(observed_gateway, engine):
-    base, _, spans = observed_gateway
+    base, _, spans, _ = observed_gateway
     servicer, _ = engine
     async with (aiohttp.ClientSession() as http,
                 http.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,12 +40,26 @@ class RunningCluster:
     def engine_log(self) -> str:
         return (self.log_dir / "engine.log").read_text()
 
+    def pid(self, name: str) -> int:
+        """The pid of the child `name` (redis, cachemgr, engine, gateway) started last."""
+        found = re.findall(rf"strata up: {name}: (?:re)?started \(pid (\d+)" if name != "redis"
+                           else r"strata up: redis: (?:embedded server at \S+ \(|restarted \()"
+                           r"pid (\d+)", self.output.read_text())
+        assert found, f"no pid of {name} in:\n{self.output.read_text()}"
+        return int(found[-1])
 
-def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0) -> RunningCluster:
+    @property
+    def redis_url(self) -> str:
+        return re.search(r"redis: embedded server at (\S+)", self.output.read_text()).group(1)
+
+
+def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0,
+                  env: dict[str, str] | None = None) -> RunningCluster:
     port, metrics_port, engine_port, cachemgr_port = (free_port() for _ in range(4))
     log_dir = tmp / "logs"
     output = tmp / "up.out"
-    env = {**os.environ, "STRATA_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "STRATA_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1",
+           **(env or {})}
     env.pop("STRATA_REDIS_URL", None)
     with output.open("w") as out:
         process = subprocess.Popen(
@@ -77,3 +92,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     running = start_cluster(tmp, "--max-inflight", "1", "--max-queue", "2")
     yield running
     assert stop_cluster(running) == 0, running.output.read_text()
+
+
+FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest):
+    """`figures("time to ready: 4.1 s")`: a line for the end of the run (chaos tests' figures)."""
+    def add(line: str) -> None:
+        FIGURES.append(f"{request.node.name}: {line}")
+    return add
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if FIGURES:
+        terminalreporter.section("fault figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)

@@ -55,13 +55,14 @@ async def readyz(session: aiohttp.ClientSession, c: RunningCluster) -> tuple[int
 async def stream(session: aiohttp.ClientSession, c: RunningCluster, body: dict,
                  started: asyncio.Event | None = None) -> dict:
     """One streamed completion to its end: the tokens seen, and every terminal event (error
-    events, finish reasons, [DONE]) counted, so that "exactly one" can be asserted."""
+    events, finish reasons, [DONE], a connection cut) counted, so that "exactly one" can be
+    asserted."""
     tokens, ends, error = 0, Counter(), None
     async with session.post(f"{c.base_url}/completions", json=body) as r:
         if r.status != 200:
             return {"status": r.status, "tokens": 0, "ends": Counter(http_error=1),
                     "error": (await r.json())["error"]}
-        async for raw in r.content:
+        async for raw in _lines(r):
             line = raw.decode().strip()
             if not line.startswith("data: "):
                 continue
@@ -70,7 +71,9 @@ async def stream(session: aiohttp.ClientSession, c: RunningCluster, body: dict,
                 ends["done"] += 1
                 continue
             event = json.loads(data)
-            if "error" in event:
+            if "cut" in event:
+                ends["cut"] += 1
+            elif "error" in event:
                 ends["error"] += 1
                 error = event["error"]
             elif event.get("choices"):
@@ -80,6 +83,14 @@ async def stream(session: aiohttp.ClientSession, c: RunningCluster, body: dict,
                 if event["choices"][0].get("finish_reason"):
                     ends["finished"] += 1
     return {"status": 200, "tokens": tokens, "ends": ends, "error": error}
+
+
+async def _lines(r: aiohttp.ClientResponse):
+    try:
+        async for raw in r.content:
+            yield raw
+    except aiohttp.ClientPayloadError:  # the server went away mid-response
+        yield b"data: {\"cut\": true}"
 
 
 async def complete(session: aiohttp.ClientSession, c: RunningCluster,
@@ -248,3 +259,70 @@ async def _limits_are(session: aiohttp.ClientSession, c: RunningCluster, mode: s
 
 async def _registered(registry, c: RunningCluster) -> bool:
     return [e.address for e in await registry.engines()] == [f"127.0.0.1:{c.engine_port}"]
+
+
+async def test_a_gateway_killed_mid_burst_frees_its_leases_and_the_caps_stay_exact(
+        tmp_path, figures):
+    """Two gateways share one engine's limits through Redis (2 in flight, no queue). The
+    second holds both slots when it is SIGKILLed: the survivor admits nothing until those
+    leases expire (after the dead gateway's 3 s TTL), then exactly 2 of a burst of 6."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT, free_port
+
+    c = start_cluster(tmp_path, "--max-inflight", "2", "--max-queue", "0")
+    port_b = free_port()
+    b = subprocess.Popen(
+        [sys.executable, "-m", "services.gateway", "--port", str(port_b), "--engine",
+         f"127.0.0.1:{c.engine_port}", "--redis-url", c.redis_url, "--max-inflight", "2",
+         "--max-queue", "0", "--lease-ttl-s", "3", "--metrics-port", "0"],
+        cwd=ROOT, stdout=(tmp_path / "gateway-b.log").open("w"), stderr=subprocess.STDOUT)
+    gateway_b = RunningCluster(b, port_b, 0, c.engine_port, c.cachemgr_port, c.log_dir,
+                               tmp_path / "gateway-b.log")
+    held: list[asyncio.Task] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            await wait_for("the second gateway ready", lambda: _status_is(session, gateway_b,
+                                                                          200), 60)
+            starts = [asyncio.Event() for _ in range(2)]
+            held = [asyncio.create_task(stream(session, gateway_b, LONG, e)) for e in starts]
+            await wait_for("2 streams through the second gateway",
+                           lambda: all(e.is_set() for e in starts), 60)
+            burst = await asyncio.gather(*(complete(session, c) for _ in range(6)))
+            assert [s[0] for s in burst] == [429] * 6, burst  # the 2 slots are held elsewhere
+
+            b.kill()
+            b.wait(10)
+            killed_at = time.monotonic()
+            ends = await asyncio.gather(*held)
+            assert all(e["ends"] == {"cut": 1} for e in ends), ends
+
+            freed = await wait_for("the dead gateway's leases expire", lambda: _admits(
+                session, c), 30, poll_s=0.25)
+            assert time.monotonic() - killed_at >= 2.5  # not before the TTL (3 s) ran out
+            starts = [asyncio.Event() for _ in range(6)]
+            held = [asyncio.create_task(stream(session, c, LONG, e)) for e in starts]
+            await wait_for("2 of 6 streams admitted",
+                           lambda: sum(e.is_set() for e in starts) == 2
+                           and sum(t.done() for t in held) == 4, 60)
+            rejected = [t.result() for t in held if t.done()]
+            assert [r["status"] for r in rejected] == [429] * 4, rejected
+            await asyncio.sleep(1.0)  # nothing else gets in while the two run
+            assert sum(e.is_set() for e in starts) == 2
+            figures(f"killed gateway's 2 leases freed {freed:.1f} s after SIGKILL (TTL 3 s); "
+                    "then exactly 2 of 6 admitted, 4 rejected with 429")
+            for task in held:
+                task.cancel()
+    finally:
+        if b.poll() is None:
+            b.kill()
+        for task in held:
+            task.cancel()
+        assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+
+
+async def _admits(session: aiohttp.ClientSession, c: RunningCluster) -> bool:
+    status, _, body = await complete(session, c)
+    assert status in (200, 429), body
+    return status == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -146,15 +147,16 @@ GatewayFactory = Callable[..., Awaitable[str]]
 
 @pytest.fixture
 async def make_gateway(engine) -> AsyncIterator[GatewayFactory]:
-    """Start the gateway on a free port (real AppRunner, as `run()` does); returns its base URL."""
+    """Start the gateway on a free port (real AppRunner, as `run()` does); returns its base URL.
+    `clock`: the gateway's monotonic clock (a test's fake one makes its durations exact)."""
     runners: list[web.AppRunner] = []
     _, address = engine
 
-    async def start(**overrides) -> str:
+    async def start(clock: Callable[[], float] = time.monotonic, **overrides) -> str:
         config = replace(GatewayConfig(host="127.0.0.1", port=0, engine_addrs=(address,),
                                        health_interval_s=0.2, engine_timeout_s=1.0,
                                        breaker_cooldown_s=0.3, redis_retry_s=0.2), **overrides)
-        runner = web.AppRunner(init_app(config), handler_cancellation=True)
+        runner = web.AppRunner(init_app(config, clock=clock), handler_cancellation=True)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -40,7 +40,7 @@ async def test_engine_killed_mid_stream_then_back(make_gateway):
         assert events[-1].startswith('data: {"error":') and "[DONE]" not in text
         body = await _status_soon(http, base, 503)
         assert body["status"] == "no_engine"
-        status, headers, payload, _ = await _post(http, base)
+        status, headers, payload = await _post(http, base)
         assert status == 503 and headers["x-strata-drop-reason"] == "no_engine"
         server, _ = await start_engine(servicer, port)  # back on the same address
         await _status_soon(http, base, 200)

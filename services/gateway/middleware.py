@@ -23,6 +23,7 @@ from services.gateway.admission import Rejected, estimate_prompt_tokens
 from services.gateway.errors import (
     EngineAborted,
     EngineError,
+    GatewayError,
     PayloadTooLarge,
     Unauthorized,
     http_error,
@@ -166,16 +167,30 @@ def auth_middleware(keys: ApiKeys) -> Any:
 
 
 def log_failure(request: web.Request, exc: BaseException, status: int) -> None:
+    """One line per failed request. A client error's message may quote the request (a bad
+    value, a model name, an engine refusing the prompt), so its line says what kind of error it
+    was and only DEBUG has the message."""
     where = (f"{request.method} {request.path} request {request_id(request)} "
              f"trace {request[TRACE].trace_id}")
     if isinstance(exc, Rejected):
         request.app[REJECTIONS].add(where, exc, status)
     elif status >= 500 and not isinstance(exc, EngineError | EngineAborted):
         log.error("%s failed with an unexpected error; answered 500", where, exc_info=exc)
-    elif status >= 500 or isinstance(exc, EngineError | EngineAborted):
+    elif status >= 500:
         log.warning("%s: %s -> %d", where, exc, status)
     else:
-        log.info("%s: %s -> %d", where, exc, status)
+        level = logging.WARNING if isinstance(exc, EngineError) else logging.INFO
+        log.log(level, "%s: %s -> %d", where, _client_error_kind(exc), status)
+        log.debug("%s: %s", where, exc)
+
+
+def _client_error_kind(exc: BaseException) -> str:
+    """A client error without its message: the error's code and parameter, or the engine's."""
+    if isinstance(exc, GatewayError):
+        return f"{type(exc).__name__} ({exc.code or 'no code'}, param {exc.param or '-'})"
+    if isinstance(exc, EngineError):
+        return f"engine {exc.engine} answered {exc.code}"
+    return type(exc).__name__
 
 
 def _slug(text: str) -> str:

@@ -55,6 +55,7 @@ class PlanWatcher:
         self.max_backoff_s = max_backoff_s
         self.connected = False
         self.num_plans = 0
+        self.num_attempts = 0  # subscriptions tried: the first, then every retry
         self._task: asyncio.Task | None = None
         self._down_logged = False
 
@@ -95,6 +96,7 @@ class PlanWatcher:
             device_memory_bytes=self.device_memory_bytes, reserved_bytes=self.reserved_bytes,
             slots=self.slots, known_version=self.version)
         self.connected = False
+        self.num_attempts += 1
         call = stub.WatchPlans(request)
         try:
             await call.wait_for_connection()  # raises AioRpcError when nobody answers

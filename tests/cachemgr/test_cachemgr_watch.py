@@ -5,6 +5,7 @@ which comes from the profile saved at shutdown."""
 
 import asyncio
 import logging
+import time
 
 import grpc
 import pytest
@@ -23,6 +24,13 @@ HOT_B = {(0, 0): 400, (1, 2): 300, (2, 3): 200, (3, 5): 100}
 
 async def next_plan(queue: asyncio.Queue, timeout_s: float = 5.0):
     return await asyncio.wait_for(queue.get(), timeout_s)
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
 
 
 async def test_watch_drift_restart_and_profile(redis_server, tmp_path, caplog):
@@ -50,29 +58,30 @@ async def test_watch_drift_restart_and_profile(redis_server, tmp_path, caplog):
             second = await next_plan(plans)
             assert second.version == 2 and second.source == "routing-counts"
             assert set(second.pairs) == set(HOT_A)
-            # More of the same hot set: no drift, no version.
+            # More of the same hot set: no drift, no version (each answer names the latest;
+            # and the watcher's next plan below is the shift's, so none came in between).
             for engine in ("engine-a", "engine-b"):
-                await stub.ReportRouting(report(engine, hot=HOT_A, slots=4))
-            await asyncio.sleep(0.3)
-            assert plans.empty()
-            # The workload shifts: exactly one new version, whatever follows.
-            for _ in range(3):
-                await stub.ReportRouting(report("engine-b", hot=HOT_B, slots=4))
+                ack = await stub.ReportRouting(report(engine, hot=HOT_A, slots=4))
+                assert ack.plan_version == 2
+            # The workload shifts: exactly one new version, and none for the reports after it.
+            acks = [(await stub.ReportRouting(report("engine-b", hot=HOT_B, slots=4))).plan_version
+                    for _ in range(4)]
+            assert acks == sorted(acks) and set(acks) == {2, 3} and acks[-2:] == [3, 3], acks
             third = await next_plan(plans)
             assert third.version == 3 and set(third.pairs) == set(HOT_B)
-            await asyncio.sleep(0.3)
-            assert plans.empty()
             overview = await stub.GetOverview(cachemgr_pb2.OverviewRequest())
             assert [(m.plan_version, m.source) for m in overview.models] == [
                 (3, "routing-counts")]
     finally:
         await daemon.stop(grace_s=1)
 
-    # Down: the watcher keeps v3 and says so once, however many retries fail.
+    # Down: the watcher keeps v3 (the three versions were all it got) and says so once,
+    # however many retries fail.
     saved = Profile.read(profile_path)
     assert saved.top_pairs(4) == [(0, 0), (1, 2), (2, 3), (3, 5)]
-    await asyncio.sleep(1.0)
-    assert watcher.plan == third and not watcher.connected
+    attempts = watcher.num_attempts
+    await wait_for(lambda: watcher.num_attempts >= attempts + 3)
+    assert watcher.plan == third and watcher.num_plans == 3 and not watcher.connected
     down = [r for r in caplog.records if "unreachable for plan versions" in r.getMessage()]
     assert len(down) == 1 and "keeping plan v3" in down[0].getMessage()
 

@@ -49,7 +49,7 @@ def test_bf16_serving_agrees_with_the_fp32_reference(cpu_kernels):
     ties flip in about 2% of positions; the held-out loss barely moves)."""
     r = compare_dtype(MODEL, "bf16", num_tokens=1100, cpu_kernels=cpu_kernels)
     assert r["predictions"] >= 600 and abs(r["loss_change"]) <= 0.005, r
-    if cpu_kernels == "auto" and kernels.load() is not None:
+    if cpu_kernels == "auto" and kernels.find_compiler() is not None:  # so they must build
         assert r["top1_agreement"] == 1.0 and r["max_abs_logit_diff"] == 0.0, r
     else:
         assert r["top1_agreement"] >= 0.96 and r["max_abs_logit_diff"] > 0.0, r

@@ -110,18 +110,13 @@ def test_fp8_experts_are_held_as_stored_and_compute_their_values(fp8_pair):
 
 
 @pytest.mark.parametrize("T", [1, 5])
-def test_the_c_kernel_reads_fp8_blobs_as_the_reference_computes(T):
+def test_the_c_kernel_reads_fp8_blobs_as_the_reference_computes(cpu, T):
     """strata_moe on Fp8Format blobs (random codes, subnormal ones included, and block
     scales) equals the format's torch reference to fp32 rounding; a row alone gives the same
     bits as in a batch."""
-    from services.engine import kernels
     from services.engine.cache.formats import Fp8Format
     from services.engine.cache.layout import num_splits
 
-    try:
-        cpu = kernels.CpuKernels(kernels.build())
-    except (kernels.KernelBuildError, OSError) as exc:
-        pytest.skip(f"the CPU kernels do not build here: {exc}")
     D, F, E, K = 96, 80, 5, 2
     fmt = Fp8Format(D, F, BLOCK)
     g = torch.Generator().manual_seed(T)
@@ -189,16 +184,10 @@ def test_fused_fp8_expert_stacks_are_read_as_their_values(fp8_pair, tmp_path):
 
 
 @pytest.mark.parametrize("T", [1, 6])
-def test_fp8_matrices_compute_their_dequantized_product(T):
+def test_fp8_matrices_compute_their_dequantized_product(cpu, T):
     """strata_linear_fp8 (the CPU backend's product on an Fp8Matrix: q | k | v, o, MLA's q_b)
     against x @ dequantize().T in float64: 70 rows of 104 inputs in 32 x 16 blocks (ragged in
     both), subnormal codes included, strided x; to fp32 rounding."""
-    from services.engine import kernels
-
-    try:
-        cpu = kernels.CpuKernels(kernels.build())
-    except (kernels.KernelBuildError, OSError) as exc:
-        pytest.skip(f"the CPU kernels do not build here: {exc}")
     g = torch.Generator().manual_seed(T)
     codes, scale = fp8_blocks(torch.randn(70, 104, generator=g))
     codes = codes.view(torch.uint8)

@@ -73,11 +73,17 @@ def cache_dir() -> Path:
     return Path(base) / "strata" / "kernels"
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: the first of $CC, cc, gcc, clang on PATH."""
+    return next((name for name in (os.environ.get("CC"), "cc", "gcc", "clang")
+                 if name and shutil.which(name)), None)
+
+
 def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise KernelBuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
+    cc = find_compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
+    return cc
 
 
 def _cpu_fingerprint() -> str:

@@ -57,8 +57,9 @@ class Client:
         return self
 
 
-def request(prompt: str, max_tokens: int = 24, **sampling) -> EngineRequest:
-    return EngineRequest("r", GenerateParams(max_tokens=max_tokens,
+def request(prompt: str, max_tokens: int = 24, ignore_eos: bool = False,
+            **sampling) -> EngineRequest:
+    return EngineRequest("r", GenerateParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
                                              sampling=SamplingConfig(**sampling)), prompt=prompt)
 
 
@@ -86,12 +87,13 @@ def engine_factory(tiny_dir):
 
 
 def test_batched_decode_gives_each_sequence_the_tokens_it_gets_alone(engine_factory):
+    # ignore_eos: every sequence decodes all 24 steps in the batch, none leaves it early
     alone = engine_factory(max_running=1)
-    expected = [run_all(alone, [request(p)])[0].tokens for p in PROMPTS]
+    expected = [run_all(alone, [request(p, ignore_eos=True)])[0].tokens for p in PROMPTS]
     batched = engine_factory(max_running=8, max_step_tokens=16)  # prefills chunked too
-    clients = run_all(batched, [request(p) for p in PROMPTS])
+    clients = run_all(batched, [request(p, ignore_eos=True) for p in PROMPTS])
     assert [c.tokens for c in clients] == expected
-    assert all(c.finished.reason in {"stop", "length"} for c in clients)
+    assert all(len(c.tokens) == 24 and c.finished.reason == "length" for c in clients)
     for c in clients:
         s = c.finished.stats
         assert s.hits + s.spilled == s.lookups > 0 and s.prefill_lookups > 0
@@ -172,10 +174,10 @@ def test_window_is_enforced_before_admission_and_max_tokens_is_clamped(engine_fa
     with pytest.raises(PromptTooLong, match=f"context window is {window} tokens"):
         engine.submit(request("x" * window), Client())
     prompt = "y" * (window - 5)
-    [client] = run_all(engine, [request(prompt, max_tokens=1000, temperature=0.9, seed=2)])
-    assert client.finished.stats.completion_tokens <= 5
-    if client.finished.reason == "length":
-        assert client.finished.stats.completion_tokens == 5
+    assert len(engine.runner.tokenizer.encode(prompt)) == window - 5  # one token a byte
+    [client] = run_all(engine, [request(prompt, max_tokens=1000, ignore_eos=True,
+                                        temperature=0.9, seed=2)])
+    assert (client.finished.reason, client.finished.stats.completion_tokens) == ("length", 5)
 
 
 def test_concurrent_submits_from_many_threads_all_end_once(engine_factory):

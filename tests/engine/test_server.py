@@ -72,15 +72,15 @@ async def test_greedy_is_deterministic_and_logprobs_are_consistent(engine_stub):
 
 async def test_stop_string_and_max_tokens_end_the_request(engine_stub):
     stub, _, _ = engine_stub
-    events = await collect(stub, request(max_tokens=5))
+    events = await collect(stub, request(max_tokens=5, ignore_eos=True))
     assert events[-1].finished.reason == engine_pb2.FINISH_REASON_LENGTH
     text = "".join(e.delta.text for e in events if e.HasField("delta"))
-    if len(text) >= 3:
-        stop = text[2:3]
-        stopped = await collect(stub, request(max_tokens=5, stop=[stop]))
-        out = "".join(e.delta.text for e in stopped if e.HasField("delta"))
-        assert stopped[-1].finished.reason == engine_pb2.FINISH_REASON_STOP
-        assert out == text[: text.index(stop)]
+    assert len(text) >= 4, text  # five greedy byte tokens of this checkpoint: room for a stop
+    stop = text[2:4]  # two characters: the first is held back until the second decides
+    stopped = await collect(stub, request(max_tokens=5, ignore_eos=True, stop=[stop]))
+    out = "".join(e.delta.text for e in stopped if e.HasField("delta"))
+    assert stopped[-1].finished.reason == engine_pb2.FINISH_REASON_STOP
+    assert out == text[: text.index(stop)] and len(out) >= 2
 
 
 async def test_over_long_prompt_is_invalid_argument_with_both_counts(engine_stub):

@@ -52,14 +52,15 @@ def test_chat_completion_reports_usage_and_logs_two_lines(cluster):
 
 def test_streaming_matches_non_streaming(cluster):
     c = client(cluster)
+    # ignore_eos: all 16 tokens are compared, however early the model would stop
     whole = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16,
-                                      temperature=0)
+                                      temperature=0, extra_body={"ignore_eos": True})
     chunks = list(c.chat.completions.create(
         model=MODEL, messages=PROMPT, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 16
 
 
 def test_code_prompt_gets_python_looking_text(cluster):
@@ -102,19 +103,47 @@ def test_cache_metrics_reach_the_cachemgr_endpoint(cluster):
 
 
 async def test_overload_gives_exactly_queue_plus_inflight_answers(cluster):
-    """--max-inflight 1 --max-queue 2: of 10 simultaneous requests, 3 complete, 7 get 429."""
-    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 48,
-            "temperature": 0}
+    """--max-inflight 1 --max-queue 2: of 10 simultaneous streams that cannot end by themselves
+    (ignore_eos, as long as the window allows), 7 get 429 while the other 3 are all still open,
+    one streaming and two queued; each closed stream lets the next one in. Exact whatever the
+    machine's speed: no admitted request can finish and free its place during the burst."""
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    url = f"{cluster.base_url}/chat/completions"
+
+    async def wait_answered(tasks, count, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while sum(t.done() for t in tasks) < count:
+            assert time.monotonic() < deadline, [t.done() for t in tasks]
+            await asyncio.sleep(0.05)
+        return [t.result() for t in tasks if t.done()]
+
     async with aiohttp.ClientSession() as session:
-        async def one():
-            async with session.post(f"{cluster.base_url}/chat/completions", json=body) as r:
-                return r.status, r.headers.get("Retry-After"), await r.json()
-        results = await asyncio.gather(*(one() for _ in range(10)))
-    ok = [r for r in results if r[0] == 200]
-    rejected = [r for r in results if r[0] == 429]
-    assert len(ok) == 3 and len(rejected) == 7, [r[0] for r in results]
-    assert all(r[2]["choices"][0]["finish_reason"] in {"stop", "length"} for r in ok)
-    assert all(r[1] and int(r[1]) >= 1 and "error" in r[2] for r in rejected)
+        tasks = [asyncio.create_task(session.post(url, json=body)) for _ in range(10)]
+        try:
+            answered = await wait_answered(tasks, 8)
+            assert sorted(r.status for r in answered) == [200] + [429] * 7
+            rejected = [r for r in answered if r.status == 429]
+            for r in rejected:
+                error = (await r.json())["error"]
+                assert int(r.headers["Retry-After"]) >= 1 and error["code"] == "queue_full"
+            served = []
+            for num_open in (8, 9, 10):  # the streaming one, then each queued one in turn
+                answered = await wait_answered(tasks, num_open)
+                [stream] = [r for r in answered if r.status == 200 and r not in served]
+                await stream.content.readuntil(b"\n\n")  # the role chunk
+                token = await stream.content.readuntil(b"\n\n")
+                assert b'"content"' in token and b"[DONE]" not in token
+                assert sum(not t.done() for t in tasks) == 10 - num_open  # the rest still queued
+                served.append(stream)
+                stream.close()  # leaves: its slot goes to the next in the queue
+        finally:
+            for t in tasks:
+                t.cancel()
+            for r in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(r, aiohttp.ClientResponse):
+                    r.close()
+    assert len(served) == 3
 
 
 @pytest.mark.parametrize(("payload", "status"), [

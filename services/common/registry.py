@@ -94,6 +94,7 @@ class EngineRegistration:
         self._task: asyncio.Task[None] | None = None
         self._reachable = True
         self.num_heartbeats = 0
+        self.num_failed_heartbeats = 0
 
     def info(self) -> EngineInfo:
         load = self._load()
@@ -110,6 +111,7 @@ class EngineRegistration:
                 pipe.zadd(INDEX_KEY, {self.engine_id: info.heartbeat_at + self.ttl_s})
                 await pipe.execute()
         except (RedisError, OSError) as exc:
+            self.num_failed_heartbeats += 1
             if self._reachable:
                 log.warning("engine %s: registry heartbeat to %s failed (%s); retrying every "
                             "%.1f s, gateways drop this engine after %.0f s", self.engine_id,

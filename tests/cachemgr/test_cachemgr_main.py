@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -105,9 +104,7 @@ def test_corrupt_profile_stops_start_with_a_clear_line(tmp_path):
     (tmp_path / "bad.bin").write_bytes(b"garbage")
     process = start_process(tmp_path, "--port", "0", "--metrics-port", "0",
                             "--profile", str(tmp_path / "bad.bin"))
-    started = time.monotonic()
-    output, _ = process.communicate(timeout=30)
+    output, _ = process.communicate(timeout=30)  # it exits by itself
     assert process.returncode == 2, output
     assert "cannot start" in output and "truncated header" in output
     assert "Traceback" not in output
-    assert time.monotonic() - started < 30

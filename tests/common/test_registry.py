@@ -62,7 +62,11 @@ async def test_outage_is_survived_and_recovers(redis_server, caplog):
     redis_server.stop()
     with pytest.raises(RegistryUnavailable):
         await registry.engines()
-    await asyncio.sleep(0.3)  # several failed heartbeats: logged once
+    for _ in range(200):  # several failed heartbeats: logged once
+        if reg.num_failed_heartbeats >= 3:
+            break
+        await asyncio.sleep(0.02)
+    assert reg.num_failed_heartbeats >= 3
     assert sum("heartbeat" in r.message and "failed" in r.message for r in caplog.records) == 1
     redis_server.start()  # same port, empty (in-memory) data
     for _ in range(100):

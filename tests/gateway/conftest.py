@@ -40,8 +40,10 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     finished: list[str] = field(default_factory=list)
     running: int = 0
     max_running_seen: int = 0
+    num_status_calls: int = 0  # GetStatus calls (the gateways' probes)
 
     async def GetStatus(self, request, context):
+        self.num_status_calls += 1
         if self.status_delay_s:
             await asyncio.sleep(self.status_delay_s)
         return engine_pb2.EngineStatus(engine_id="engine-0", model=MODEL, ready=self.ready,

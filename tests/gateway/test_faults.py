@@ -12,7 +12,7 @@ from services.common.registry import EngineLoad, EngineRegistration
 from services.gateway.ledger import Limits, RedisLedger
 
 from .conftest import MODEL, ScriptedEngine, start_engine
-from .test_overload import BODY, _health, _post, _wait_ready
+from .test_overload import BODY, _health, _post, _wait_for, _wait_ready
 
 
 async def _status_soon(http, base, wanted, timeout_s=5.0):
@@ -154,7 +154,8 @@ async def test_a_slow_status_probe_keeps_the_engine_a_hung_one_is_routed_around(
         await _wait_ready(http, tolerant)
         await _wait_ready(http, strict)
         servicer.status_delay_s = 0.3  # every probe times out
-        await asyncio.sleep(1.0)  # several probe rounds
+        probed = servicer.num_status_calls
+        await _wait_for(lambda: servicer.num_status_calls >= probed + 10, timeout_s=10)  # 5 each
         assert (await _post(http, tolerant))[0] == 200
         body = await _status_soon(http, strict, 503)
         assert body["engines"][0]["breaker"] in ("open", "half_open")

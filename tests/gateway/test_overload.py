@@ -213,4 +213,4 @@ async def test_the_bench_burst_client_reads_streams_and_rejections(make_gateway,
     assert all(o.ok for o in outcomes if o.status == 200)
     for o in (o for o in outcomes if o.status == 429):
         assert o.error_code == "queue_full" and o.drop_reason == "queue_full"
-        assert o.retry_after_s >= 1 and o.latency_s < max(x.latency_s for x in outcomes)
+        assert o.retry_after_s >= 1  # (answered at once: test_exact_caps_under_overload)

@@ -65,7 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     soak = sub.add_parser("soak", parents=both, help="steady load for a while")
     soak.add_argument("--duration-s", type=float, default=600.0)
     soak.add_argument("--concurrency", type=int, default=1)
-    soak.add_argument("--max-tokens", type=int, default=64)
+    soak.add_argument("--max-tokens", type=int, default=64,
+                      help="the mean completion length; each request asks for 0.5-1.5x it")
+    soak.add_argument("--check", action="store_true", help="exit 1 unless every criterion "
+                      "holds: no failed request, TTFT drift < 5%%, engine RSS drift < 1%%, "
+                      "every KV block free at the end")
     over = sub.add_parser("overload", parents=both, help="N simultaneous requests")
     over.add_argument("--requests", type=int, default=32)
     over.add_argument("--max-tokens", type=int, default=32)
@@ -90,6 +94,10 @@ async def _bench(args: argparse.Namespace) -> dict:
                   resources=sampler.summary(_tokens(result)), samples=sampler.samples)
     if args.bench == "soak":
         result["memory"] = load.memory_drift(sampler.samples)
+        address = ctx.engine.get("address")
+        end = await load.engine_idle(address) if address else None
+        result["engine_at_end"] = end
+        result["verdict"] = load.soak_verdict(result, result["memory"], end)
     return result
 
 
@@ -172,4 +180,10 @@ def bench_main(argv: list[str]) -> int:
     else:
         print(Path(result["report"]["markdown"]).read_text())
         print(f"report: {result['report']['markdown']} (JSON: {result['report']['json']})")
+    verdict = result.get("verdict")
+    if getattr(args, "check", False) and verdict and not verdict["ok"]:
+        failed = [f"{name} = {c['value']} (limit {c['limit']})"
+                  for name, c in verdict["criteria"].items() if not c["ok"]]
+        print(f"strata bench {args.bench}: failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0

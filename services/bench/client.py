@@ -211,7 +211,8 @@ def engine_status(address: str, timeout_s: float = 3.0) -> dict | None:
             "draft_bytes": c.draft_bytes,
             "plan_source": c.plan_source, "plan_version": c.plan_version,
             "requests_finished": s.requests_finished, "tokens_generated": s.tokens_generated,
-            "lookups": c.decode.lookups, "hits": c.decode.hits,
+            "running": s.running, "waiting": s.waiting, "kv_blocks_free": s.kv_blocks_free,
+            "kv_blocks_total": s.kv_blocks_total, "lookups": c.decode.lookups, "hits": c.decode.hits,
             "demand_fills": c.decode.fills + c.prefill.fills,
             "prefetch_fills": c.decode.prefetch_fills,
             "distinct_pairs_routed": c.distinct_pairs_routed, "layer_steps": c.layer_steps}

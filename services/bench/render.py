@@ -15,6 +15,10 @@ def _pct(share: float | None) -> str | None:
     return None if share is None else f"{share:.1%}"
 
 
+def _drift(change: float | None) -> str | None:
+    return None if change is None else f"{change:+.1%}"
+
+
 def render_run(report: Report, r: dict) -> None:
     cases = r["cases"]
     report.section("Cases", table(
@@ -73,15 +77,32 @@ def render_soak(report: Report, r: dict) -> None:
         ["requests ok / failed", f"{r['num_success']} / {r['num_failed']}"],
         ["TTFT ms p50, first half", _ms(r["ttft_s_p50_first_half"])],
         ["TTFT ms p50, second half", _ms(r["ttft_s_p50_second_half"])],
-        ["TTFT drift", None if r["ttft_drift"] is None else f"{r['ttft_drift']:+.1%}"],
+        ["TTFT drift (wall clock)", _drift(r["ttft_drift"])],
+        ["inter-token ms p50, first / second half",
+         f"{fmt(_ms(r.get('itl_s_p50_first_half')))} / "
+         f"{fmt(_ms(r.get('itl_s_p50_second_half')))}"],
+        ["TTFT drift at the host's pace", _drift(r.get("ttft_drift_at_host_pace"))],
         ["engine RSS MiB start -> end", f"{fmt(drift.get('engine_rss_mib_start'))} -> "
                                         f"{fmt(drift.get('engine_rss_mib_end'))}"],
         ["engine RSS drift MiB", drift.get("engine_rss_drift_mib")]], 2))
+    if verdict := r.get("verdict"):
+        report.section(f"Verdict: {'pass' if verdict['ok'] else 'FAIL'}", table(
+            ["criterion", "value", "limit", "pass", "how"],
+            [[name, c["value"] if not isinstance(c["value"], float) else f"{c['value']:+.2%}",
+              c["limit"] if not isinstance(c["limit"], float) else f"{c['limit']:.0%}",
+              "yes" if c["ok"] else "NO", c.get("note", "")]
+             for name, c in verdict["criteria"].items()]))
     ok = [q for q in r["requests"] if q["ok"]]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot([q["start_s"] for q in ok], [_ms(q["ttft_s"]) for q in ok], ".")
     ax.set(xlabel="request start (s)", ylabel="TTFT ms", title="TTFT over the soak")
     report.figure("ttft", fig, "TTFT over the soak")
+    rss = [(s["t_s"], s["engine_rss_mib"]) for s in r.get("samples", []) if "engine_rss_mib" in s]
+    if len(rss) >= 2:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(*zip(*rss, strict=True), "-")
+        ax.set(xlabel="time (s)", ylabel="engine RSS MiB", title="Engine memory over the soak")
+        report.figure("rss", fig, "Engine memory over the soak")
 
 
 def render_overload(report: Report, r: dict) -> None:

@@ -240,11 +240,18 @@ def _usage(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
 
 
 def _json(raw: bytes) -> Any:
+    """The body as JSON, strictly: NaN and Infinity are no JSON values (Python's parser takes
+    them), and a number past Python's digit limit or nesting past its recursion limit is a
+    400 like any other malformed body."""
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError too
         raise InvalidRequest(f"the request body is not valid JSON: {exc}",
                              code="invalid_json") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _log_start(request: web.Request, spec: GenerateInput) -> None:

@@ -31,11 +31,13 @@ from services.common.counters import CacheCounters, PhaseCounters
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
 from services.engine.driver import chunk_work
+from services.engine.grammar import GrammarError, Grammars, Guide
 from services.engine.requests import (
     Delta,
     EngineRequest,
     EngineTotals,
     Finished,
+    GenerateParams,
     InvalidRequest,
     PromptTooLong,
     RequestHandle,
@@ -71,12 +73,13 @@ class Runner(Protocol):
 class _Live:
     """The loop thread's state of one accepted request (the scheduler's SeqState.payload)."""
 
-    def __init__(self, handle: RequestHandle, tokenizer: Any, context_window: int):
+    def __init__(self, handle: RequestHandle, tokenizer: Any, context_window: int,
+                 guide: Guide | None = None):
         params = handle.request.params
         self.handle = handle
         eos = () if params.ignore_eos else tuple(tokenizer.eos_token_ids)
         self.end_ids = frozenset((*eos, *params.stop_token_ids))  # ids that end the sequence
-        self.sampler = Sampler(params.sampling, handle.prompt_ids, self.end_ids)
+        self.sampler = Sampler(params.sampling, handle.prompt_ids, self.end_ids, guide)
         self.text = TextStream(tokenizer, params.stop)
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
@@ -167,6 +170,7 @@ class Engine:
         # a transport can send them together (server.Outbox).
         self.after_step: Callable[[], None] = lambda: None
         self._seq_ids = itertools.count()
+        self._grammars: Grammars | None = None  # built at the first constrained request
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="strata-engine-loop", daemon=True)
@@ -221,8 +225,9 @@ class Engine:
                                      f"{vocab}")
         if self._stopping:
             raise RuntimeError("engine is shutting down")
+        guide = self._guide(params)
         handle = RequestHandle(request, prompt_ids, sink)
-        live = _Live(handle, self.runner.tokenizer, self.context_window)
+        live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
                        arrived_at=handle.submitted_at, payload=live)
         sink(Started(len(prompt_ids), self.context_window))
@@ -230,6 +235,20 @@ class Engine:
             self._intake.append(seq)
             self._wakeup.notify()
         return handle
+
+    def _guide(self, params: GenerateParams) -> Guide | None:
+        """The request's grammar matcher (constrained decoding); InvalidRequest naming the
+        problem when the constraint does not compile."""
+        if params.constraint is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.runner.tokenizer,
+                                      self.runner.config.vocab_size,  # type: ignore[attr-defined]
+                                      getattr(self.runner, "model_dir", None))
+        try:
+            return self._grammars.guide(params.constraint)
+        except GrammarError as exc:
+            raise InvalidRequest(f"response_format: {exc}") from None
 
     def _tokenize(self, request: EngineRequest) -> list[int]:
         tokenizer = self.runner.tokenizer
@@ -288,6 +307,9 @@ class Engine:
         if not step.chunks:
             return
         work = [chunk_work(c) for c in step.chunks]
+        for chunk in step.chunks:  # grammar masks: computed while the forward runs
+            if chunk.samples and (guide := chunk.seq.payload.sampler.guide) is not None:
+                guide.start_mask()
         try:
             results: list = self.runner.step(work)  # type: ignore[attr-defined]
         except Exception as exc:
@@ -338,8 +360,8 @@ class Engine:
         for seq in self.scheduler.running:
             live: _Live = seq.payload
             limit = min(self.spec_tokens, live.max_new - live.generated - 1)
-            if live.sampler.cfg.history_dependent:
-                limit = 0  # each verified row would need its own penalty history
+            if live.sampler.cfg.history_dependent or live.sampler.guide is not None:
+                limit = 0  # each verified row would need its own history (penalties, grammar)
             if seq.num_pending == 1 and limit > 0 and not seq.cancelled:
                 wanting.append(seq)
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, seq.prompt_len, limit))
@@ -400,6 +422,9 @@ class Engine:
         live.emit(new_text, token_id, self._logprobs(logits, token_id, params.top_logprobs)
                   if params.logprobs else None)
         if hit_stop:
+            self._finish(seq, "stop")
+        elif live.sampler.guide is not None and live.sampler.guide.done:
+            live.emit(live.text.flush())  # the grammar is complete: nothing more may follow
             self._finish(seq, "stop")
         elif live.generated >= live.max_new:
             live.emit(live.text.flush())

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.counters import ByPhase, CacheCounters
+from services.engine.grammar import OutputConstraint
 from services.engine.sampling import SamplingConfig
 
 
@@ -38,6 +39,7 @@ class GenerateParams:
     top_logprobs: int = 0  # and this many most likely alternatives
     ignore_eos: bool = False  # EOS does not end the sequence (it is generated as any token)
     stop_token_ids: tuple[int, ...] = ()  # these end it as EOS does (finish reason "stop")
+    constraint: OutputConstraint | None = None  # the output must match it (grammar.py)
 
 
 @dataclass(frozen=True)

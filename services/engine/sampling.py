@@ -9,6 +9,8 @@ Processing, in vLLM's order (each off at its neutral value):
     repetition_penalty   a token seen in the prompt or the output: logit / p if > 0, else * p
     frequency_penalty    logit -= f * (times the token was generated)
     presence_penalty     logit -= p * (1 if it was generated at all)
+    guide                a token the request's grammar cannot take next: -inf (grammar.py;
+                         last, so that nothing outside the grammar can win)
 
 The penalties read the request's own history, so a Sampler is per request: observe() is told
 every token it emits. Draws use a per-request torch.Generator on the CPU, so a seeded request
@@ -19,8 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.engine.grammar import Guide
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,12 @@ class SamplingConfig:
 
 class Sampler:
     def __init__(self, cfg: SamplingConfig, prompt_ids: Iterable[int] = (),
-                 end_ids: Iterable[int] = ()):
+                 end_ids: Iterable[int] = (), guide: Guide | None = None):
         """prompt_ids: what repetition_penalty counts besides the output; end_ids: the ids
-        that end the sequence (EOS, stop_token_ids), masked before min_tokens."""
+        that end the sequence (EOS, stop_token_ids), masked before min_tokens; guide: the
+        request's grammar (constrained decoding), told every token taken."""
         self.cfg = cfg
+        self.guide = guide
         self._gen = torch.Generator(device="cpu")
         if cfg.seed is None:
             self._gen.seed()
@@ -89,12 +97,14 @@ class Sampler:
         self.generated += 1
         if self.cfg.history_dependent:
             self._counts[token_id] = self._counts.get(token_id, 0) + 1
+        if self.guide is not None:
+            self.guide.consume(token_id)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] or [R, V] -> processed fp32 CPU logits (each row with the same
         history); unchanged when nothing is configured."""
         cfg = self.cfg
-        if not cfg.processes:
+        if not cfg.processes and self.guide is None:
             return logits
         out = logits.detach().float().cpu().clone()
         if cfg.logit_bias:  # ids within the vocabulary: the engine refuses others at submit
@@ -111,6 +121,10 @@ class Sampler:
             ids = torch.tensor(list(self._counts), dtype=torch.long)
             counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
             out[..., ids] -= cfg.frequency_penalty * counts + cfg.presence_penalty
+        if self.guide is not None:
+            allowed = self.guide.allowed()
+            out[..., :len(allowed)].masked_fill_(~allowed, float("-inf"))
+            out[..., len(allowed):] = float("-inf")
         return out
 
     def sample(self, logits: torch.Tensor) -> int:

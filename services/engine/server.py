@@ -31,6 +31,7 @@ from services.common.genai_metrics import GenAIMetrics
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
 from services.common.telemetry import extract_context
 from services.engine.core import Engine
+from services.engine.grammar import OutputConstraint
 from services.engine.requests import (
     Delta,
     EngineRequest,
@@ -78,7 +79,7 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
         top_logprobs=s.top_logprobs,
         ignore_eos=s.ignore_eos,
         stop_token_ids=tuple(s.stop_token_ids),
-        sampling=sampling)
+        sampling=sampling, constraint=constraint_from_proto(msg))
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")
     if which == "chat":
@@ -87,6 +88,17 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
     if which == "prompt":
         return EngineRequest(request_id, params, prompt=msg.prompt)
     raise InvalidRequest("request has neither chat messages nor a prompt")
+
+
+def constraint_from_proto(msg: engine_pb2.GenerateRequest) -> OutputConstraint | None:
+    if not msg.HasField("constraint"):
+        return None
+    kind = msg.constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return OutputConstraint("json_object") if msg.constraint.json_object else None
+    return OutputConstraint(kind, getattr(msg.constraint, kind))
 
 
 def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:

@@ -155,13 +155,19 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
         min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids))
     if s.seed is not None:
         sampling.seed = s.seed
+    request = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
+                                         stream_interval_ms=stream_interval_ms)
     if spec.is_chat:
-        chat = engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(role=m.role, content=m.content)
-                                              for m in spec.messages])
-        return engine_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling,
-                                          stream_interval_ms=stream_interval_ms)
-    return engine_pb2.GenerateRequest(request_id=request_id, prompt=spec.prompt, sampling=sampling,
-                                      stream_interval_ms=stream_interval_ms)
+        request.chat.CopyFrom(engine_pb2.ChatInput(messages=[
+            engine_pb2.ChatMessage(role=m.role, content=m.content) for m in spec.messages]))
+    else:
+        request.prompt = spec.prompt or ""
+    if (c := spec.constraint) is not None:
+        if c.kind == "json_object":
+            request.constraint.json_object = True
+        else:
+            setattr(request.constraint, c.kind, c.text)
+    return request
 
 
 # gRPC codes that say the engine (not the request) is in trouble: they count against its breaker.

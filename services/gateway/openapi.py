@@ -11,6 +11,7 @@ from aiohttp import web
 
 from services.gateway.schemas import (
     MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_REPETITION_PENALTY,
@@ -60,6 +61,26 @@ _SAMPLING = {
     "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
                        "items": {"type": "integer", "minimum": 0},
                        "description": "vLLM extension"},
+    "response_format": {"type": ["object", "null"], "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "description": {"type": "string"},
+            "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"],
+                       "description": "the output is held to the schema either way"}}}},
+        "description": "constrained decoding: the output parses as JSON (and validates)"},
+    "guided_json": {"type": ["object", "string", "null"],
+                    "description": "vLLM extension: a JSON Schema the output follows"},
+    "guided_regex": {"type": ["string", "null"], "minLength": 1,
+                     "maxLength": MAX_GRAMMAR_CHARS,
+                     "description": "vLLM extension: the output matches this regex"},
+    "guided_choice": {"type": ["array", "null"], "minItems": 1,
+                      "items": {"type": "string", "minLength": 1},
+                      "description": "vLLM extension: the output is one of these"},
+    "guided_grammar": {"type": ["string", "null"], "minLength": 1,
+                       "maxLength": MAX_GRAMMAR_CHARS,
+                       "description": "vLLM extension: a Lark grammar (llguidance's dialect)"},
 }
 
 _SCHEMAS: dict[str, Any] = {
@@ -84,8 +105,6 @@ _SCHEMAS: dict[str, Any] = {
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                          "description": "needs logprobs: true"},
-        "response_format": {"type": ["object", "null"], "properties": {
-            "type": {"const": "text", "description": "json_object / json_schema: 400 for now"}}},
     }},
     "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
         **_SAMPLING,

@@ -7,7 +7,9 @@ many optional ones.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,6 +28,9 @@ MAX_CHOICES = 16  # n
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPETITION_PENALTY = 10.0
+MAX_GRAMMAR_CHARS = 1 << 16  # a JSON schema, regex or grammar, as text
+# vLLM's constrained-decoding fields, which clients written for it send.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # Tool calling arrives with #23; until then these are refused by name, never ignored.
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
@@ -51,6 +56,14 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What the output must match (the engine's OutputConstraint)."""
+
+    kind: str  # json_schema | json_object | regex | lark
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class Message:
     role: str
     content: str
@@ -67,6 +80,7 @@ class GenerateInput:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: n engine requests of the same prompt (the KV prefix reused)
+    constraint: Constraint | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -93,7 +107,8 @@ def parse_chat(body: Any) -> GenerateInput:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return GenerateInput(
         model=_model(body), messages=parsed, **_stream(body), n=_choices(body),
-        sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs))
+        sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs),
+        constraint=_constraint(body))
 
 
 def parse_completion(body: Any) -> GenerateInput:
@@ -119,7 +134,7 @@ def parse_completion(body: Any) -> GenerateInput:
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=_model(body), prompt=prompt, **_stream(body), n=_choices(body),
-                         sampling=sampling)
+                         sampling=sampling, constraint=_constraint(body))
 
 
 # -- pieces ------------------------------------------------------------------------------------
@@ -159,15 +174,83 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
+def _constraint(body: dict[str, Any]) -> Constraint | None:
+    """The output constraint: OpenAI's response_format (json_object, json_schema), or one of
+    vLLM's guided_* fields; at most one. Whether a schema or grammar compiles is the engine's
+    to say (a 400 naming the problem)."""
+    found: list[tuple[str, Constraint]] = []
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise InvalidRequest("'response_format' must be an object with a 'type'",
                                  "response_format")
-        if fmt["type"] != "text":
-            raise InvalidRequest(f"response_format type {fmt['type']!r} is not supported yet; "
-                                 "only 'text'", "response_format", code="unsupported_parameter")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", Constraint("json_object")))
+        elif fmt["type"] == "json_schema":
+            found.append(("response_format", Constraint("json_schema", _json_schema(fmt))))
+        elif fmt["type"] != "text":
+            raise InvalidRequest(f"response_format type {fmt['type']!r} is not one of 'text', "
+                                 "'json_object', 'json_schema'", "response_format.type")
+    for name in GUIDED_FIELDS:
+        value = body.get(name)
+        if value is not None:
+            found.append((name, _guided(name, value)))
+    if len(found) > 1:
+        raise InvalidRequest(f"one output constraint at most: '{found[0][0]}' and "
+                             f"'{found[1][0]}' were both given", found[1][0])
+    if not found:
+        return None
+    name, constraint = found[0]
+    if len(constraint.text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"'{name}' is {len(constraint.text)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS}", name)
+    return constraint
+
+
+def _json_schema(fmt: dict[str, Any]) -> str:
+    spec = fmt.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise InvalidRequest("'response_format.json_schema' must be an object with a 'name' "
+                             "and a 'schema'", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise InvalidRequest("'response_format.json_schema.name' must be 1-64 letters, digits, "
+                             "'_' or '-'", f"{param}.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise InvalidRequest("'response_format.json_schema.strict' must be true or false",
+                             f"{param}.strict")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise InvalidRequest("'response_format.json_schema.schema' must be a JSON Schema "
+                             "object", f"{param}.schema")
+    # strict or not, the output is held to the schema (OpenAI's strict: true)
+    return json.dumps(schema)
+
+
+def _guided(name: str, value: Any) -> Constraint:
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidRequest("'guided_json' must be a JSON Schema (an object, or its "
+                                     "JSON text)", name) from None
+        if not isinstance(value, dict):
+            raise InvalidRequest("'guided_json' must be a JSON Schema object", name)
+        return Constraint("json_schema", json.dumps(value))
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or \
+                not all(isinstance(v, str) and v for v in value):
+            raise InvalidRequest("'guided_choice' must be a non-empty array of non-empty "
+                                 "strings", name)
+        return Constraint("lark", "start: " + " | ".join(json.dumps(v) for v in value))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"'{name}' must be a non-empty string", name)
+    return Constraint("regex" if name == "guided_regex" else "lark", value)
+
+
+def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
     for name in TOOL_FIELDS:
         if body.get(name) is not None:
             raise InvalidRequest(f"'{name}' is not supported yet (tool calling)", name,

@@ -42,7 +42,7 @@ BAD_BODIES = [
     ({**GOOD, "seed": -1}, 400, "seed"),
     ({**GOOD, "stop": 5}, 400, "stop"),
     ({**GOOD, "stream": "yes"}, 400, "stream"),
-    ({**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({**GOOD, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
 ]
 
 

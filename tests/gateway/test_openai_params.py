@@ -116,7 +116,7 @@ async def test_deadline_exceeded_is_504(make_gateway, engine):
 
 
 @pytest.mark.parametrize(("patch", "param"), [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),

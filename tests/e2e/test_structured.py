@@ -1,0 +1,139 @@
+"""Structured output end to end: `strata up` on the default model (whose answers are no JSON on
+their own), the official openai client, `response_format` json_schema (strict) over five
+schemas: every completed answer parses and validates with jsonschema, streamed or not; the
+vLLM-style guided_* fields; an invalid schema is a 400 naming the problem."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from services.models import DEFAULT_MODEL_NAME as MODEL
+from tests.e2e.conftest import start_cluster, stop_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "address": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+            "required": ["name", "address"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "enums": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"enum": ["S", "M", "L", "XL"]},
+        "in_stock": {"type": "boolean"}},
+        "required": ["color", "size", "in_stock"], "additionalProperties": False},
+    "arrays": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                 "minItems": 1, "maxItems": 4},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                              "maximum": 100}, "maxItems": 5}},
+        "required": ["tags", "scores"], "additionalProperties": False},
+    "numbers": {"type": "object", "properties": {
+        "temperature": {"type": "number", "minimum": -40, "maximum": 60},
+        "humidity": {"type": "integer", "minimum": 0, "maximum": 100},
+        "pressure": {"type": "number", "exclusiveMinimum": 900, "maximum": 1100}},
+        "required": ["temperature", "humidity", "pressure"], "additionalProperties": False},
+    "required": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1},
+        "title": {"type": "string", "minLength": 1, "maxLength": 30},
+        "note": {"type": ["string", "null"], "maxLength": 20}},
+        "required": ["id", "title", "note"], "additionalProperties": False},
+}
+PROMPTS = ["Describe the record.", "def parse_args(argv):", "Give me the data as JSON.",
+           "import os", "The weather today"]
+
+
+@pytest.fixture(scope="module")
+def cluster8(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("structured"), "--max-inflight", "8",
+                      "--max-queue", "64")
+    yield c
+    assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+
+
+def _format(name: str) -> dict:
+    return {"type": "json_schema",
+            "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+async def _one(client: openai.AsyncOpenAI, name: str, i: int, stream: bool) -> tuple[str, str]:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i % 5]}],
+                  max_tokens=200, temperature=0.8, seed=i, response_format=_format(name))
+    if not stream:
+        reply = await client.chat.completions.create(**kwargs)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+    text, finish = "", None
+    async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_50_json_schema_answers_all_parse_and_validate(cluster8, figures, stream):
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        answers = await asyncio.gather(*(_one(client, name, i, stream)
+                                         for i, name in enumerate(list(SCHEMAS) * 10)))
+    completed = 0
+    for (text, finish), name in zip(answers, list(SCHEMAS) * 10, strict=True):
+        assert finish in ("stop", "length"), finish
+        if finish == "stop":
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+            completed += 1
+    figures(f"{completed} of 50 completed (finish 'stop'), every one valid; the rest hit "
+            "max_tokens 200")
+    assert completed >= 45
+
+
+async def test_guided_fields_and_json_object(cluster8):
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        async def complete(**extra):
+            reply = await client.completions.create(model=MODEL, prompt="def f(x):",
+                                                    max_tokens=48, temperature=0,
+                                                    extra_body=extra)
+            return reply.choices[0].text, reply.choices[0].finish_reason
+
+        text, finish = await complete(guided_regex=r"[0-9]{3}-[a-z]{2,5}")
+        assert finish == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", text), text
+        text, finish = await complete(guided_choice=["yes", "no", "maybe later"])
+        assert finish == "stop" and text in ("yes", "no", "maybe later"), text
+        text, finish = await complete(guided_grammar='start: "x=" NUMBER\nNUMBER: /[0-9]{1,4}/')
+        assert finish == "stop" and re.fullmatch(r"x=[0-9]{1,4}", text), text
+        text, finish = await complete(guided_json={"type": "array", "items": {"type": "boolean"},
+                                                   "minItems": 2, "maxItems": 2})
+        assert finish == "stop" and len(json.loads(text)) == 2, text
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=96,
+            temperature=0, response_format={"type": "json_object"})
+        if reply.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+async def test_an_invalid_schema_is_a_400_naming_the_problem(cluster8):
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "bad", "schema": {"type": "object", "properties": {
+                        "n": {"type": "integr"}}}}})
+        assert "integr" in caught.value.body["message"], caught.value.body
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                            extra_body={"guided_regex": "[a-"})
+        assert "regex" in caught.value.body["message"], caught.value.body

@@ -1,0 +1,150 @@
+"""Constrained decoding in the engine: grammars compiled or refused with the reason, masks that
+hold the model to them, a constrained request batched with unconstrained ones changing nothing
+of theirs, and the grammar's completion ending the request."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from services.engine.core import Engine
+from services.engine.grammar import GrammarError, Grammars, OutputConstraint, compile_grammar
+from services.engine.requests import (
+    Delta,
+    EngineRequest,
+    Finished,
+    GenerateParams,
+    InvalidRequest,
+)
+from services.engine.runner import ModelRunner
+from services.engine.sampling import SamplingConfig
+from services.models import default_model_dir
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    runner = ModelRunner(default_model_dir(), cache_slots=512, reserved_bytes=0)
+    runner.fill_cache(runner.layer_order_pairs())
+    eng = Engine(runner)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def submit(engine: Engine, prompt: str, constraint: OutputConstraint | None = None,
+           **params) -> tuple[threading.Event, list]:
+    done, events = threading.Event(), []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, Finished):
+            done.set()
+    sampling = SamplingConfig(temperature=params.pop("temperature", 0.0),
+                              seed=params.pop("seed", None),
+                              logit_bias=params.pop("logit_bias", ()))
+    engine.submit(EngineRequest("r", GenerateParams(sampling=sampling, constraint=constraint,
+                                                    **params), prompt=prompt), sink)
+    return done, events
+
+
+def result(done: threading.Event, events: list) -> tuple[str, str, int]:
+    assert done.wait(120)
+    finished = events[-1]
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    return text, finished.reason, finished.stats.completion_tokens
+
+
+def generate(engine, prompt, constraint=None, **params) -> tuple[str, str, int]:
+    return result(*submit(engine, prompt, constraint, **params))
+
+
+@pytest.mark.parametrize(("kind", "text", "says"), [
+    ("json_schema", "{not json", "not valid JSON"),
+    ("json_schema", json.dumps({"type": "strin"}), "strin"),
+    ("regex", "[a-", "regex"),
+    ("lark", "start: missing_rule", "missing_rule"),
+])
+def test_a_constraint_that_does_not_compile_says_why(kind, text, says):
+    with pytest.raises(GrammarError) as caught:
+        compile_grammar(kind, text)
+    assert says in str(caught.value), caught.value
+
+
+def test_the_mask_allows_exactly_what_the_grammar_takes_next():
+    from services.engine.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir())
+    guide = Grammars(tokenizer, tokenizer.vocab_size, default_model_dir()).guide(
+        OutputConstraint("regex", "ab[0-9]"))
+    first = guide.allowed()
+    assert first.dtype == torch.bool and first.shape == (tokenizer.vocab_size,)
+    texts = {tokenizer.decode([int(i)]) for i in first.nonzero().flatten()}
+    assert texts and all("ab"[:len(t)] == t or t.startswith("ab") for t in texts), texts
+    (a,) = tokenizer.encode("a")
+    guide.consume(a)
+    after_a = {tokenizer.decode([int(i)]) for i in guide.allowed().nonzero().flatten()}
+    assert "b" in after_a and "a" not in after_a
+    guide.consume(tokenizer.encode("b")[0])
+    digits = {tokenizer.decode([int(i)]) for i in guide.allowed().nonzero().flatten()}
+    assert digits == {str(d) for d in range(10)}
+    assert not guide.done
+    guide.consume(tokenizer.encode("7")[0])
+    assert guide.done
+
+
+def test_json_schema_output_validates_greedy_and_sampled(engine):
+    for seed in (None, 1, 2, 3):
+        text, reason, _ = generate(engine, "def parse(x):", OutputConstraint(
+            "json_schema", json.dumps(SCHEMA)), max_tokens=120,
+            temperature=0.0 if seed is None else 1.0, seed=seed)
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_the_grammar_wins_over_logit_bias_and_its_completion_ends_the_request(engine):
+    from services.engine.model.tokenizer import Tokenizer
+
+    (x_id,) = Tokenizer(default_model_dir()).encode("x")
+    text, reason, tokens = generate(engine, "def f", OutputConstraint("regex", "[0-9]{4}"),
+                                    max_tokens=50, logit_bias=((x_id, 100.0),),
+                                    ignore_eos=True)
+    assert re.fullmatch("[0-9]{4}", text) and reason == "stop" and tokens <= 4, text
+
+
+def test_max_tokens_before_the_grammar_completes_is_length_not_stop(engine):
+    text, reason, tokens = generate(engine, "def f", OutputConstraint(
+        "json_schema", json.dumps(SCHEMA)), max_tokens=5)
+    assert reason == "length" and tokens == 5
+    with pytest.raises(ValueError):
+        json.loads(text)  # cut short: never reported as complete
+
+
+def test_constrained_and_plain_requests_share_a_batch_without_changing_each_other(engine):
+    plain_alone = generate(engine, "import os\n", max_tokens=24, ignore_eos=True)
+    guided_alone = generate(engine, "x = ", OutputConstraint("json_object"), max_tokens=60)
+    running = [submit(engine, "import os\n", max_tokens=24, ignore_eos=True),
+               submit(engine, "x = ", OutputConstraint("json_object"), max_tokens=60),
+               submit(engine, "import os\n", max_tokens=24, ignore_eos=True)]
+    plain_1, guided, plain_2 = (result(*r) for r in running)
+    assert plain_1 == plain_2 == plain_alone  # greedy: the same whatever shares the batch
+    assert guided == guided_alone
+    if guided[1] == "stop":
+        assert isinstance(json.loads(guided[0]), dict)
+
+
+def test_a_constraint_that_does_not_compile_is_refused_at_submit(engine):
+    with pytest.raises(InvalidRequest) as caught:
+        submit(engine, "x", OutputConstraint("json_schema", json.dumps({"type": "integr"})))
+    assert "integr" in str(caught.value)
+    assert engine.num_running == 0

@@ -11,6 +11,7 @@
     strata bench cache        cache policies on held-out prompts (static, LRU, default, Belady)
     strata bench engine       prefill/decode tok/s in-process vs the memory-bandwidth bound
     strata bench spec         speculative decoding: tok/s, expert reads per token, acceptance
+    strata bench grammar      constrained decoding: tok/s with and without, mask time per step
     strata bench quant        quantized experts: held-out perplexity and top-1 agreement
     strata cache profile|replay   build expert-profile.bin from traces; replay a routing trace
     strata plan [fit]         capacity table: memory -> coverage -> hit rate -> tok/s
@@ -57,6 +58,10 @@ def _bench(argv: list[str]) -> int:
         from services.bench.spec_bench import main as bench_spec
 
         return bench_spec(argv[1:])
+    if argv[:1] == ["grammar"]:  # constrained decoding's cost in-process: masks per step
+        from services.bench.grammar_bench import main as bench_grammar
+
+        return bench_grammar(argv[1:])
     if argv[:1] == ["engine"]:  # decode speed of the model in-process, vs the bandwidth bound
         from services.bench.engine_bench import main as bench_engine
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import threading
 import time
@@ -31,13 +32,19 @@ from services.common.counters import CacheCounters, PhaseCounters
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
 from services.engine.driver import chunk_work
-from services.engine.grammar import GrammarError, Grammars, Guide
+from services.engine.grammar import (
+    GrammarError,
+    Grammars,
+    Guide,
+    OutputConstraint,
+    tool_call_constraint,
+)
 from services.engine.requests import (
+    ChatTurn,
     Delta,
     EngineRequest,
     EngineTotals,
     Finished,
-    GenerateParams,
     InvalidRequest,
     PromptTooLong,
     RequestHandle,
@@ -114,6 +121,10 @@ class _Live:
         admitted = seq.admitted_at if seq.admitted_at is not None else finished_at
         first = self.first_token_at if self.first_token_at is not None else finished_at
         decode_s = finished_at - first
+        guide = self.sampler.guide
+        grammar = {} if guide is None else {
+            "grammar_masks": guide.masks, "grammar_compute_ms": guide.compute_s * 1e3,
+            "grammar_wait_ms": guide.wait_s * 1e3}
         return RequestStats(
             prompt_tokens=len(h.prompt_ids), reused_prompt_tokens=seq.num_reused,
             completion_tokens=self.generated,
@@ -127,7 +138,7 @@ class _Live:
             decode=self.cache.decode.copy(), prefill=self.cache.prefill.copy(),
             drafts_proposed=self.drafts_proposed,
             drafts_accepted=self.drafts_accepted, verify_steps=self.verify_steps,
-            rejected_lookups=self.rejected_lookups, draft_lookups=self.draft_lookups)
+            rejected_lookups=self.rejected_lookups, draft_lookups=self.draft_lookups, **grammar)
 
 
 class Engine:
@@ -143,6 +154,7 @@ class Engine:
         self.spec_tokens = spec_tokens if draft_source is not None else 0
         self.context_window: int = runner.config.context_window  # type: ignore[attr-defined]
         self.totals = EngineTotals()
+        self.steps = 0  # forward passes run
         if getattr(runner, "per_sequence_state", False):
             # linear-attention layers' state lives outside the KV pool: a sequence reusing
             # another's prefix blocks would skip positions that state never saw
@@ -225,40 +237,60 @@ class Engine:
                                      f"{vocab}")
         if self._stopping:
             raise RuntimeError("engine is shutting down")
-        guide = self._guide(params)
+        guide = self._guide(self._constraint(request))
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
                        arrived_at=handle.submitted_at, payload=live)
-        sink(Started(len(prompt_ids), self.context_window))
+        sink(Started(len(prompt_ids), self.context_window,
+                     self.runner.tokenizer.tool_call_format if request.tools else ""))
         with self._wakeup:
             self._intake.append(seq)
             self._wakeup.notify()
         return handle
 
-    def _guide(self, params: GenerateParams) -> Guide | None:
+    def _constraint(self, request: EngineRequest) -> OutputConstraint | None:
+        """What the output must match: the request's own constraint, or the tool-call syntax
+        when its tool_choice requires a call."""
+        tools, constraint = request.tools, request.params.constraint
+        if tools is None or tools.choice == "auto":
+            return constraint
+        if constraint is not None:
+            raise InvalidRequest("a required tool call and an output constraint both decide "
+                                 "the output's form; give one")
+        return tool_call_constraint(self.runner.tokenizer.tool_call_format, tools.tools_json,
+                                    tools.choice, tools.parallel)
+
+    def _guide(self, constraint: OutputConstraint | None) -> Guide | None:
         """The request's grammar matcher (constrained decoding); InvalidRequest naming the
         problem when the constraint does not compile."""
-        if params.constraint is None:
+        if constraint is None:
             return None
         if self._grammars is None:
             self._grammars = Grammars(self.runner.tokenizer,
                                       self.runner.config.vocab_size,  # type: ignore[attr-defined]
                                       getattr(self.runner, "model_dir", None))
         try:
-            return self._grammars.guide(params.constraint)
+            return self._grammars.guide(constraint)
         except GrammarError as exc:
             raise InvalidRequest(f"response_format: {exc}") from None
 
     def _tokenize(self, request: EngineRequest) -> list[int]:
         tokenizer = self.runner.tokenizer
+        if request.tools is not None and not tokenizer.tool_call_format:  # type: ignore[attr-defined]
+            raise InvalidRequest("tools: this model's chat template teaches no tool-call syntax "
+                                 "Strata parses (<tool_call> blocks); send the request without "
+                                 "tools")
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequest("messages must not be empty")
+            extra = {} if request.tools is None else {
+                "tools": json.loads(request.tools.tools_json)}
             try:
                 text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                    [{"role": r, "content": c} for r, c in request.messages],
-                    add_generation_prompt=True)
+                    [m.as_template_message() if isinstance(m, ChatTurn)
+                     else {"role": m[0], "content": m[1]} for m in request.messages],
+                    add_generation_prompt=True, **extra)
             except ValueError as exc:  # the template rejected the conversation
                 raise InvalidRequest(str(exc)) from exc
         else:
@@ -307,6 +339,7 @@ class Engine:
         if not step.chunks:
             return
         work = [chunk_work(c) for c in step.chunks]
+        self.steps += 1
         for chunk in step.chunks:  # grammar masks: computed while the forward runs
             if chunk.samples and (guide := chunk.seq.payload.sampler.guide) is not None:
                 guide.start_mask()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,6 +77,32 @@ def compile_grammar(kind: str, text: str) -> str:
     return grammar
 
 
+# OpenAI: "omitting parameters defines a function with an empty parameter list"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOL_CALL_FORMATS = {"hermes": ("<tool_call>\n", "\n</tool_call>", "\n")}
+
+
+def tool_call_constraint(fmt: str, tools_json: str, choice: str,
+                         parallel: bool) -> OutputConstraint:
+    """The output of a request whose tool_choice requires a call: one call block (several,
+    newline-separated, with parallel calls) in the template's syntax, each a JSON object whose
+    "name" is one of the functions (the named one) and whose "arguments" follow that
+    function's parameters schema."""
+    open_, close, between = TOOL_CALL_FORMATS[fmt]
+    functions = [t["function"] for t in json.loads(tools_json)]
+    if choice != "required":
+        functions = [f for f in functions if f["name"] == choice]
+    calls = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": f.get("parameters") or NO_PARAMETERS},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    body = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    lark = (f"start: call{f' ({json.dumps(between)} call)*' if parallel else ''}\n"
+            f"call: {json.dumps(open_)} body {json.dumps(close)}\n"
+            f"body: %json {json.dumps(body)}\n")
+    return OutputConstraint("lark", lark)
+
+
 class Grammars:
     """A checkpoint's grammar machinery: its llguidance tokenizer (built at the first
     constrained request) and the threads that compute masks while the forward runs."""
@@ -129,25 +156,30 @@ class Guide:
         self.vocab_size = vocab_size
         self._pool = pool
         self._pending: Future[bytes] | None = None
-        self.mask_s = 0.0  # time the sampler waited for masks (not overlapped with a forward)
         self.masks = 0
+        self.compute_s = 0.0  # llguidance computing masks (in the pool, beside the forward)
+        self.wait_s = 0.0  # the sampler waiting for masks and unpacking them: what a step pays
 
     def start_mask(self) -> None:
         """Begin computing the next token's mask (the engine calls this before the forward)."""
         if self._pending is None:
-            self._pending = self._pool.submit(self._matcher.compute_bitmask)
+            self._pending = self._pool.submit(self._compute)
+
+    def _compute(self) -> bytes:
+        t0 = time.perf_counter()
+        packed = self._matcher.compute_bitmask()
+        self.compute_s += time.perf_counter() - t0
+        return packed
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar takes next (EOS only once it is complete)."""
-        import time
-
         t0 = time.perf_counter()
         self.start_mask()
         assert self._pending is not None
         packed = self._pending.result()
         self._pending = None
         bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
-        self.mask_s += time.perf_counter() - t0
+        self.wait_s += time.perf_counter() - t0
         self.masks += 1
         return torch.from_numpy(bits[:self.vocab_size].astype(bool))
 

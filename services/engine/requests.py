@@ -43,11 +43,43 @@ class GenerateParams:
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """A chat message with what the tools of a conversation add to one."""
+
+    role: str
+    content: str
+    tool_calls: tuple[tuple[str, str, str], ...] = ()  # (id, name, arguments JSON), assistant
+    tool_call_id: str = ""  # role "tool"
+
+    def as_template_message(self) -> dict:
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A request's tools: rendered by the chat template; "required" or a function's name hold
+    the output to the template's tool-call syntax (grammar.tool_call_constraint)."""
+
+    tools_json: str  # the OpenAI `tools` array, as JSON text
+    choice: str = "auto"  # "auto" | "required" | a function name
+    parallel: bool = True
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     params: GenerateParams
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), chat-templated
+    # chat-templated: (role, content) pairs or ChatTurns
+    messages: tuple[tuple[str, str] | ChatTurn, ...] | None = None
     prompt: str | None = None  # raw completion prompt
+    tools: ToolSpec | None = None
 
 
 class _DraftFigures:
@@ -82,12 +114,18 @@ class RequestStats(ByPhase, _DraftFigures):
     verify_steps: int = 0
     rejected_lookups: int = 0
     draft_lookups: int = 0
+    # Constrained decoding: masks computed, the time llguidance spent on them (beside the
+    # forward) and the time the sampler still waited for them.
+    grammar_masks: int = 0
+    grammar_compute_ms: float = 0.0
+    grammar_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
 class Started:
     prompt_tokens: int
     context_window: int
+    tool_call_format: str = ""  # how the output writes tool calls, when the request has tools
 
 
 @dataclass(frozen=True)
@@ -163,6 +201,9 @@ class EngineTotals(ByPhase, _DraftFigures):
     verify_steps: int = 0
     rejected_lookups: int = 0
     draft_lookups: int = 0
+    grammar_masks: int = 0
+    grammar_compute_ms: float = 0.0
+    grammar_wait_ms: float = 0.0
 
     def add(self, stats: RequestStats) -> None:
         """Count one finished request: its tokens, cache counters and speculation figures."""
@@ -171,5 +212,5 @@ class EngineTotals(ByPhase, _DraftFigures):
         self.decode.add(stats.decode)
         self.prefill.add(stats.prefill)
         for name in ("drafts_proposed", "drafts_accepted", "verify_steps", "rejected_lookups",
-                     "draft_lookups"):
+                     "draft_lookups", "grammar_masks", "grammar_compute_ms", "grammar_wait_ms"):
             setattr(self, name, getattr(self, name) + getattr(stats, name))

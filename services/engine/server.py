@@ -33,6 +33,7 @@ from services.common.telemetry import extract_context
 from services.engine.core import Engine
 from services.engine.grammar import OutputConstraint
 from services.engine.requests import (
+    ChatTurn,
     Delta,
     EngineRequest,
     Event,
@@ -42,6 +43,7 @@ from services.engine.requests import (
     RequestStats,
     Started,
     TokenLogprob,
+    ToolSpec,
 )
 from services.engine.sampling import SamplingConfig
 
@@ -83,8 +85,14 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")
     if which == "chat":
-        messages = tuple((m.role, m.content) for m in msg.chat.messages)
-        return EngineRequest(request_id, params, messages=messages)
+        chat = msg.chat
+        messages = tuple(
+            ChatTurn(m.role, m.content, tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
+                     m.tool_call_id) if m.tool_calls or m.tool_call_id else (m.role, m.content)
+            for m in chat.messages)
+        tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
+                         chat.parallel_tool_calls) if chat.tools_json else None
+        return EngineRequest(request_id, params, messages=messages, tools=tools)
     if which == "prompt":
         return EngineRequest(request_id, params, prompt=msg.prompt)
     raise InvalidRequest("request has neither chat messages nor a prompt")
@@ -117,7 +125,7 @@ def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
     if isinstance(event, Started):
         return engine_pb2.GenerateEvent(started=engine_pb2.Started(
             prompt_tokens=event.prompt_tokens, context_window=event.context_window,
-            engine_id=engine_id))
+            engine_id=engine_id, tool_call_format=event.tool_call_format))
     if isinstance(event, Delta):
         return engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(
             text=event.text, token_ids=list(event.token_ids),

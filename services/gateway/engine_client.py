@@ -53,6 +53,7 @@ class Started:
     prompt_tokens: int
     context_window: int
     engine_id: str
+    tool_call_format: str = ""  # set when the request has tools
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ def _stats(pb: engine_pb2.RequestStats) -> RequestStats:
 def _event(pb: engine_pb2.GenerateEvent) -> Event:
     kind = pb.WhichOneof("event")
     if kind == "started":
-        return Started(pb.started.prompt_tokens, pb.started.context_window, pb.started.engine_id)
+        return Started(pb.started.prompt_tokens, pb.started.context_window, pb.started.engine_id,
+                       pb.started.tool_call_format)
     if kind == "delta":
         return Delta(pb.delta.text, len(pb.delta.token_ids),
                      tuple(_logprob(lp) for lp in pb.delta.logprobs))
@@ -158,8 +160,14 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
     request = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
                                          stream_interval_ms=stream_interval_ms)
     if spec.is_chat:
-        request.chat.CopyFrom(engine_pb2.ChatInput(messages=[
-            engine_pb2.ChatMessage(role=m.role, content=m.content) for m in spec.messages]))
+        request.chat.CopyFrom(engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(
+            role=m.role, content=m.content, tool_call_id=m.tool_call_id,
+            tool_calls=[engine_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                        for c in m.tool_calls]) for m in spec.messages]))
+        if (tools := spec.tools) is not None:
+            request.chat.tools_json = tools.tools_json
+            request.chat.tool_choice = tools.choice
+            request.chat.parallel_tool_calls = tools.parallel
     else:
         request.prompt = spec.prompt or ""
     if (c := spec.constraint) is not None:

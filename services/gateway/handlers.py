@@ -38,6 +38,7 @@ from services.gateway.middleware import log_failure
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, Renderer, usage
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
 from services.gateway.state import ADMISSION, CLOCK, CONFIG, METRICS, POOL, TRACE, request_id
+from services.gateway.tools import ToolCallParser
 
 log = logging.getLogger("strata.gateway")
 
@@ -110,6 +111,17 @@ class _Run:
     first_token_at: float | None = None
     num_deltas: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    parser: ToolCallParser | None = None  # a chat request with tools: its calls, parsed out
+
+    def __post_init__(self) -> None:
+        if self.spec.tools is not None and self.started.tool_call_format:
+            self.parser = ToolCallParser(self.started.tool_call_format, self.spec.tools.names)
+
+    def finish_reason(self, finished: Finished) -> str:
+        """The engine's reason, or "tool_calls" where the answer ended with calls made."""
+        if self.parser is not None and self.parser.calls and finished.reason == "stop":
+            return "tool_calls"
+        return finished.reason
 
     def on_delta(self, delta: Delta) -> None:
         self.first_token_at = self.outcome.first_token_at = (self.first_token_at
@@ -269,7 +281,8 @@ def _logprobs(run: _Run, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]
 
 
 async def _collect(run: _Run) -> tuple[str, Finished]:
-    """One choice's text and its Finished event (non-streaming)."""
+    """One choice's text (less its tool calls, which the run's parser keeps) and its Finished
+    event (non-streaming)."""
     parts: list[str] = []
     async for event in run.call.events():
         if isinstance(event, Delta):
@@ -279,7 +292,10 @@ async def _collect(run: _Run) -> tuple[str, Finished]:
             if event.reason == "abort":
                 raise EngineAborted(event.error, run.call.engine)
             run.log_done(event)
-            return "".join(parts), event
+            text = "".join(parts)
+            if run.parser is not None:
+                text = run.parser.feed(text)[0] + run.parser.finish()
+            return text, event
     raise EngineError("INTERNAL", "the event stream ended without a Finished event",
                       run.call.engine)
 
@@ -289,9 +305,10 @@ async def _complete(runs: list[_Run]) -> web.Response:
     finished = [f for _, f in results]
     figures = runs[0].figures(finished[0])
     body = runs[0].renderer.full_many(
-        [(text, f.reason, _logprobs(run, run.logprobs))
+        [(text, run.finish_reason(f), _logprobs(run, run.logprobs))
          for run, (text, f) in zip(runs, results, strict=True)],
-        _usage(runs, finished), figures)
+        _usage(runs, finished), figures,
+        tool_calls=[run.parser.calls if run.parser else [] for run in runs])
     return web.json_response(body, headers=figures.headers())
 
 
@@ -370,15 +387,23 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
                                           "Finished event", run.call.engine)
                     if isinstance(event, Delta):
                         run.on_delta(event)
-                        out.append(sse.event(renderer.chunk(
-                            text=event.text, logprobs=_logprobs(run, event.logprobs),
-                            index=i)))
+                        text, calls = (event.text, []) if run.parser is None \
+                            else run.parser.feed(event.text)
+                        if text or event.logprobs or run.parser is None:
+                            out.append(sse.event(renderer.chunk(
+                                text=text, logprobs=_logprobs(run, event.logprobs), index=i)))
+                        done = len(run.parser.calls) - len(calls) if run.parser else 0
+                        out.extend(sse.event(renderer.tool_call_chunk(call, done + k, index=i))
+                                   for k, call in enumerate(calls))
                     elif isinstance(event, Finished):
                         if event.reason == "abort":
                             raise EngineAborted(event.error, run.call.engine)
                         finished[i] = event
+                        if run.parser is not None and (rest := run.parser.finish()):
+                            out.append(sse.event(renderer.chunk(text=rest, index=i)))
                         out.append(sse.event(renderer.chunk(
-                            finish_reason=event.reason, figures=run.figures(event), index=i)))
+                            finish_reason=run.finish_reason(event), figures=run.figures(event),
+                            index=i)))
                         run.log_done(event)
             finally:  # what came before a failure still goes out
                 if out:

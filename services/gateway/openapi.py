@@ -22,6 +22,7 @@ from services.gateway.schemas import (
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
 )
+from services.gateway.tools import MAX_TOOLS
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -90,12 +91,26 @@ _SCHEMAS: dict[str, Any] = {
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "null"]}}}}},
     "ChatMessage": {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [
             {"type": "string"}, {"type": "null"},
             {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                         "properties": {"type": {"const": "text"},
-                                                       "text": {"type": "string"}}}}]}}},
+                                                       "text": {"type": "string"}}}}]},
+        "tool_calls": {"type": "array", "items": _ref("ToolCall"),
+                       "description": "an assistant's calls, in the history"},
+        "tool_call_id": {"type": "string", "description": "role tool: the call it answers"}}},
+    "ToolCall": {"type": "object", "required": ["id", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string",
+                                                      "description": "JSON text"}}}}},
+    "Tool": {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "description": {"type": "string"}, "parameters": {"type": "object"},
+            "strict": {"type": "boolean"}}}}},
     "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
         **_SAMPLING,
         "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
@@ -105,6 +120,17 @@ _SCHEMAS: dict[str, Any] = {
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                          "description": "needs logprobs: true"},
+        "tools": {"type": ["array", "null"], "minItems": 1, "maxItems": MAX_TOOLS,
+                  "items": _ref("Tool")},
+        "tool_choice": {"oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"}, "function": {
+                    "type": "object", "required": ["name"],
+                    "properties": {"name": {"type": "string"}}}}},
+            {"type": "null"}], "description": "required / a function: the answer is a call "
+                                              "whose arguments follow its parameters"},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
     }},
     "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
         **_SAMPLING,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from services.gateway.engine_client import TokenLogprob
+    from services.gateway.tools import ToolCall
 
 # Sampled-token log-probabilities for one choice; None when the request did not ask for them.
 Logprobs = Sequence["TokenLogprob"] | None
@@ -78,10 +79,13 @@ class Renderer:
         return self.full_many([(text, finish_reason, logprobs)], usage_, figures)
 
     def full_many(self, choices: Sequence[tuple[str, str, Logprobs]], usage_: dict[str, int],
-                  figures: Figures) -> dict[str, Any]:
-        """One body for n choices: (text, finish reason, logprobs) each, index in order."""
-        out = [{**self._full_choice(text, finish_reason), "index": index,
-                "logprobs": self._logprobs(logprobs, index)}
+                  figures: Figures, tool_calls: Sequence[Sequence[ToolCall]] = ()
+                  ) -> dict[str, Any]:
+        """One body for n choices: (text, finish reason, logprobs) each, index in order (and
+        each choice's tool calls, for a chat request with tools)."""
+        out = [{**self._full_choice(text, finish_reason,
+                                    tool_calls[index] if tool_calls else ()),
+                "index": index, "logprobs": self._logprobs(logprobs, index)}
                for index, (text, finish_reason, logprobs) in enumerate(choices)]
         return {**self._base(self.object_full), "choices": out, "usage": usage_,
                 "strata": figures.as_dict()}
@@ -96,11 +100,19 @@ class Renderer:
             body["strata"] = figures.as_dict()
         return body
 
+    def tool_call_chunk(self, call: ToolCall, number: int, index: int = 0) -> dict[str, Any]:
+        """A streamed tool call, whole: its id, name and arguments in one delta (`number`: the
+        call's place among the choice's calls)."""
+        return {**self._base(self.object_chunk), "choices": [{
+            "index": index, "delta": {"tool_calls": [{"index": number, **call.as_dict()}]},
+            "logprobs": None, "finish_reason": None}]}
+
     def usage_chunk(self, usage_: dict[str, int], figures: Figures) -> dict[str, Any]:
         return {**self._base(self.object_chunk), "choices": [], "usage": usage_,
                 "strata": figures.as_dict()}
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def _full_choice(self, text: str, finish_reason: str,
+                     tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
         raise NotImplementedError
 
     def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
@@ -116,9 +128,13 @@ class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason}
+    def _full_choice(self, text: str, finish_reason: str,
+                     tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None,
+                       "tool_calls": [c.as_dict() for c in tool_calls]}
+        return {"index": 0, "message": message, "finish_reason": finish_reason}
 
     def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
         """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
@@ -146,7 +162,8 @@ class CompletionRenderer(Renderer):
         super().__init__(request_id, model)
         self._text_offset: dict[int, int] = {}  # choice -> characters its logprobs described
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def _full_choice(self, text: str, finish_reason: str,
+                     tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
         return {"index": 0, "text": text, "finish_reason": finish_reason}
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,

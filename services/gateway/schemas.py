@@ -14,8 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.errors import InvalidRequest
+from services.gateway.tools import ToolCall, Tools, parse_history_calls, parse_tools
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool"}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Bounds on every numeric parameter (the proto fields are int32 / uint64).
 MAX_TOKENS_LIMIT = 1 << 20
@@ -31,8 +33,8 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_GRAMMAR_CHARS = 1 << 16  # a JSON schema, regex or grammar, as text
 # vLLM's constrained-decoding fields, which clients written for it send.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-# Tool calling arrives with #23; until then these are refused by name, never ignored.
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+# The deprecated forms of tools / tool_choice: refused by name, never ignored.
+LEGACY_TOOL_FIELDS = ("functions", "function_call")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Constraint:
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls, in the history
+    tool_call_id: str = ""  # role "tool": the call it answers
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class GenerateInput:
     include_usage: bool = False
     n: int = 1  # choices: n engine requests of the same prompt (the KV prefix reused)
     constraint: Constraint | None = None
+    tools: Tools | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -105,10 +110,14 @@ def parse_chat(body: Any) -> GenerateInput:
         top_logprobs = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
         if top_logprobs and not logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    constraint, tools = _constraint(body), parse_tools(body)
+    if constraint is not None and tools is not None and tools.choice != "auto":
+        raise InvalidRequest("'tool_choice' that requires a call and 'response_format' both "
+                             "decide the output's form; give one", "tool_choice")
     return GenerateInput(
         model=_model(body), messages=parsed, **_stream(body), n=_choices(body),
         sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs),
-        constraint=_constraint(body))
+        constraint=constraint, tools=tools)
 
 
 def parse_completion(body: Any) -> GenerateInput:
@@ -251,10 +260,11 @@ def _guided(name: str, value: Any) -> Constraint:
 
 
 def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
-    for name in TOOL_FIELDS:
+    for name in LEGACY_TOOL_FIELDS:
         if body.get(name) is not None:
-            raise InvalidRequest(f"'{name}' is not supported yet (tool calling)", name,
-                                 code="unsupported_parameter")
+            raise InvalidRequest(f"'{name}' is the deprecated form of "
+                                 f"'{'tools' if name == 'functions' else 'tool_choice'}'; "
+                                 "send that instead", name, code="unsupported_parameter")
     if "prompt" in body:  # a completions field: refused by name, not ignored
         raise InvalidRequest("'prompt' is a /v1/completions field; a chat completion takes "
                              "'messages'", "prompt", code="unsupported_parameter")
@@ -266,18 +276,28 @@ def _message(raw: Any, index: int) -> Message:
         raise InvalidRequest(f"{param} must be an object with 'role' and 'content'", param)
     role = raw.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise InvalidRequest(f"{param}.role must be one of system, user, assistant; got {role!r}",
-                             f"{param}.role")
+        raise InvalidRequest(f"{param}.role must be one of system, developer, user, assistant, "
+                             f"tool; got {role!r}", f"{param}.role")
     content = raw.get("content")
     if content is None and role == "assistant":
         content = ""
+    calls: tuple[ToolCall, ...] = ()
+    if raw.get("tool_calls") is not None:
+        if role != "assistant":
+            raise InvalidRequest(f"{param}.tool_calls: only an assistant message makes tool "
+                                 "calls", f"{param}.tool_calls")
+        calls = parse_history_calls(raw["tool_calls"], f"{param}.tool_calls")
+    call_id = raw.get("tool_call_id")
+    if role == "tool" and (not isinstance(call_id, str) or not call_id):
+        raise InvalidRequest(f"{param}.tool_call_id: a tool message answers a call; give its "
+                             "id", f"{param}.tool_call_id")
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{param}.content[{i}]")
                           for i, part in enumerate(content))
     if not isinstance(content, str):
         raise InvalidRequest(f"{param}.content must be a string or a list of text parts",
                              f"{param}.content")
-    return Message(CHAT_ROLES[role], content)
+    return Message(CHAT_ROLES[role], content, calls, call_id if role == "tool" else "")
 
 
 def _text_part(part: Any, param: str) -> str:

@@ -137,3 +137,91 @@ async def test_an_invalid_schema_is_a_400_naming_the_problem(cluster8):
             await client.completions.create(model=MODEL, prompt="x", max_tokens=8,
                                             extra_body={"guided_regex": "[a-"})
         assert "regex" in caught.value.body["message"], caught.value.body
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _valid_call(call) -> None:
+    function = {t["function"]["name"]: t["function"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), function["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+async def test_required_and_named_tool_choices_always_give_a_valid_call(cluster8, figures):
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        async def ask(choice, seed):
+            return await client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120,
+                temperature=1.0, seed=seed, parallel_tool_calls=False)
+
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        replies = await asyncio.gather(*(ask(choice, seed) for seed in range(8)
+                                         for choice in ("required", named)))
+    names = []
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(choice.message.tool_calls) == 1 and not choice.message.content
+        _valid_call(choice.message.tool_calls[0])
+        names.append(choice.message.tool_calls[0].function.name)
+    assert names[1::2] == ["get_weather"] * 8  # the named choice
+    figures(f"16 answers with a required or named tool choice, 16 valid calls "
+            f"({names.count('add')} add, {names.count('get_weather')} get_weather)")
+
+
+async def test_streamed_tool_call_deltas_add_up_to_the_same_call(cluster8):
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                      max_tokens=120, temperature=0, parallel_tool_calls=False)
+        whole = (await client.chat.completions.create(**kwargs)).choices[0]
+        calls: dict[int, dict] = {}
+        finish = None
+        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                call = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
+                call["name"] += delta_call.function.name or ""
+                call["arguments"] += delta_call.function.arguments or ""
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+async def test_auto_parses_a_tool_call_shaped_answer_and_takes_the_results_back(cluster8):
+    shaped = ('start: "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": '
+              '{\\"a\\": 2, \\"b\\": 3}}\\n</tool_call>"')
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "2 + 3?"}], tools=TOOLS,
+            max_tokens=64, temperature=0, extra_body={"guided_grammar": shaped})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "add", {"a": 2, "b": 3})
+        follow_up = await client.chat.completions.create(
+            model=MODEL, tools=TOOLS, max_tokens=8, temperature=0, messages=[
+                {"role": "user", "content": "2 + 3?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "5"}])
+        assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        plain = await client.chat.completions.create(  # tool_choice none: plain text
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
+            temperature=0)
+        assert plain.choices[0].message.tool_calls is None

@@ -148,3 +148,34 @@ def test_a_constraint_that_does_not_compile_is_refused_at_submit(engine):
         submit(engine, "x", OutputConstraint("json_schema", json.dumps({"type": "integr"})))
     assert "integr" in str(caught.value)
     assert engine.num_running == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+    "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ping"}}]  # no parameters: an empty list
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather", "ping"])
+def test_a_required_or_named_tool_choice_is_one_valid_call_block(engine, choice):
+    from services.engine.requests import ToolSpec
+
+    done, events = threading.Event(), []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, Finished):
+            done.set()
+    engine.submit(EngineRequest("t", GenerateParams(max_tokens=80, sampling=SamplingConfig(
+        temperature=1.0, seed=4)), messages=(("user", "weather?"),),
+        tools=ToolSpec(json.dumps(TOOLS), choice, parallel=False)), sink)
+    text, reason, _ = result(done, events)
+    assert events[0].tool_call_format == "hermes" and reason == "stop", text
+    match = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", text, re.S)
+    call = json.loads(match.group(1))
+    assert choice == "required" or call["name"] == choice
+    schema = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}
+    if schema[call["name"]] is None:
+        assert call["arguments"] == {}
+    else:
+        jsonschema.validate(call["arguments"], schema[call["name"]])

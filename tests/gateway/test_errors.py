@@ -24,7 +24,9 @@ BAD_BODIES = [
     ({"model": 7, "messages": GOOD["messages"]}, 400, "model"),
     ({"model": "gpt-9", "messages": GOOD["messages"]}, 404, "model"),
     ({"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
-    ({"model": MODEL, "messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "hi"}]}, 400,
+     "messages[0].tool_call_id"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),

@@ -62,7 +62,7 @@ def test_completion_prompt_forms():
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a" * 70000}, "guided_regex"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"prompt": "once"}, "prompt"),  # a completions field (the fuzz test's find)
     ({"stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage"),

@@ -52,6 +52,12 @@ class Tokenizer:
         self._byte_level = True
 
     @property
+    def tool_call_format(self) -> str:
+        """How the chat template has the model write tool calls ("hermes": <tool_call> blocks
+        of JSON); "" when it teaches none Strata parses."""
+        return "hermes" if self.chat_template and "<tool_call>" in self.chat_template else ""
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

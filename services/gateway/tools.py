@@ -1,0 +1,226 @@
+"""Tool calling at the gateway: the request's `tools` and `tool_choice` validated, and the
+model's tool calls parsed out of its text in the syntax its chat template teaches it (the
+engine says which in Started.tool_call_format).
+
+    hermes   <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
+             (Qwen2.5/Qwen3, the default model; one block per call)
+
+`ToolCallParser.feed(text)` takes the output as it streams and gives back what can be said
+already: content (text outside the blocks; a possible start of a block is held back) and each
+call once its block has closed. A block that does not parse stays content. `finish()` gives
+what was held back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import InvalidRequest
+
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 128
+FORMATS = {"hermes": ("<tool_call>", "</tool_call>")}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's tools as the engine takes them."""
+
+    tools_json: str  # the `tools` array, as JSON text, for the chat template
+    names: tuple[str, ...]
+    choice: str  # "auto", "required", or the one function's name
+    parallel: bool
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tools(body: dict[str, Any]) -> Tools | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` -> Tools (None: no tools reach the model,
+    also for tool_choice "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest("'parallel_tool_calls' must be true or false",
+                             "parallel_tool_calls")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise InvalidRequest("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise InvalidRequest(f"'tools' must be an array of 1-{MAX_TOOLS} tools", "tools")
+    names = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
+    if len(set(names)) < len(names):
+        raise InvalidRequest("'tools' names a function twice", "tools")
+    if choice is None or choice == "auto":
+        choice = "auto"
+    elif choice == "none":
+        return None
+    elif choice == "required":
+        pass
+    elif isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise InvalidRequest(f"'tool_choice' names {name!r}, which is not in 'tools'",
+                                 "tool_choice.function.name")
+        choice = name
+    else:
+        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    return Tools(json.dumps(tools), names, choice, True if parallel is None else parallel)
+
+
+def _tool(raw: Any, param: str) -> str:
+    if not isinstance(raw, dict) or raw.get("type") != "function" \
+            or not isinstance(raw.get("function"), dict):
+        raise InvalidRequest(f"{param} must be {{'type': 'function', 'function': {{...}}}}",
+                             param)
+    function = raw["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise InvalidRequest(f"{param}.function.name must be 1-64 letters, digits, '_' or '-'",
+                             f"{param}.function.name")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise InvalidRequest(f"{param}.function.description must be a string",
+                             f"{param}.function.description")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequest(f"{param}.function.parameters must be a JSON Schema object",
+                             f"{param}.function.parameters")
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise InvalidRequest(f"{param}.function.strict must be true or false",
+                             f"{param}.function.strict")
+    return name
+
+
+def parse_history_calls(raw: Any, param: str) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls` (the history of a conversation with tools)."""
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"{param} must be an array of tool calls", param)
+    calls = []
+    for i, call in enumerate(raw):
+        where = f"{param}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                or not isinstance(function, dict) or not isinstance(call.get("id"), str):
+            raise InvalidRequest(f"{where} must be {{'id': ..., 'type': 'function', "
+                                 "'function': {'name': ..., 'arguments': ...}}", where)
+        name, arguments = function.get("name"), function.get("arguments")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"{where}.function.name must be a string",
+                                 f"{where}.function.name")
+        if not isinstance(arguments, str):
+            raise InvalidRequest(f"{where}.function.arguments must be a string of JSON",
+                                 f"{where}.function.arguments")
+        try:
+            json.loads(arguments)
+        except ValueError:
+            raise InvalidRequest(f"{where}.function.arguments is not valid JSON",
+                                 f"{where}.function.arguments") from None
+        calls.append(ToolCall(call["id"], name, arguments))
+    return tuple(calls)
+
+
+class ToolCallParser:
+    """The model's output -> content pieces and tool calls, as it streams (see the module
+    docstring). Content is trimmed as one string would be: leading whitespace dropped, trailing
+    whitespace held until more content follows."""
+
+    def __init__(self, fmt: str, names: tuple[str, ...]) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"tool-call format {fmt!r} is not one of {', '.join(FORMATS)}")
+        self.open, self.close = FORMATS[fmt]
+        self.names = set(names)
+        self.calls: list[ToolCall] = []
+        self._buffer = ""
+        self._in_call = False
+        self._said = False  # any content emitted yet
+        self._space = ""  # whitespace held back
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content that can be sent now, calls that just closed)."""
+        self._buffer += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if not self._in_call:
+                start = self._buffer.find(self.open)
+                if start < 0:
+                    keep = _partial_suffix(self._buffer, self.open)
+                    content.append(self._buffer[:len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    break
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start + len(self.open):]
+                self._in_call = True
+            else:
+                end = self._buffer.find(self.close)
+                if end < 0:
+                    break
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(self.close):]
+                self._in_call = False
+                call = self._call(body)
+                if call is None:
+                    content.append(self.open + body + self.close)
+                else:
+                    calls.append(call)
+                    self.calls.append(call)
+        return self._trim("".join(content)), calls
+
+    def finish(self) -> str:
+        """What was held back (an unclosed block is content)."""
+        rest = (self.open if self._in_call else "") + self._buffer
+        self._buffer, self._in_call = "", False
+        return self._trim(rest, last=True)
+
+    def _call(self, body: str) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self.names:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                json.loads(arguments)
+            except ValueError:
+                return None
+        else:
+            arguments = json.dumps(arguments)
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], arguments)
+
+    def _trim(self, text: str, last: bool = False) -> str:
+        if not self._said:
+            text = text.lstrip()
+        if not text:
+            return ""
+        body = text.rstrip()
+        if not body:  # only whitespace: held until content follows
+            self._space += text
+            return ""
+        out = self._space + body
+        self._space = "" if last else text[len(body):]
+        self._said = True
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

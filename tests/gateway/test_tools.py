@@ -1,0 +1,120 @@
+"""Tool calling at the gateway: tools and tool_choice validated by name, and tool calls parsed
+out of the model's text the same way whole or streamed in any pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.errors import InvalidRequest
+from services.gateway.schemas import parse_chat
+from services.gateway.tools import ToolCallParser, parse_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b"}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+MESSAGES = [{"role": "user", "content": "weather?"}]
+
+
+def test_tool_choice_forms():
+    tools = parse_tools({"tools": [WEATHER, ADD]})
+    assert (tools.choice, tools.parallel, tools.names) == ("auto", True, ("get_weather", "add"))
+    assert json.loads(tools.tools_json) == [WEATHER, ADD]
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "required"}).choice == "required"
+    named = parse_tools({"tools": [WEATHER, ADD], "parallel_tool_calls": False,
+                         "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert (named.choice, named.parallel) == ("add", False)
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}) is None
+    assert parse_tools({}) is None
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [ADD["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+])
+def test_bad_tool_fields_are_refused_by_name(body, param):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat({"model": "m", "messages": MESSAGES, **body})
+    assert caught.value.param == param and caught.value.status == 400
+
+
+def test_a_history_with_calls_and_their_results_is_taken():
+    spec = parse_chat({"model": "m", "tools": [WEATHER], "messages": [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]})
+    assistant, tool = spec.messages[1], spec.messages[2]
+    assert assistant.tool_calls[0].name == "get_weather" and assistant.content == ""
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "sunny, 21 C")
+    for bad, param in [({"role": "tool", "content": "x"}, "messages[1].tool_call_id"),
+                       ({"role": "user", "content": "x", "tool_calls": []},
+                        "messages[1].tool_calls"),
+                       ({"role": "assistant", "tool_calls": [{"id": "c", "function": {
+                           "name": "f", "arguments": "{oops"}}]},
+                        "messages[1].tool_calls[0].function.arguments")]:
+        with pytest.raises(InvalidRequest) as caught:
+            parse_chat({"model": "m", "messages": [*MESSAGES, bad]})
+        assert caught.value.param == param
+
+
+def whole(text: str, names=("get_weather", "add")) -> tuple[str, list]:
+    parser = ToolCallParser("hermes", names)
+    content, _ = parser.feed(text)
+    return content + parser.finish(), [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+
+def test_calls_are_parsed_out_and_the_rest_is_content():
+    assert whole(CALL) == ("", [("get_weather", {"city": "Paris"})])
+    two = CALL + "\n" + '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert whole(two)[1] == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert whole("Let me look.\n" + CALL + "\n") == (
+        "Let me look.", [("get_weather", {"city": "Paris"})])
+    assert whole("no calls here") == ("no calls here", [])
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert whole(broken) == (broken, [])  # a block that does not parse stays text
+    unknown = CALL.replace("get_weather", "rm_rf")
+    assert whole(unknown) == (unknown, [])  # a function the request did not offer
+    assert whole("a <tool_call> never closed") == ("a <tool_call> never closed", [])
+    assert whole("x < y and <tool") == ("x < y and <tool", [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["", "Sure. ", "  \n", "text <b>bold</b> "]),
+       st.sampled_from(["", "\n", " done"]), st.lists(st.integers(1, 12), max_size=40),
+       st.booleans())
+def test_streamed_in_any_pieces_it_is_the_same_as_whole(before, after, cuts, two):
+    text = before + CALL + ("\n" + CALL if two else "") + after
+    parser = ToolCallParser("hermes", ("get_weather",))
+    content, calls, at = [], [], 0
+    for cut in cuts:
+        piece, at = text[at:at + cut], at + cut
+        said, closed = parser.feed(piece)
+        content.append(said)
+        calls += closed
+    said, closed = parser.feed(text[at:])
+    content.append(said)
+    calls += closed
+    content.append(parser.finish())
+    expected_content, expected_calls = whole(text, ("get_weather",))
+    assert "".join(content) == expected_content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected_calls
+    assert len({c.id for c in calls}) == len(calls)

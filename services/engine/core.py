@@ -393,8 +393,8 @@ class Engine:
         for seq in self.scheduler.running:
             live: _Live = seq.payload
             limit = min(self.spec_tokens, live.max_new - live.generated - 1)
-            if live.sampler.cfg.history_dependent or live.sampler.guide is not None:
-                limit = 0  # each verified row would need its own history (penalties, grammar)
+            if live.sampler.cfg.history_dependent:
+                limit = 0  # each verified row would need its own penalty history
             if seq.num_pending == 1 and limit > 0 and not seq.cancelled:
                 wanting.append(seq)
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, seq.prompt_len, limit))
@@ -415,13 +415,20 @@ class Engine:
                 if not 0 <= int(token) < vocab:
                     break
                 seq.draft.append(int(token))
+            if (guide := seq.payload.sampler.guide) is not None:  # and at one the grammar would not
+                del seq.draft[guide.valid_prefix(seq.draft):]
             seq.payload.draft_lookups += share + (i < extra)
 
     def _verify(self, chunk: Chunk, logits: torch.Tensor, counters: CacheCounters) -> None:
         """Accept a prefix of the chunk's drafts (verify.py), then emit the accepted tokens and
         the one after them one by one, with the stop checks of plain decoding."""
         seq, live = chunk.seq, chunk.seq.payload
-        tokens = accept_tokens(live.sampler, logits, chunk.draft)
+        guide = live.sampler.guide
+        live.sampler.rows = guide.row_masks(list(chunk.draft)) if guide is not None else None
+        try:
+            tokens = accept_tokens(live.sampler, logits, chunk.draft)
+        finally:
+            live.sampler.rows = None
         accepted = len(tokens) - 1
         live.drafts_proposed += len(chunk.draft)
         live.drafts_accepted += accepted

@@ -183,11 +183,31 @@ class Guide:
         self.masks += 1
         return torch.from_numpy(bits[:self.vocab_size].astype(bool))
 
-    def consume(self, token_id: int) -> None:
-        """The token was taken (always one the mask allowed)."""
-        if self._pending is not None:  # the matcher is not to be moved while it computes
+    def valid_prefix(self, draft: list[int]) -> int:
+        """How many of a speculative draft's tokens the grammar takes, in order."""
+        self._settle()
+        return int(self._matcher.validate_tokens(draft)) if draft else 0
+
+    def row_masks(self, draft: list[int]) -> torch.Tensor:
+        """[k+1, vocab] bool: the masks of a verification's rows, the grammar's state after
+        each prefix of the draft (which valid_prefix has cut to what it takes)."""
+        rows = [self.allowed()]
+        for token in draft:
+            self.consume(token)
+            rows.append(self.allowed())
+        if draft and not self._matcher.rollback(len(draft)):
+            raise RuntimeError(f"grammar could not roll back {len(draft)} draft tokens: "
+                               f"{self._matcher.get_error()}")
+        return torch.stack(rows)
+
+    def _settle(self) -> None:
+        if self._pending is not None:  # the matcher is not to be used while it computes
             self._pending.result()
             self._pending = None
+
+    def consume(self, token_id: int) -> None:
+        """The token was taken (always one the mask allowed)."""
+        self._settle()
         if not self._matcher.consume_token(token_id):
             raise RuntimeError(f"grammar refused token {token_id}: {self._matcher.get_error()}")
 

@@ -80,6 +80,7 @@ class Sampler:
         request's grammar (constrained decoding), told every token taken."""
         self.cfg = cfg
         self.guide = guide
+        self.rows: torch.Tensor | None = None  # a verification's row masks (guide.row_masks)
         self._gen = torch.Generator(device="cpu")
         if cfg.seed is None:
             self._gen.seed()
@@ -100,9 +101,10 @@ class Sampler:
         if self.guide is not None:
             self.guide.consume(token_id)
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """logits [V] or [R, V] -> processed fp32 CPU logits (each row with the same
-        history); unchanged when nothing is configured."""
+        history, and with a grammar the mask of its row of a verification: `rows`, or for
+        one row of it `row`); unchanged when nothing is configured."""
         cfg = self.cfg
         if not cfg.processes and self.guide is None:
             return logits
@@ -122,9 +124,13 @@ class Sampler:
             counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
             out[..., ids] -= cfg.frequency_penalty * counts + cfg.presence_penalty
         if self.guide is not None:
-            allowed = self.guide.allowed()
-            out[..., :len(allowed)].masked_fill_(~allowed, float("-inf"))
-            out[..., len(allowed):] = float("-inf")
+            if self.rows is None:
+                allowed = self.guide.allowed()
+            else:
+                allowed = self.rows[:out.shape[0]] if out.dim() == 2 else self.rows[row or 0]
+            vocab = allowed.shape[-1]
+            out[..., :vocab].masked_fill_(~allowed, float("-inf"))
+            out[..., vocab:] = float("-inf")
         return out
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -141,10 +147,10 @@ class Sampler:
         """One draw from U[0, 1) with this request's generator (speculative acceptance)."""
         return float(torch.rand(1, generator=self._gen))
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """The distribution drawn from: [V] fp32, zero outside the top-k / top-p / min-p
-        support."""
-        scaled = self.process(logits).detach().float().cpu() / self.cfg.temperature  # [V]
+        support (`row`: the verification row it is, for a grammar's mask)."""
+        scaled = self.process(logits, row).detach().float().cpu() / self.cfg.temperature  # [V]
         if 0 < self.cfg.top_k < scaled.shape[0]:
             keep = torch.topk(scaled, self.cfg.top_k).indices
             cut = torch.full_like(scaled, float("-inf"))

@@ -42,7 +42,7 @@ def accept_tokens(
         return [*draft[:kept], targets[kept]]
     out: list[int] = []
     for i, d in enumerate(draft):
-        p = sampler.probs(logits[i])  # [V]
+        p = sampler.probs(logits[i], row=i)  # [V]
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
         if sampler.uniform() * q_d < float(p[d]):  # u < p(d) / q(d), without dividing by 0
             out.append(int(d))
@@ -55,5 +55,5 @@ def accept_tokens(
         total = float(residual.sum())
         out.append(sampler.draw(residual / total if total > 0 else p))  # p == q: nothing left
         return out
-    out.append(sampler.draw(sampler.probs(logits[k])))
+    out.append(sampler.draw(sampler.probs(logits[k], row=k)))
     return out

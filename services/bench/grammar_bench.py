@@ -4,8 +4,8 @@
                          [--json] [--out DIR]
 
 For each batch size, R rounds, each: B plain requests (greedy, ignore_eos, T tokens), then B
-requests of the same prompts under a JSON schema (an array of up to 1000 records, so that the
-grammar stays open for all T tokens), run to completion on the engine's own loop. Reported per
+requests of the same prompts under a JSON schema (an array of 100 to 1000 records, so that the
+grammar cannot close before T tokens), run to completion on the engine's own loop. Reported per
 batch size: decode tok/s of both (medians over rounds; the rounds interleave, as the host's speed
 drifts), their ratio, and per engine step the time llguidance spent on the batch's masks (in its
 thread, beside the forward) and the time the sampler still waited for them, as a share of the
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCHEMA = {"type": "array", "maxItems": 1000, "items": {
+SCHEMA = {"type": "array", "minItems": 100, "maxItems": 1000, "items": {
     "type": "object", "properties": {
         "id": {"type": "integer", "minimum": 0},
         "name": {"type": "string", "maxLength": 16},

@@ -205,6 +205,8 @@ class Engine:
             self._finish(seq, "abort", "engine shutting down")
         if not self._thread.is_alive():
             self.runner.kv.claim(None)  # another engine or driver may take the pool now
+        if self._grammars is not None:
+            self._grammars.close()
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread, which owns the runner, before the next step (a new plan's
@@ -273,7 +275,7 @@ class Engine:
         try:
             return self._grammars.guide(constraint)
         except GrammarError as exc:
-            raise InvalidRequest(f"response_format: {exc}") from None
+            raise InvalidRequest(f"output constraint: {exc}") from None
 
     def _tokenize(self, request: EngineRequest) -> list[int]:
         tokenizer = self.runner.tokenizer

@@ -392,8 +392,9 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
                         if text or event.logprobs or run.parser is None:
                             out.append(sse.event(renderer.chunk(
                                 text=text, logprobs=_logprobs(run, event.logprobs), index=i)))
-                        done = len(run.parser.calls) - len(calls) if run.parser else 0
-                        out.extend(sse.event(renderer.tool_call_chunk(call, done + k, index=i))
+                        earlier = len(run.parser.calls) - len(calls) if run.parser else 0
+                        out.extend(sse.event(renderer.tool_call_chunk(call, earlier + k,
+                                                                      index=i))
                                    for k, call in enumerate(calls))
                     elif isinstance(event, Finished):
                         if event.reason == "abort":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -180,3 +181,36 @@ async def gateway(make_gateway) -> str:
 async def client(gateway) -> AsyncIterator[AsyncOpenAI]:
     async with AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random checkpoint for the tests that run the real engine behind the gateway."""
+    from services.engine.model.demo import write_demo_checkpoint
+
+    return write_demo_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny-gateway", seed=1, num_hidden_layers=2,
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, vocab_size=320)
+
+
+@contextlib.asynccontextmanager
+async def real_engine(checkpoint, engine_id: str) -> AsyncIterator[tuple[str, object, str]]:
+    """(address, engine core, model name): the real engine core on `checkpoint` behind its
+    gRPC server on a loopback port, in this process."""
+    from services.engine.core import Engine
+    from services.engine.runner import ModelRunner
+    from services.engine.server import StatusSource, set_serving, start_server
+
+    runner = ModelRunner(checkpoint, cache_slots=8, reserved_bytes=0)
+    engine = Engine(runner)
+    server, port, health = await start_server(
+        engine, StatusSource(engine, engine_id, runner.model_name, "cpu"), "127.0.0.1", 0)
+    engine.start()
+    await set_serving(health, True)
+    try:
+        yield f"127.0.0.1:{port}", engine, runner.model_name
+    finally:
+        await server.stop(grace=None)
+        engine.stop()

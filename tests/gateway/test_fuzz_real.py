@@ -15,41 +15,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.engine.core import Engine
-from services.engine.model.demo import write_demo_checkpoint
-from services.engine.runner import ModelRunner
-from services.engine.server import StatusSource, set_serving, start_server
+from .conftest import real_engine
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 ENVELOPE = {"message", "type", "param", "code"}
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny-fuzz", seed=3, num_hidden_layers=2,
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=256, vocab_size=320)
-
-
 @pytest.fixture
 async def real(tiny_checkpoint, make_gateway):
     """(gateway URL, the engine core, the model's name, every request field of the schema)."""
-    runner = ModelRunner(tiny_checkpoint, cache_slots=8, reserved_bytes=0)
-    engine = Engine(runner)
-    server, port, health = await start_server(
-        engine, StatusSource(engine, "engine-fuzz", runner.model_name, "cpu"), "127.0.0.1", 0)
-    engine.start()
-    await set_serving(health, True)
-    url = await make_gateway(engine_addrs=(f"127.0.0.1:{port}",))
-    async with aiohttp.ClientSession() as http, http.get(url + "/openapi.json") as r:
-        schemas = (await r.json())["components"]["schemas"]
-    fields = sorted(set(schemas["ChatCompletionRequest"]["properties"])
-                    | set(schemas["CompletionRequest"]["properties"]))
-    yield url, engine, runner.model_name, fields
-    await server.stop(grace=None)
-    engine.stop()
+    async with real_engine(tiny_checkpoint, "engine-fuzz") as (address, engine, model):
+        url = await make_gateway(engine_addrs=(address,))
+        async with aiohttp.ClientSession() as http, http.get(url + "/openapi.json") as r:
+            schemas = (await r.json())["components"]["schemas"]
+        fields = sorted(set(schemas["ChatCompletionRequest"]["properties"])
+                        | set(schemas["CompletionRequest"]["properties"]))
+        yield url, engine, model, fields
 
 
 HOSTILE_TEXT = st.sampled_from([

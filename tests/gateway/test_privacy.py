@@ -12,12 +12,7 @@ import aiohttp
 import grpc
 import pytest
 
-from services.engine.core import Engine
-from services.engine.model.demo import write_demo_checkpoint
-from services.engine.runner import ModelRunner
-from services.engine.server import StatusSource, set_serving, start_server
-
-from .conftest import ScriptedEngine, start_engine
+from .conftest import ScriptedEngine, real_engine, start_engine
 
 SECRET = "zebra-7f3a-private"
 SCRIPTED_TOKENS = ["Quokka", "-", "completion", "-", "91ce"]  # the scripted engine's answer
@@ -38,15 +33,6 @@ class QuotingEngine(ScriptedEngine):
             yield event
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny-private", seed=1, num_hidden_layers=2,
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=512, vocab_size=320)
-
-
 @pytest.fixture(params=["scripted", "real"])
 async def served(request, tiny_checkpoint):
     """(engine address, the answer every request gets, request fields that make it so): the
@@ -57,16 +43,9 @@ async def served(request, tiny_checkpoint):
         yield f"127.0.0.1:{port}", "".join(SCRIPTED_TOKENS), {}
         await server.stop(grace=None)
         return
-    runner = ModelRunner(tiny_checkpoint, cache_slots=8, reserved_bytes=0)
-    engine = Engine(runner)
-    server, port, health = await start_server(
-        engine, StatusSource(engine, "engine-private", runner.model_name, "cpu"), "127.0.0.1", 0)
-    engine.start()
-    await set_serving(health, True)
-    yield (f"127.0.0.1:{port}", FORCED * MAX_TOKENS,
-           {"logit_bias": {str(ord(FORCED)): 100}, "ignore_eos": True, "temperature": 0})
-    await server.stop(grace=None)
-    engine.stop()
+    async with real_engine(tiny_checkpoint, "engine-private") as (address, _, _):
+        yield (address, FORCED * MAX_TOKENS,
+               {"logit_bias": {str(ord(FORCED)): 100}, "ignore_eos": True, "temperature": 0})
 
 
 def _requests(model: str, extra: dict) -> list[tuple[str, dict]]:

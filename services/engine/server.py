@@ -11,6 +11,7 @@ naming its request id and trace id and one record in the GenAI request metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -194,7 +195,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 events = await inbox.take()
                 if (wait := sent_at + interval_s - loop.time()) > 0 and not any(
                         isinstance(e, Finished) for e in events):
-                    await asyncio.sleep(wait)  # hold these tokens for the ones after them
+                    # hold these tokens for the ones after them, up to the interval or the end
+                    await inbox.finished_within(wait)
                     events += inbox.take_nowait()
                 if any(isinstance(e, Delta) for e in events):
                     sent_at = loop.time()
@@ -220,10 +222,19 @@ class Inbox:
     def __init__(self) -> None:
         self._events: list[Event] = []
         self._ready = asyncio.Event()
+        self._finished = asyncio.Event()
 
     def put(self, event: Event) -> None:
         self._events.append(event)
         self._ready.set()
+        if isinstance(event, Finished):
+            self._finished.set()
+
+    async def finished_within(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the call's Finished event to arrive (True if it did)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._finished.wait(), timeout_s)
+        return self._finished.is_set()
 
     async def take(self) -> list[Event]:
         """Every event that arrived since the last take (waits for one)."""

@@ -207,7 +207,10 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                     engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
                     metadata=request[TRACE].metadata(),
                     timeout_s=max(deadline - clock(), 0.001),
-                    stream_interval_ms=config.stream_interval_ms))
+                    # a whole answer is held at the engine to its end: one message, not one
+                    # a step (the first tokens still come at once: the TTFT is measured)
+                    stream_interval_ms=config.stream_interval_ms if spec.stream
+                    else config.request_timeout_s * 1e3))
                 runs.append(_Run(request, spec, renderer, call,
                                  await _started(call, engine, pool), arrived_at,
                                  ticket.queue_wait_s, outcome))

@@ -150,3 +150,17 @@ async def test_stream_interval_holds_tokens_into_fewer_messages(engine_stub):
     deltas = [e for e in events if e.HasField("delta")]
     assert len(deltas) <= 2 + took_s / 0.5 < 24
     assert events[-1].WhichOneof("event") == "finished"
+
+
+async def test_a_hold_as_long_as_the_request_ends_with_the_request(engine_stub):
+    """What the gateway asks for a non-streaming request: the first tokens at once, then
+    everything else with Finished, in one message (the hold ends when the request does)."""
+    stub, _, _ = engine_stub
+    whole = engine_pb2.GenerateRequest(request_id="r3", prompt="The cache",
+                                       stream_interval_ms=600_000,
+                                       sampling=engine_pb2.SamplingParams(max_tokens=24,
+                                                                          ignore_eos=True))
+    events = await asyncio.wait_for(collect(stub, whole), 60)
+    deltas = [e.delta for e in events if e.HasField("delta")]
+    assert len(deltas) <= 2 and sum(len(d.token_ids) for d in deltas) == 24
+    assert events[-1].WhichOneof("event") == "finished"

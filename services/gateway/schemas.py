@@ -198,7 +198,7 @@ def _constraint(body: dict[str, Any]) -> Constraint | None:
         elif fmt["type"] == "json_schema":
             found.append(("response_format", Constraint("json_schema", _json_schema(fmt))))
         elif fmt["type"] != "text":
-            raise InvalidRequest(f"response_format type {fmt['type']!r} is not one of 'text', "
+            raise InvalidRequest(f"response_format type {_show(fmt['type'])} is not one of 'text', "
                                  "'json_object', 'json_schema'", "response_format.type")
     for name in GUIDED_FIELDS:
         value = body.get(name)
@@ -277,7 +277,7 @@ def _message(raw: Any, index: int) -> Message:
     role = raw.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidRequest(f"{param}.role must be one of system, developer, user, assistant, "
-                             f"tool; got {role!r}", f"{param}.role")
+                             f"tool; got {_show(role)}", f"{param}.role")
     content = raw.get("content")
     if content is None and role == "assistant":
         content = ""
@@ -395,13 +395,13 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in raw.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise InvalidRequest(f"'logit_bias' keys are token ids (non-negative integers as "
-                                 f"strings); got {key!r}", "logit_bias")
-        if (not isinstance(bias, int | float) or isinstance(bias, bool)
-                or not math.isfinite(bias) or not -100 <= bias <= 100):
+                                 f"strings); got {_show(key)}", "logit_bias")
+        if not _is_number(bias) or not -100 <= bias <= 100:
             raise InvalidRequest(f"'logit_bias' values must be numbers in [-100, 100]; got "
-                                 f"{bias!r} for {key}", "logit_bias")
-        if int(key) >= 2**31:
-            raise InvalidRequest(f"'logit_bias' token id {key} is out of range", "logit_bias")
+                                 f"{_show(bias)} for {_show(key)}", "logit_bias")
+        if len(key) > 10 or int(key) >= 2**31:
+            raise InvalidRequest(f"'logit_bias' token id {_show(key)} is out of range",
+                                 "logit_bias")
         out.append((int(key), float(bias)))
     return tuple(sorted(out))
 
@@ -438,13 +438,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    """An int (any size: Python compares it with the bounds exactly) or a finite float."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _show(value: Any) -> str:
+    """A value for an error message, short (an integer past Python's digit limit has no
+    repr at all)."""
+    if _is_int(value) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _int(body: dict[str, Any], key: str, *, low: int, high: int | None = None) -> int:
     value = body[key]
     if not _is_int(value):
-        raise InvalidRequest(f"'{key}' must be an integer; got {value!r}", key)
+        raise InvalidRequest(f"'{key}' must be an integer; got {_show(value)}", key)
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise InvalidRequest(f"'{key}' must be {bound}; got {value}", key)
+        raise InvalidRequest(f"'{key}' must be {bound}; got {_show(value)}", key)
     return value
 
 
@@ -452,8 +466,8 @@ def _float(body: dict[str, Any], key: str, default: float, *, low: float, high: 
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise InvalidRequest(f"'{key}' must be a number; got {value!r}", key)
+    if not _is_number(value):
+        raise InvalidRequest(f"'{key}' must be a number; got {_show(value)}", key)
     if not low <= value <= high:
-        raise InvalidRequest(f"'{key}' must be in [{low:g}, {high:g}]; got {value}", key)
+        raise InvalidRequest(f"'{key}' must be in [{low:g}, {high:g}]; got {_show(value)}", key)
     return float(value)

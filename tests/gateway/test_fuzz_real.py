@@ -12,7 +12,7 @@ import json
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from .conftest import real_engine
@@ -135,7 +135,7 @@ async def test_the_real_path_never_answers_5xx_and_ends_healthy(real):
 
     loop = asyncio.get_running_loop()
 
-    async def example(data_bytes: bytes, path: str) -> None:
+    async def check(data_bytes: bytes, path: str) -> None:
         async with aiohttp.ClientSession() as http:
             status, raw = await _post(http, url + path, data_bytes)
         seen[str(status)] = seen.get(str(status), 0) + 1
@@ -150,9 +150,15 @@ async def test_the_real_path_never_answers_5xx_and_ends_healthy(real):
     @settings(max_examples=150, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(payload=payloads(model, fields))
+    @example(payload=("/v1/chat/completions", json.dumps(  # found by this test: a 500 once
+        {"model": model, "messages": [{"role": "user", "content": "hi"}],
+         "frequency_penalty": 10**400}).encode()))
+    @example(payload=("/v1/completions", json.dumps(
+        {"model": model, "prompt": "x", "logit_bias": {"1" * 60: 1}, "temperature": -10**300,
+         "max_tokens": -(10**400)}).encode()))
     def one(payload: tuple[str, bytes]) -> None:
         path, data_bytes = payload
-        asyncio.run_coroutine_threadsafe(example(data_bytes, path), loop).result(120)
+        asyncio.run_coroutine_threadsafe(check(data_bytes, path), loop).result(120)
 
     await asyncio.to_thread(one)
     assert seen.get("200", 0) >= 5 and seen.get("400", 0) >= 50, seen  # both ways were tried

@@ -21,6 +21,7 @@ import collections
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -269,9 +270,13 @@ class Engine:
         if constraint is None:
             return None
         if self._grammars is None:
-            self._grammars = Grammars(self.runner.tokenizer,
-                                      self.runner.config.vocab_size,  # type: ignore[attr-defined]
-                                      getattr(self.runner, "model_dir", None))
+            device = getattr(self.runner, "device", None)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1
+            self._grammars = Grammars(
+                self.runner.tokenizer, self.runner.config.vocab_size,  # type: ignore[attr-defined]
+                getattr(self.runner, "model_dir", None),
+                overlap=getattr(device, "type", "cpu") != "cpu" or torch.get_num_threads() < cores)
         try:
             return self._grammars.guide(constraint)
         except GrammarError as exc:

@@ -4,7 +4,8 @@ expression, a Lark grammar), enforced token by token with llguidance.
     OutputConstraint ──Grammars.compile()──> grammar (validated once, cached by its text)
     grammar ──Grammars.guide()──> Guide: one request's matcher
     every step: Guide.start_mask() before the forward (a worker thread, llguidance drops the
-                GIL), Guide.allowed() in the sampler (tokens outside the grammar: -inf),
+                GIL; where the forward leaves a core free), Guide.allowed() in the sampler
+                (tokens outside the grammar: -inf),
                 Guide.consume(token) for the token taken; Guide.done once the grammar is
                 complete (the request then ends with finish reason "stop").
 
@@ -108,13 +109,18 @@ class Grammars:
     constrained request) and the threads that compute masks while the forward runs."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, model_dir: Path | None = None,
-                 mask_threads: int = 1) -> None:
+                 overlap: bool = True) -> None:
+        """overlap: compute masks in a worker thread while the forward runs. Only where the
+        forward leaves a core free (a GPU's, or fewer torch threads than cores): measured on
+        2 cores with 2 torch threads, the worker slows the forward more than it hides
+        (docs/benchmarks.md, "Structured output"), and masks are computed in the sampler."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._model_dir = Path(model_dir) if model_dir is not None else None
         self._ll: Any = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(mask_threads, thread_name_prefix="strata-grammar")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar") \
+            if overlap else None
 
     def ll_tokenizer(self) -> Any:
         with self._lock:
@@ -145,24 +151,26 @@ class Grammars:
         return Guide(matcher, self.vocab_size, self._pool)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Guide:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, pool: ThreadPoolExecutor | None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self._pool = pool
         self._pending: Future[bytes] | None = None
         self.masks = 0
-        self.compute_s = 0.0  # llguidance computing masks (in the pool, beside the forward)
-        self.wait_s = 0.0  # the sampler waiting for masks and unpacking them: what a step pays
+        self.compute_s = 0.0  # llguidance computing masks (beside the forward, with a worker)
+        self.wait_s = 0.0  # the sampler waiting for (or computing) masks and unpacking them
 
     def start_mask(self) -> None:
-        """Begin computing the next token's mask (the engine calls this before the forward)."""
-        if self._pending is None:
+        """Begin computing the next token's mask (the engine calls this before the forward;
+        without a worker the sampler computes it when it asks)."""
+        if self._pending is None and self._pool is not None:
             self._pending = self._pool.submit(self._compute)
 
     def _compute(self) -> bytes:
@@ -175,8 +183,7 @@ class Guide:
         """[vocab] bool: the tokens the grammar takes next (EOS only once it is complete)."""
         t0 = time.perf_counter()
         self.start_mask()
-        assert self._pending is not None
-        packed = self._pending.result()
+        packed = self._compute() if self._pending is None else self._pending.result()
         self._pending = None
         bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
         self.wait_s += time.perf_counter() - t0

@@ -81,18 +81,22 @@ def test_a_constraint_that_does_not_compile_says_why(kind, text, says):
     assert says in str(caught.value), caught.value
 
 
-def test_the_mask_allows_exactly_what_the_grammar_takes_next():
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-sampler", "worker-thread"])
+def test_the_mask_allows_exactly_what_the_grammar_takes_next(overlap):
     from services.engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_dir())
-    guide = Grammars(tokenizer, tokenizer.vocab_size, default_model_dir()).guide(
-        OutputConstraint("regex", "ab[0-9]"))
+    guide = Grammars(tokenizer, tokenizer.vocab_size, default_model_dir(),
+                     overlap=overlap).guide(OutputConstraint("regex", "ab[0-9]"))
+    guide.start_mask()  # what the engine does before the forward
     first = guide.allowed()
     assert first.dtype == torch.bool and first.shape == (tokenizer.vocab_size,)
     texts = {tokenizer.decode([int(i)]) for i in first.nonzero().flatten()}
     assert texts and all("ab"[:len(t)] == t or t.startswith("ab") for t in texts), texts
     (a,) = tokenizer.encode("a")
+    guide.start_mask()  # a mask begun and not used: consume waits for it, then moves on
     guide.consume(a)
+    guide.start_mask()
     after_a = {tokenizer.decode([int(i)]) for i in guide.allowed().nonzero().flatten()}
     assert "b" in after_a and "a" not in after_a
     guide.consume(tokenizer.encode("b")[0])

@@ -365,3 +365,27 @@ def test_family_gguf_matches_transformers(family, overrides, tmp_path):
                       {n: (a, Q.F32) for n, a in source_tensors(ckpt).items()})
     assert load_model_config(path) == load_model_config(ckpt)
     assert_matches_reference(path, ref, steps=6)
+
+
+def test_a_gguf_checkpoint_constrains_output_as_its_source_does(source, tmp_path):
+    """Constrained decoding on a GGUF file (no tokenizer.json: llguidance reads the token
+    bytes from Strata's tokenizer) allows exactly the tokens the source checkpoint's does."""
+    from services.engine.grammar import Grammars, OutputConstraint
+
+    ckpt, _ = source
+    path = write_gguf(ckpt, tmp_path / "tiny.gguf",
+                      {n: (a, Q.F32) for n, a in source_tensors(ckpt).items()})
+    masks = []
+    for where in (ckpt, tmp_path):
+        tok = Tokenizer(path if where == tmp_path else ckpt)
+        vocab = load_model_config(ckpt).vocab_size
+        guide = Grammars(tok, vocab, where, overlap=False).guide(
+            OutputConstraint("json_schema", '{"type": "object", "properties": {"a": '
+                                            '{"enum": ["x", "yz"]}}, "required": ["a"]}'))
+        rows = [guide.allowed()]
+        for token in tok.encode('{"a": "yz"}'):
+            guide.consume(token)
+            rows.append(guide.allowed())
+        assert guide.done
+        masks.append(torch.stack(rows))
+    assert torch.equal(masks[0], masks[1]) and masks[0].any(dim=1).all()

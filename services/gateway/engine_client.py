@@ -314,14 +314,17 @@ class EnginePool:
                        if s is not None and self._is_ready(a)})
 
     async def probe(self, address: str) -> EngineStatus | None:
-        """GetStatus on one engine; records and returns its status, None when it does not answer
-        (or its breaker is open: the engine gets no traffic, probes included, until cooldown)."""
+        """GetStatus on one engine; records and returns its status, None when it does not answer.
+        An open breaker stops the probes too (an engine that answers them but fails its
+        requests gets one trial a cooldown), except for an engine that was unreachable: one
+        that comes back (a restart, which may take minutes for a large model) is ready at the
+        next probe, not after a cooldown doubled by every trial that found it still loading."""
         breaker = self.breakers.get(address)
         stub = self._stubs.get(address)
         if breaker is None or stub is None:
             return None
         status: EngineStatus | None = None
-        if breaker.allows():
+        if breaker.allows() or self.statuses.get(address) is None:
             try:
                 pb = await stub.GetStatus(engine_pb2.GetStatusRequest(),
                                           timeout=self._probe_timeout_s)
@@ -401,4 +404,5 @@ class EnginePool:
     @staticmethod
     def _log_open(address: str, breaker: CircuitBreaker) -> None:
         log.warning("engine %s: circuit breaker open after %d consecutive failures; no traffic "
-                    "for %.1f s, then one trial", address, breaker.failures, breaker.cooldown_s)
+                    "for %.1f s, then one trial (sooner if it was unreachable and answers a "
+                    "probe again)", address, breaker.failures, breaker.cooldown_s)

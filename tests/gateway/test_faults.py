@@ -164,3 +164,31 @@ async def test_a_slow_status_probe_keeps_the_engine_a_hung_one_is_routed_around(
         servicer.status_delay_s = 0.0
         await _status_soon(http, strict, 200)
         assert (await _post(http, strict))[0] == 200
+
+
+async def test_an_engine_back_from_the_dead_is_ready_at_the_next_probe_breaker_or_not(
+        make_gateway):
+    """A restarted engine (its breaker opened while it was gone) is ready as soon as a probe
+    reaches it, not after the breaker's cooldown (a minute here, as doubled trials of a large
+    model still loading would make it)."""
+    servicer = ScriptedEngine(tokens=["tok"])
+    server, port = await start_engine(servicer)
+    base = await make_gateway(engine_addrs=(f"127.0.0.1:{port}",), breaker_threshold=1,
+                              breaker_cooldown_s=60, health_interval_s=0.1)
+    async with aiohttp.ClientSession() as http:
+        await _wait_ready(http, base)
+        await server.stop(grace=None)
+        body = await _status_soon(http, base, 503)
+        for _ in range(100):
+            if body["engines"][0]["breaker"] == "open":
+                break
+            await asyncio.sleep(0.05)
+            async with http.get(base + "/readyz") as resp:
+                body = await resp.json()
+        assert body["engines"][0]["breaker"] == "open", body
+        server, _ = await start_engine(servicer, port)
+        body = await _status_soon(http, base, 200)
+        assert body["engines"][0]["breaker"] == "closed"
+        status, *_ = await _post(http, base)
+        assert status == 200
+    await server.stop(grace=None)

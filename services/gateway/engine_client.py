@@ -178,6 +178,12 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
     return request
 
 
+# A channel to an engine that went away retries its connection at most a second apart (gRPC's
+# default backoff grows to 120 s): the probes see a restarted engine as soon as it listens.
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 1000))
+
 # gRPC codes that say the engine (not the request) is in trouble: they count against its breaker.
 _ENGINE_FAULTS = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DATA_LOSS"})
 
@@ -268,7 +274,7 @@ class EnginePool:
     def add(self, address: str) -> None:
         if address in self._channels:
             return
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._channels[address] = channel
         self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
         self.statuses[address] = None

@@ -34,6 +34,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.settings import available_cores
 from services.models import DEFAULT_MODEL_NAME
 
 
@@ -156,8 +157,7 @@ def engine_threads() -> list[str]:
     decode 1.36x (1 client) and 1.69x (8 clients) what 1 thread does (docs/benchmarks.md)."""
     if os.environ.get("STRATA_ENGINE_THREADS"):
         return []
-    return ["--threads", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count() or 1)]
+    return ["--threads", str(available_cores())]
 
 
 def grpc_serving(address: str) -> Callable[[], bool]:

@@ -28,6 +28,13 @@ _UNITS = {
 }
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def parse_bytes(text: str | int) -> int:
     """'8GiB', '700MiB', '1.5g', '123' -> bytes."""
     if isinstance(text, int):

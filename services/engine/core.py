@@ -21,7 +21,6 @@ import collections
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from services.common.counters import CacheCounters, PhaseCounters
+from services.common.settings import available_cores
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
 from services.engine.driver import chunk_work
@@ -271,12 +271,11 @@ class Engine:
             return None
         if self._grammars is None:
             device = getattr(self.runner, "device", None)
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-                else os.cpu_count() or 1
             self._grammars = Grammars(
                 self.runner.tokenizer, self.runner.config.vocab_size,  # type: ignore[attr-defined]
                 getattr(self.runner, "model_dir", None),
-                overlap=getattr(device, "type", "cpu") != "cpu" or torch.get_num_threads() < cores)
+                overlap=getattr(device, "type", "cpu") != "cpu"
+                or torch.get_num_threads() < available_cores())
         try:
             return self._grammars.guide(constraint)
         except GrammarError as exc:

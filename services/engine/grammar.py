@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.common.tool_calls import TOOL_CALL_MARKERS
+
 KINDS = ("json_schema", "json_object", "regex", "lark")
 # Any JSON object: what OpenAI's response_format {"type": "json_object"} promises.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -80,7 +82,6 @@ def compile_grammar(kind: str, text: str) -> str:
 
 # OpenAI: "omitting parameters defines a function with an empty parameter list"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-TOOL_CALL_FORMATS = {"hermes": ("<tool_call>\n", "\n</tool_call>", "\n")}
 
 
 def tool_call_constraint(fmt: str, tools_json: str, choice: str,
@@ -89,7 +90,8 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
     newline-separated, with parallel calls) in the template's syntax, each a JSON object whose
     "name" is one of the functions (the named one) and whose "arguments" follow that
     function's parameters schema."""
-    open_, close, between = TOOL_CALL_FORMATS[fmt]
+    opening, closing = TOOL_CALL_MARKERS[fmt]
+    open_, close, between = f"{opening}\n", f"\n{closing}", "\n"
     functions = [t["function"] for t in json.loads(tools_json)]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice]

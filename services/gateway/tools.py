@@ -19,11 +19,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.tool_calls import TOOL_CALL_MARKERS
 from services.gateway.errors import InvalidRequest
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
-FORMATS = {"hermes": ("<tool_call>", "</tool_call>")}
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,10 @@ class ToolCallParser:
     whitespace held until more content follows."""
 
     def __init__(self, fmt: str, names: tuple[str, ...]) -> None:
-        if fmt not in FORMATS:
-            raise ValueError(f"tool-call format {fmt!r} is not one of {', '.join(FORMATS)}")
-        self.open, self.close = FORMATS[fmt]
+        if fmt not in TOOL_CALL_MARKERS:
+            raise ValueError(f"tool-call format {fmt!r} is not one of "
+                             f"{', '.join(TOOL_CALL_MARKERS)}")
+        self.open, self.close = TOOL_CALL_MARKERS[fmt]
         self.names = set(names)
         self.calls: list[ToolCall] = []
         self._buffer = ""

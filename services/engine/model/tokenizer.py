@@ -16,6 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from services.common.tool_calls import template_tool_call_format
 from services.engine.model.config import CheckpointError, find_gguf
 
 
@@ -55,7 +56,7 @@ class Tokenizer:
     def tool_call_format(self) -> str:
         """How the chat template has the model write tool calls ("hermes": <tool_call> blocks
         of JSON); "" when it teaches none Strata parses."""
-        return "hermes" if self.chat_template and "<tool_call>" in self.chat_template else ""
+        return template_tool_call_format(self.chat_template)
 
     @property
     def vocab_size(self) -> int:

@@ -122,8 +122,7 @@ class RedisChild:
         from services.common.redis_server import EmbeddedRedis
 
         self.server = EmbeddedRedis(data_dir=data_dir)
-        self.log_path = data_dir
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.data_dir = data_dir
 
     def start(self, env: dict[str, str], echo: bool) -> None:
         self.server.stop()  # a dead server's handles; a restart keeps its port
@@ -140,7 +139,7 @@ class RedisChild:
         return self.server.exit_code()
 
     def report(self) -> str:
-        return f"redis {describe_exit(self.exit_code())} (data: {self.log_path})"
+        return f"redis {describe_exit(self.exit_code())} (data: {self.data_dir})"
 
     def kill(self) -> None:
         self.server.stop(timeout_s=0)

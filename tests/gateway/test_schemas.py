@@ -1,9 +1,11 @@
 """Request parsing into native types (no HTTP)."""
 
+import json
+
 import pytest
 
 from services.gateway.errors import InvalidRequest
-from services.gateway.schemas import Message, Sampling, parse_chat, parse_completion
+from services.gateway.schemas import Constraint, Message, Sampling, parse_chat, parse_completion
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -60,6 +62,12 @@ def test_completion_prompt_forms():
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     "tools[0].function.description"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+     "tools[0].function.strict"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a" * 70000}, "guided_regex"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
@@ -71,3 +79,20 @@ def test_chat_rejections_name_the_parameter(patch, param):
     with pytest.raises(InvalidRequest) as info:
         parse_chat({"model": "m", "messages": MESSAGES, **patch})
     assert info.value.param == param and info.value.status == 400
+
+
+def test_output_constraints_become_the_engines_on_both_endpoints():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    for parse, base in ((parse_chat, {"model": "m", "messages": MESSAGES}),
+                        (parse_completion, {"model": "m", "prompt": "x"})):
+        assert parse({**base, "response_format": {"type": "json_object"}}).constraint == \
+            Constraint("json_object")
+        assert parse({**base, "response_format": fmt}).constraint == \
+            Constraint("json_schema", json.dumps(schema))
+        assert parse({**base, "response_format": {"type": "text"}}).constraint is None
+        assert parse({**base, "guided_regex": "a+"}).constraint == Constraint("regex", "a+")
+        assert parse({**base, "guided_choice": ["yes", "no"]}).constraint == \
+            Constraint("lark", 'start: "yes" | "no"')
+        assert parse({**base, "guided_json": json.dumps(schema)}).constraint == \
+            Constraint("json_schema", json.dumps(schema))

@@ -226,6 +226,14 @@ class RoutingTap:
               top_w: torch.Tensor) -> torch.Tensor:
         return self.inner.apply(layer, x, top_idx, top_w)
 
+    def step_table(self) -> None:
+        return None  # the tap's steps run layer by layer, through route()
+
+    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
+        for layer, top in zip(moe_layers, top_idx, strict=True):
+            self.step[self.row[layer]] = top.copy()
+        self.inner.finish_table_step(moe_layers, top_idx)
+
     def take(self) -> np.ndarray:
         """The last step's routing [T, L, K]."""
         assert all(s is not None for s in self.step), "a MoE layer did not route"

@@ -202,3 +202,47 @@ def test_build_is_cached_by_source_and_reused(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
     assert kernels.CpuKernels(first).linear(torch.ones(1, 4), torch.ones(2, 4, 2)).tolist() == [
         [4.0] * 4]
+
+
+@needs_compiler
+def test_a_step_of_every_layer_in_one_call_equals_the_layer_by_layer_path(demo_dir):
+    """With every pair resident a decode step runs all layers in one C call and the cache
+    looks its experts up after it: the same logits, bit for bit, and the same lookups, hits,
+    routing counts and policy state as looking them up layer by layer."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 17, 18, 19, 20, 21]]
+    runs = []
+    for one_call in (True, False):
+        runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
+        runner.fill_cache(runner.layer_order_pairs())
+        cache = runner.cache
+        if not one_call:
+            cache.step_table = lambda: None
+        tables = []
+        finish = cache.finish_table_step
+        cache.finish_table_step = lambda layers, top, _f=finish: (tables.append(top), _f(layers, top))
+        logits = decode_logits(runner, prompts, 6)
+        assert len(tables) == (6 if one_call else 0)  # every decode step, no prefill step
+        runs.append((logits, cache.decode, cache.routing_counts.copy(),
+                     cache.residency._order._key.copy()))
+    (a, counts_a, routed_a, keys_a), (b, counts_b, routed_b, keys_b) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert counts_a == counts_b and counts_a.hits == counts_a.lookups > 0
+    assert np.array_equal(routed_a, routed_b) and keys_a == keys_b
+
+
+@needs_compiler
+def test_a_step_reads_experts_by_table_only_when_every_pair_is_resident(demo_dir):
+    runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
+    pairs = runner.layer_order_pairs()
+    runner.fill_cache(pairs)
+    runner.cache.begin_step(1, False)
+    table = runner.cache.step_table()
+    assert table is not None and table.addresses.shape == (len(runner.model.layers),
+                                                           runner.config.num_experts)
+    base, blob = runner.cache.pool.slots.data_ptr(), runner.cache.format.blob_bytes
+    layer, expert = pairs[0]
+    slot = runner.cache.residency.lookup((layer, expert))
+    assert table.addresses[layer, expert] == base + slot * blob
+    runner.fill_cache(pairs[:-1])  # one pair left on the host: lookups before each layer
+    runner.cache.begin_step(1, False)
+    assert runner.cache.step_table() is None

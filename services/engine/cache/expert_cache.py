@@ -47,7 +47,13 @@ import torch
 from services.common.counters import CacheCounters
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.link_meter import LinkMeter
-from services.engine.cache.moe_compute import Placed, TritonMoe, moe_compute
+from services.engine.cache.moe_compute import (
+    CpuMoe,
+    ExpertTable,
+    Placed,
+    TritonMoe,
+    moe_compute,
+)
 from services.engine.cache.placement import Placer
 from services.engine.cache.policy import Residency
 from services.engine.cache.slot_pool import SlotPool
@@ -78,6 +84,7 @@ class ExpertCache:
         self.host = host
         self.pool = pool
         self.format = host.format
+        self.num_layers = num_layers
         self.num_experts = num_experts
         self.on_cuda = pool.device.type == "cuda"
         self.placer = placer or Placer("host", None, host_exact=True)
@@ -104,6 +111,7 @@ class ExpertCache:
         self.addr_table: torch.Tensor | None = None
         self._slot_pair: list[tuple[int, int] | None] = [None] * pool.num_slots
         self._where: dict[tuple[int, int], int] = {}  # pair -> the slot its entry points to
+        self._table: ExpertTable | None | bool = False  # step_table's, once built (None: never)
         if self.on_cuda:
             self._copy_stream = torch.cuda.Stream(pool.device)
             self._slot_ready: dict[int, torch.cuda.Event] = {}
@@ -170,7 +178,7 @@ class ExpertCache:
               counts: Sequence[int] | np.ndarray, graphed: bool = False) -> None:
         """Look up this step's distinct experts of `layer` once each (counts [E]: rows routed
         to each); place the misses. `graphed`: the step already ran in a CUDA graph, which read
-        every miss in place from the host store (see finish_graphed_step)."""
+        every miss in place from the host store (see finish_table_step)."""
         top = top_idx if isinstance(top_idx, np.ndarray) else top_idx.cpu().numpy()  # [T, K]
         counts = np.asarray(counts)  # [E]
         experts_arr = np.flatnonzero(counts)  # distinct experts, ascending
@@ -188,11 +196,14 @@ class ExpertCache:
             layer, list(zip(experts, ns, strict=True)),
             prefill=[d == 0 for d in ds] if self._any_prefill else False)
         count_phases(self.decode, self.prefill, phases, outcomes)
-        if self._any_decode:
+        if self._any_decode and self._predictions.pending(layer):
             self._predictions.routed(self.decode, layer,
                                      [e for e, d in zip(experts, ds, strict=True) if d])
-        self.routing_counts[layer, experts_arr] += counts[experts_arr]
-        self.decode_routing_counts[layer, experts_arr] += decode_arr
+        self.routing_counts[layer] += counts  # (a whole row: counts are 0 off experts_arr)
+        if self._any_prefill:
+            self.decode_routing_counts[layer, experts_arr] += decode_arr
+        else:
+            self.decode_routing_counts[layer] += counts
         if self.recorder is not None:
             self._record(layer, phases)
         self._plan = {}
@@ -307,6 +318,20 @@ class ExpertCache:
                 table[pair] = base + slot * self._blob_bytes
         self.addr_table.copy_(torch.from_numpy(table))
 
+    def step_table(self) -> ExpertTable | None:
+        """Every pair's blob address, for a CPU decode step that runs all its layers in one C
+        call and makes its lookups after (finish_table_step), when that gives exactly the
+        lookups, hits and placements of looking up layer by layer: every pair resident (no miss
+        to place, no fill), nothing to predict or record. Else None: the layers run one by one."""
+        if (self._table is None or not isinstance(self.compute, CpuMoe)
+                or self.wants_predictions or self.residency.num_resident < len(self.host.pairs)):
+            return None
+        if self._table is False:
+            self.enable_address_table(self.num_layers)
+            assert self.addr_table is not None
+            self._table = self.compute.table(self.addr_table.numpy())
+        return self._table  # type: ignore[return-value]
+
     def apply_graphed(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
                       top_w: torch.Tensor) -> torch.Tensor:
         """apply() inside a CUDA graph: top_idx, top_w [T, K] on the device; each expert read
@@ -314,12 +339,13 @@ class ExpertCache:
         assert isinstance(self.compute, TritonMoe) and self.addr_table is not None
         return self.compute.graphed(layer, x, top_idx, top_w, self.addr_table[layer])
 
-    def finish_graphed_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
-        """The lookups of a step that ran in a CUDA graph, after it: top_idx [Lm, T, K], one
-        route() per MoE layer in layer order, as an eager step makes them, so hits, policy
-        state and fills are an eager step's (less the next-layer prefetch, which cannot help
-        a step that has already run). The step read every miss in place; the fills the policy
-        admits serve the later steps."""
+    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
+        """The lookups of a step that read its experts by table (a CUDA graph's replay, or a
+        CPU step_table's one-call step), after it: top_idx [Lm, T, K], one route() per MoE
+        layer in layer order, as an eager step makes them, so hits, policy state and fills are
+        an eager step's (less the next-layer prefetch, which cannot help a step that has
+        already run). The step read every miss in place; the fills the policy admits serve the
+        later steps."""
         for j, layer in enumerate(moe_layers):
             top = top_idx[j]
             self.route(layer, top, np.bincount(top.ravel(), minlength=self.num_experts),

@@ -9,7 +9,8 @@ blob view and, on CUDA, the copy it must wait for. What computes on them is chos
 the format and the device (`moe_compute`):
 
     CpuMoe      the C kernel strata_moe: every routed expert of the layer in one call, each
-                blob read by address where it lies
+                blob read by address where it lies (`table`: what a decode step that runs
+                every layer in one call, strata_decode_step, reads them by)
     TritonMoe   CUDA: services.engine.kernels.gpu_moe, the same by address (slots, staging
                 copies, the pinned host store over the link), dense, GGUF block or FP8 blobs
                 dequantized in registers; the groups whose bytes are ready
@@ -48,6 +49,19 @@ class Placed:
     layer: int = 0
 
 
+@dataclass(frozen=True)
+class ExpertTable:
+    """Every pair's blob address and how the C kernel reads them, for a decode step that reads
+    its routed experts by table (kernels.CpuKernels.decode_step) and looks them up after."""
+
+    addresses: np.ndarray  # [L, E] int64, kept current by the cache's fills
+    weight_types: np.ndarray  # [L, 5] strata_moe's wtypes of each layer
+    ffn_size: int  # F
+    splits: int  # column blocks of the down products
+    mlp: Any  # model.layers.mlp.ExpertMlp
+    bias_at: int
+
+
 class CpuMoe:
     kind = "cpu-kernel"
 
@@ -64,6 +78,18 @@ class CpuMoe:
                             num_splits(f.hidden_size), weights=f.kernel_weights,
                             block_types=f.kernel_types, fp8_block=f.kernel_block, mlp=f.mlp,
                             bias_at=f.bias_at)
+
+    def table(self, addresses: np.ndarray) -> ExpertTable | None:
+        """An ExpertTable over addresses [L, E]; None when the layers' experts differ in
+        shape or activation (one call takes one of each; block types may differ by layer)."""
+        fs = [self.format.at(layer) for layer in range(addresses.shape[0])]
+        if len({(f.ffn_size, f.hidden_size, f.mlp, f.bias_at) for f in fs}) != 1:
+            return None
+        f = fs[0]
+        types = np.stack([self.cpu.moe_weight_types(f.kernel_weights, f.kernel_types,
+                                                    f.kernel_block) for f in fs])
+        return ExpertTable(addresses, types, f.ffn_size, num_splits(f.hidden_size), f.mlp,
+                           f.bias_at)
 
 
 class TritonMoe:

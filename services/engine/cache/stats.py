@@ -34,6 +34,10 @@ class PredictionTracker:
     def predict(self, layer: int, experts: Iterable[int]) -> None:
         self._pending[layer] = set(experts)
 
+    def pending(self, layer: int) -> bool:
+        """Whether a prediction for `layer` waits to be scored."""
+        return layer in self._pending
+
     def routed(self, c: CacheCounters, layer: int, experts: Iterable[int]) -> None:
         predicted = self._pending.pop(layer, None)
         if predicted is None:

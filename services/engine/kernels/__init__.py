@@ -53,7 +53,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 8  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 9  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -227,6 +227,11 @@ class CpuKernels:
         lib.strata_decode_layer.argtypes = [ctypes.POINTER(DecodeLayer),
                                             ctypes.POINTER(DecodeStep)]
         lib.strata_decode_layer.restype = None
+        lib.strata_decode_step.argtypes = [_c_ptr, _c_i64, ctypes.POINTER(DecodeStep), _c_ptr,
+                                           _c_ptr, _c_i64, _c_i64, _c_i64, ctypes.c_float,
+                                           ctypes.c_float, _c_i64, _c_ptr, _c_ptr, _c_ptr,
+                                           _c_ptr]
+        lib.strata_decode_step.restype = None
         self._lib = lib
         self._work = _Workspace()
 
@@ -289,15 +294,7 @@ class CpuKernels:
         E = blob_addr.shape[0]
         assert x.dtype == top_w.dtype == torch.float32 and top_idx.dtype == torch.int64
         assert blob_addr.dtype == np.int64
-        if weights == "blocks":
-            assert block_types is not None
-            wtypes = np.array([block_type(t).kernel for t in block_types] + [0, 0],
-                              dtype=np.int64)
-        elif weights == "fp8":
-            assert fp8_block is not None
-            wtypes = np.array([self.MOE_WEIGHTS["fp8"]] * 3 + list(fp8_block), dtype=np.int64)
-        else:
-            wtypes = np.full(5, self.MOE_WEIGHTS[weights], dtype=np.int64)
+        wtypes = self.moe_weight_types(weights, block_types, fp8_block)
         assert x.is_contiguous() and top_idx.is_contiguous() and top_w.is_contiguous()
         floats = self._workspace("floats", torch.float32,
                                  self._lib.strata_moe_work_floats(T, K, D, ffn_size))
@@ -309,6 +306,18 @@ class CpuKernels:
                              bias_at if mlp.bias else -1, y.data_ptr(), floats.data_ptr(),
                              ints.data_ptr())
         return y
+
+    def moe_weight_types(self, weights: str, block_types: tuple[str, str, str] | None = None,
+                         fp8_block: tuple[int, int] | None = None) -> np.ndarray:
+        """strata_moe's wtypes [5] for blobs of kind `weights` (see moe)."""
+        if weights == "blocks":
+            assert block_types is not None
+            return np.array([block_type(t).kernel for t in block_types] + [0, 0],
+                            dtype=np.int64)
+        if weights == "fp8":
+            assert fp8_block is not None
+            return np.array([self.MOE_WEIGHTS["fp8"]] * 3 + list(fp8_block), dtype=np.int64)
+        return np.full(5, self.MOE_WEIGHTS[weights], dtype=np.int64)
 
     def router(self, x: torch.Tensor, router_t: torch.Tensor, k: int, renormalize: bool
                ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
@@ -378,6 +387,30 @@ class CpuKernels:
         """The attention half of a decoder layer and its router on a decode step's rows, in
         place on the step's buffers (see strata_decode_layer)."""
         self._lib.strata_decode_layer(ctypes.byref(layer), ctypes.byref(step))
+
+    def decode_step(self, layers: ctypes.Array, step: DecodeStep, addresses: np.ndarray,
+                    wtypes: np.ndarray, ffn_size: int, splits: int, mlp: ExpertMlp,
+                    bias_at: int, route_top: np.ndarray) -> None:
+        """Every decoder layer of a decode step in one call (see strata_decode_step): per
+        layer l decode_layer(layers[l], step), then the routed experts at addresses [L, E]
+        (wtypes [L, 5]: moe_weight_types of each layer); step.x ends as the last layer's
+        output, each layer's top-K in route_top [L, T, K] (int64)."""
+        T, D, K, E = step.T, step.D, step.K, step.E
+        L = len(layers)
+        assert addresses.shape == (L, E) and addresses.dtype == np.int64
+        assert wtypes.shape == (L, 5) and wtypes.dtype == np.int64
+        assert route_top.shape == (L, T, K) and route_top.dtype == np.int64
+        assert addresses.flags.c_contiguous and wtypes.flags.c_contiguous
+        assert route_top.flags.c_contiguous
+        floats = self._workspace("floats", torch.float32,
+                                 self._lib.strata_moe_work_floats(T, K, D, ffn_size) + T * D)
+        ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
+        y = floats.data_ptr() + 4 * self._lib.strata_moe_work_floats(T, K, D, ffn_size)
+        self._lib.strata_decode_step(ctypes.addressof(layers), L, ctypes.byref(step),
+                                     addresses.ctypes.data, wtypes.ctypes.data, ffn_size,
+                                     splits, ACTIVATIONS.index(mlp.act), mlp.alpha, mlp.limit,
+                                     bias_at if mlp.bias else -1, route_top.ctypes.data, y,
+                                     floats.data_ptr(), ints.data_ptr())
 
     def _workspace(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A per-thread scratch buffer of at least numel elements, grown (never shrunk)."""

@@ -22,9 +22,10 @@ batch (see cpu_kernels.c), torch's and Triton's are close.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ import torch.nn.functional as F
 from services.engine import kernels
 from services.engine.cache.layout import matmul_split, split_swiglu
 from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix
+
+if TYPE_CHECKING:
+    from services.engine.cache.moe_compute import ExpertTable
 
 log = logging.getLogger("strata.engine")
 
@@ -190,6 +194,11 @@ class CpuBackend(TorchBackend):
 
     def decode_layer(self, layer: kernels.DecodeLayer, step: kernels.DecodeStep) -> None:
         self.cpu.decode_layer(layer, step)
+
+    def decode_step(self, layers: ctypes.Array, step: kernels.DecodeStep, table: ExpertTable,
+                    route_top: np.ndarray) -> None:
+        self.cpu.decode_step(layers, step, table.addresses, table.weight_types, table.ffn_size,
+                             table.splits, table.mlp, table.bias_at, route_top)
 
 
 class TritonBackend(TorchBackend):

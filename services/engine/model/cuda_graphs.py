@@ -13,7 +13,7 @@ read at its address in the expert cache's device table (ExpertCache.addr_table: 
 the pinned host store in place) — no host decision inside the step.
 
 The cache's lookups, hit counting, policy and fills still happen, after the replay, from the
-routing the graph recorded (ExpertCache.finish_graphed_step): the same calls in the same order
+routing the graph recorded (ExpertCache.finish_table_step): the same calls in the same order
 as an eager step, so hit rates, traces and residency are an eager step's. What differs: every
 miss of a graphed step is read in place over the link (placement reason "host:graph"), a fill
 the policy admits serves the steps after it, and there is no next-layer prefetch — a prediction
@@ -124,7 +124,7 @@ class DecodeGraphs:
         self.replays += 1
         top = g.route_top.cpu().numpy()  # waits for the step (and so for the input copy)
         self.model.last_hidden = g.hidden.clone()
-        self.cache.finish_graphed_step(self.moe_layers, top)
+        self.cache.finish_table_step(self.moe_layers, top)
         return g.logits.clone()
 
     def _buffers(self, batch: int) -> _Graph:

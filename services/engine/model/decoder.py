@@ -15,6 +15,7 @@ are pre-transposed and split into S column blocks ([S, in, out/S], cache/layout.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,6 @@ from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.step import DecodeRows, ExpertSource, Span, Step
 
 if TYPE_CHECKING:
-    from services.engine import kernels
     from services.engine.cache.expert_cache import ExpertCache
 
 
@@ -51,7 +51,7 @@ class Decoder:
         self.dtype = backend.activation_dtype(self.weight_dtype)  # activations, norms, KV cache
         self.moe_layers = [layer.index for layer in layers if layer.moe is not None]
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
-        self._structs: tuple[PagedKVCache, list[kernels.DecodeLayer]] | None = None
+        self._structs: tuple[PagedKVCache, ctypes.Array] | None = None
         self.last_hidden: torch.Tensor | None = None  # of the last forward
         # Layer parts with per-sequence state (none in today's families): they define
         # release(seq_id), which the runner calls when a sequence ends or is preempted.
@@ -76,10 +76,15 @@ class Decoder:
         step = Step(positions, self.rope, cos, sin, slots, others, decode, kv, experts,
                     self.backend, all_spans=spans)
         x = self.embed_rows(token_ids)  # [T, D]
+        table = None
         if (self.fusable and decode is not None and decode.all_rows
                 and decode.lengths is not None):
             step.fused = FusedDecode(x, step, self.layers, self._layer_structs(kv))
-        x = self.run_layers(x, step)
+            table = experts.step_table()
+        if table is not None:  # every layer in one call, the lookups after it
+            experts.finish_table_step(self.moe_layers, step.fused.all_layers(table))
+        else:
+            x = self.run_layers(x, step)
         self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
         return self.logits(x[logit_rows.to(self.device)])  # [S, V]
 
@@ -162,10 +167,12 @@ class Decoder:
         collect([self.final_norm, self.lm_head])
         return list(seen.values())
 
-    def _layer_structs(self, kv: PagedKVCache) -> list[kernels.DecodeLayer]:
-        """Each layer's pointers for the fused decode layer (built once per KV cache)."""
+    def _layer_structs(self, kv: PagedKVCache) -> ctypes.Array:
+        """Each layer's pointers for the fused decode layer, an array of kernels.DecodeLayer
+        (built once per KV cache)."""
         if self._structs is None or self._structs[0] is not kv:
-            self._structs = (kv, [layer_struct(layer, kv) for layer in self.layers])
+            structs = [layer_struct(layer, kv) for layer in self.layers]
+            self._structs = (kv, (type(structs[0]) * len(structs))(*structs))
         return self._structs[1]
 
     def decode_rows(self, spans: Sequence[Span], kv: PagedKVCache, T: int) -> DecodeRows | None:

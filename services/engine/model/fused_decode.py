@@ -7,6 +7,12 @@ K routed per token, N the longest row's cached positions.
 The decoder loop is the same as for any step (Decoder.run_layers); only a layer's attention
 half runs here: x += (last MoE output); attention; h = norm(x); the router on h — each stage
 the function the per-op kernels compute, so results equal theirs bit for bit.
+
+When the expert cache can hand over every expert's address (ExpertCache.step_table: every
+pair resident), `all_layers` runs the whole loop in one C call instead (strata_decode_step:
+per layer the same attention half, then the experts read by address), and the cache makes the
+step's lookups after it from the top-K each layer left (ExpertCache.finish_table_step) — no
+Python between layers, the same bits.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from services.engine.model.blocks import BlockMatrix, block_type
 from services.engine.model.step import Step
 
 if TYPE_CHECKING:
+    from services.engine.cache.moe_compute import ExpertTable
     from services.engine.model.layers.decoder_layer import DecoderLayer
     from services.engine.model.layers.moe import Routing
     from services.engine.model.paged_kv import PagedKVCache
@@ -57,7 +64,7 @@ class FusedDecode:
     """One decode step's buffers and kernel arguments; `x` [T, D] is updated in place."""
 
     def __init__(self, x: torch.Tensor, step: Step, layers: list[DecoderLayer],
-                 structs: list[kernels.DecodeLayer]):
+                 structs: ctypes.Array):
         decode, first = step.decode, layers[0]
         assert decode is not None and decode.lengths is not None and x.is_contiguous()
         a, moe = first.attn, first.moe
@@ -70,6 +77,7 @@ class FusedDecode:
         self.qkv = torch.empty(T, (H + 2 * G) * Hd)
         self.attn, self.o = torch.empty(T, H * Hd), torch.empty(T, D)
         self.scores = torch.empty(max(T * H * decode.max_length, T * E))
+        self.T, self.K = T, K
         self.top_idx = torch.empty(T, K, dtype=torch.int64)
         self.top_w = torch.empty(T, K)
         self.counts = np.empty(E, dtype=np.int64)
@@ -88,3 +96,12 @@ class FusedDecode:
         self.step.add = None if y is None else y.data_ptr()
         self.backend.decode_layer(self.structs[layer.index], self.step)
         return x, self.h, (self.top_idx, self.top_w, self.counts)
+
+    def all_layers(self, table: ExpertTable) -> np.ndarray:
+        """Every layer in one call, x ending as the last layer's output plus its experts' sum
+        (what run_layers returns), the routed experts read at table.addresses -> each layer's
+        top-K [L, T, K] for the cache's lookups."""
+        route_top = np.empty((len(self.structs), self.T, self.K), dtype=np.int64)
+        self.step.add = None
+        self.backend.decode_step(self.structs, self.step, table, route_top)
+        return route_top

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 class ExpertSource(Protocol):
     """Where routed experts run (services.engine.cache.expert_cache.ExpertCache); per MoE layer
-    and step: route() once, predict() when wanted, then apply()."""
+    and step: route() once, predict() when wanted, then apply() — or, for a step that reads
+    them by table (step_table()), one finish_table_step() after it."""
 
     @property
     def wants_predictions(self) -> bool:
@@ -49,6 +50,16 @@ class ExpertSource(Protocol):
         """The routed experts of `layer` on x [T, D] (top_idx [T, K] on the host, top_w [T, K]):
         [T, D], each row the sum of its K experts' outputs times their weights, added in
         ascending expert id whatever the residency (results never depend on the cache)."""
+        ...
+
+    def step_table(self) -> Any:
+        """An ExpertTable (cache/moe_compute.py) when this step may read every expert by
+        address and make its lookups after it (finish_table_step) with the same outcome as
+        route() per layer; else None."""
+        ...
+
+    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
+        """The lookups of a step that read its experts by table: top_idx [Lm, T, K]."""
         ...
 
 

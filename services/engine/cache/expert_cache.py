@@ -189,13 +189,11 @@ class ExpertCache:
             decode_arr = counts[experts_arr]
         experts, ns = experts_arr.tolist(), counts[experts_arr].tolist()
         ds = decode_arr.tolist()
-        phases = [(e, d, n - d) for e, d, n in zip(experts, ds, ns, strict=True)]
         self.distinct_pairs_routed += len(experts)
         self.layer_steps += 1
         outcomes = self.residency.access(
             layer, list(zip(experts, ns, strict=True)),
             prefill=[d == 0 for d in ds] if self._any_prefill else False)
-        count_phases(self.decode, self.prefill, phases, outcomes)
         if self._any_decode and self._predictions.pending(layer):
             self._predictions.routed(self.decode, layer,
                                      [e for e, d in zip(experts, ds, strict=True) if d])
@@ -204,10 +202,24 @@ class ExpertCache:
             self.decode_routing_counts[layer, experts_arr] += decode_arr
         else:
             self.decode_routing_counts[layer] += counts
+        self._counts = counts
+        hit_slots = [out.slot for out in outcomes if out.hit]
+        if len(hit_slots) == len(outcomes) and self.recorder is None:
+            # every routed expert a hit (the common case): count_phases' sums at once
+            decode_n, all_n = sum(ds), sum(ns)
+            self.decode.lookups += decode_n
+            self.decode.hits += decode_n
+            self.prefill.lookups += all_n - decode_n
+            self.prefill.hits += all_n - decode_n
+            self._plan = {} if graphed else {e: (_SLOT, slot) for e, slot in
+                                             zip(experts, hit_slots, strict=True)}
+            self.step_token_hits += top.shape[1]  # each token's K lookups too
+            return
+        phases = [(e, d, n - d) for e, d, n in zip(experts, ds, ns, strict=True)]
+        count_phases(self.decode, self.prefill, phases, outcomes)
         if self.recorder is not None:
             self._record(layer, phases)
         self._plan = {}
-        self._counts = counts
         missed: set[int] = set()
         for (expert, d, p), out in zip(phases, outcomes, strict=True):
             if out.fill:

@@ -286,19 +286,22 @@ class Residency:
         `prefill` says, for the step or per entry, whether only prefill tokens routed there
         (such misses are admitted only with `admit_prefill`)."""
         flags = [prefill] * len(entries) if isinstance(prefill, bool) else list(prefill)
-        self._protected = {(layer, expert) for expert, _ in entries}
+        pairs = [(layer, expert) for expert, _ in entries]
+        self._protected = set(pairs)
         outcomes: list[Outcome | None] = [None] * len(entries)
         misses = []
-        for i, (expert, _) in enumerate(entries):
-            pair = (layer, expert)
-            slot = self._slot_of.get(pair)
-            self.clock += 1
+        slot_of, pinned, touch = self._slot_of.get, self._pinned, self._order.touch
+        clock = self.clock
+        for i, pair in enumerate(pairs):  # (locals: this loop is every lookup's cost)
+            slot = slot_of(pair)
+            clock += 1
             if slot is None:
-                misses.append((i, pair, self.clock))
+                misses.append((i, pair, clock))
                 continue
-            if pair not in self._pinned:
-                self._order.touch(pair, self.clock)
+            if pair not in pinned:
+                touch(pair, clock)
             outcomes[i] = Outcome(slot, True, False)
+        self.clock = clock
         for i, pair, now in misses:
             admit = not flags[i] or self.spec.admit_prefill
             slot = self._admit(pair, now, used=True) if admit else None

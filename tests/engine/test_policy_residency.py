@@ -144,3 +144,29 @@ def test_invariants_on_a_random_trace(name, pinned):
             res.prefetch((layer + 1) % 3, rng.sample(range(8), 2))
             slots = list(res._slot_of.values())
             assert len(slots) == len(set(slots)) <= 10 and all(0 <= s < 10 for s in slots)
+
+
+@pytest.mark.parametrize("name", ["lfu", "crf"])
+def test_scored_victim_is_the_smallest_current_key_though_hits_only_record_theirs(name):
+    """A hit only records its pair's raised key (no heap entry); victim() must still return the
+    pair with the smallest current (key, seq) outside the protected set, as a scan would."""
+    import random
+
+    rng = random.Random(1)
+    res = Residency(12, PolicySpec(name, 0.0))
+    res.plan_fill([])
+    order = res._order
+    raise_key = order._raise
+
+    def checked_raise(pair, key):
+        assert key > order._key[pair]  # what the lazy heap relies on
+        raise_key(pair, key)
+
+    order._raise = checked_raise
+    for _ in range(400):
+        layer = rng.randrange(3)
+        protected = {(layer, e) for e in rng.sample(range(10), 3)}
+        scan = min(((*k, p) for p, k in order._key.items() if p not in protected),
+                   default=None)
+        assert order.victim(protected) == (None if scan is None else scan[2])
+        run(res, layer, sorted(rng.sample(range(10), rng.randint(1, 4))))

@@ -119,7 +119,11 @@ class LRUOrder:
 
 
 class _ScoredOrder:
-    """Evicts the pair with the smallest key; a lazily cleaned min-heap of (key, seq, pair)."""
+    """Evicts the pair with the smallest key (ties: the earlier seq). A min-heap of (key, seq,
+    pair) entries, each no larger than its pair's current key: a subclass's touch only ever
+    raises a pair's key, so it just records the new one (`_raise`, a hit's whole cost), and
+    victim() re-files an entry it finds below its pair's current key; entries of pairs no longer
+    resident are dropped when they surface."""
 
     def __init__(self) -> None:
         self._key: dict[Pair, tuple[float, int]] = {}  # resident pairs only
@@ -132,6 +136,9 @@ class _ScoredOrder:
             self._heap = [(*k, p) for p, k in self._key.items()]
             heapq.heapify(self._heap)
 
+    def _raise(self, pair: Pair, key: tuple[float, int]) -> None:
+        self._key[pair] = key  # > the pair's key before (tests/engine/test_policy_residency.py)
+
     def remove(self, pair: Pair) -> None:
         del self._key[pair]
 
@@ -140,8 +147,11 @@ class _ScoredOrder:
         found = None
         while self._heap:
             key0, key1, pair = self._heap[0]
-            if self._key.get(pair) != (key0, key1):
-                heapq.heappop(self._heap)  # stale
+            key = self._key.get(pair)
+            if key is None:
+                heapq.heappop(self._heap)  # evicted since
+            elif key != (key0, key1):
+                heapq.heapreplace(self._heap, (*key, pair))  # raised since: re-file
             elif pair in protected:
                 skipped.append(heapq.heappop(self._heap))
             else:
@@ -163,7 +173,7 @@ class LFUOrder(_ScoredOrder):
 
     def touch(self, pair: Pair, now: int) -> None:
         self._uses[pair] += 1
-        self._push(pair, (float(self._uses[pair]), now))
+        self._raise(pair, (float(self._uses[pair]), now))
 
     def remove(self, pair: Pair) -> None:
         super().remove(pair)
@@ -205,7 +215,7 @@ class CRFOrder(_ScoredOrder):
         c, t_last = self._history.get(pair, (0.0, now))
         c = 1.0 + c * 2.0 ** (-self.decay * (now - t_last))
         self._history[pair] = (c, now)
-        self._push(pair, (math.log2(c) + self.decay * now, now))
+        self._raise(pair, (math.log2(c) + self.decay * now, now))
 
     def admits(self, pair: Pair, victim: Pair, now: int) -> bool:
         return 1.0 + self._crf(pair, now) >= self._crf(victim, now)  # C of pair once it is used

@@ -123,7 +123,10 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
               "--engine-metrics-port", str(free_port()), "--log-dir", str(logs), "--quiet",
               *a.up_arg]
     ls_cmd = [server, "-m", str(a.gguf), "-t", str(a.llama_threads), "-np", str(max(a.clients)),
-              "-c", str(a.llama_context), "--port", str(lp), "--host", "127.0.0.1"]
+              "-c", str(a.llama_context), "--port", str(lp), "--host", "127.0.0.1",
+              # only /v1/completions is measured; llama-server's jinja cannot parse the demo
+              # template's tool-call block, and refuses to start on it
+              "--no-jinja", "--chat-template", "chatml"]
     log(f"strata up -> :{sp}, llama-server -> :{lp}; logs in {logs}")
     with open(logs / "up.out", "w") as up_out, open(logs / "llama-server.out", "w") as ls_out:
         up = subprocess.Popen(up_cmd, stdout=up_out, stderr=subprocess.STDOUT, env=env)

@@ -217,9 +217,10 @@ def test_a_step_of_every_layer_in_one_call_equals_the_layer_by_layer_path(demo_d
         cache = runner.cache
         if not one_call:
             cache.step_table = lambda: None
-        tables = []
+        tables: list[np.ndarray] = []
         finish = cache.finish_table_step
-        cache.finish_table_step = lambda layers, top, _f=finish: (tables.append(top), _f(layers, top))
+        cache.finish_table_step = (
+            lambda layers, top, _f=finish, _seen=tables: (_seen.append(top), _f(layers, top)))
         logits = decode_logits(runner, prompts, 6)
         assert len(tables) == (6 if one_call else 0)  # every decode step, no prefill step
         runs.append((logits, cache.decode, cache.routing_counts.copy(),

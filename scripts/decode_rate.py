@@ -1,0 +1,45 @@
+"""In-process decode tok/s of the checkout on PYTHONPATH: one number, for comparing checkouts.
+
+    PYTHONPATH=CHECKOUT python scripts/decode_rate.py MODEL [--batch B] [--gen-tokens G]
+
+Loads MODEL with every pair cached (prefetch off, the C kernels on, 2 threads), warms up, then
+prints the median decode tok/s of three runs of B sequences (32-token prompts, G - 1 decode
+steps). Run it alternately on two checkouts, several times, so that the host's drift hits both:
+
+    for r in 1 2 3; do for c in /tmp/old /work/main; do
+        PYTHONPATH=$c python scripts/decode_rate.py /tmp/bench-bf16.gguf; done; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from services.bench.engine_bench import prompts, run_strata
+from services.engine.runner import ModelRunner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--gen-tokens", type=int, default=65)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    runner = ModelRunner(a.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
+                         prefetch=False, cpu_kernels="on")
+    runner.fill_cache(runner.layer_order_pairs(), source="layer order")
+    batch_prompts = prompts(a.batch, 32)
+    run_strata(runner, batch_prompts, 8)  # warm-up
+    rates = []
+    for _ in range(3):
+        _, decode_s, _, _ = run_strata(runner, batch_prompts, a.gen_tokens)
+        rates.append(a.batch * (a.gen_tokens - 1) / decode_s)
+    print(f"{statistics.median(rates):.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,3 +52,15 @@ def test_int8_block_reused_for_new_tokens_gets_a_fresh_scale():
     fill(cache, [1], small, small, chunk=2)  # the block handed out again, from offset 0
     k, _ = cache.read(0, [1], 4)
     assert torch.allclose(k, small.transpose(0, 1), rtol=0.01)
+
+
+def test_span_slots_are_each_spans_slots_in_row_order():
+    from services.engine.model.step import Span
+
+    cache = PagedKVCache(1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
+                         dtype=torch.float32, device=torch.device("cpu"))
+    spans = [Span(0, 5, 3, [6, 2, 7]), Span(5, 6, 9, [1, 0, 5]), Span(6, 9, 0, [3])]
+    expected = torch.cat([cache.slots(s.block_table, torch.arange(s.pos_start, s.pos_end))
+                          for s in spans])
+    assert torch.equal(cache.span_slots(spans), expected)
+    assert cache.span_slots(spans).tolist() == [27, 8, 9, 10, 11, 21, 12, 13, 14]

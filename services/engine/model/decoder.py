@@ -68,8 +68,7 @@ class Decoder:
         K/V. (The runner replays a pure decode step from a CUDA graph instead, where it
         captured one: model/cuda_graphs.py.)"""
         token_ids, positions = token_ids.to(self.device), positions.to(self.device)
-        slots = torch.cat([
-            kv.slots(s.block_table, positions[s.row_start:s.row_end]) for s in spans])  # [T]
+        slots = kv.span_slots(spans).to(self.device)  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
         others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
         cos, sin = self.rope.rows(positions)

@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from services.engine.model.config import ModelConfig
+    from services.engine.model.step import Span
 
 
 class KVOwner(Protocol):
@@ -96,6 +97,14 @@ class PagedKVCache:
         """Flat pool indices (block * P + offset) of positions [T] of one sequence."""
         blocks = torch.as_tensor(table, device=positions.device)[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
+
+    def span_slots(self, spans: Sequence[Span]) -> torch.Tensor:
+        """Flat pool indices [T] (on the host) of every span's positions, in row order: what
+        slots() gives each span, in plain integers (a decode step's spans are one row each,
+        and small tensor ops per span cost more than the arithmetic)."""
+        P = self.block_size
+        return torch.tensor([s.block_table[p // P] * P + p % P for s in spans
+                             for p in range(s.pos_start, s.pos_end)], dtype=torch.long)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, G, Hd] at flat slots [T]."""

@@ -30,6 +30,7 @@ import torch
 
 from services.common.counters import CacheCounters, PhaseCounters
 from services.common.settings import available_cores
+from services.engine import kernels
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
 from services.engine.driver import chunk_work
@@ -192,6 +193,9 @@ class Engine:
     holds_kv = True  # until stop() hands the pool back
 
     def start(self) -> None:
+        # The loop thread is where the kernels run from now on: the caller's OpenMP workers
+        # (the model was loaded here) would only slow every region down (release_thread_pool)
+        kernels.release_thread_pool()
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -5,6 +5,8 @@ and the engine falls back to torch ops when they cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -247,3 +249,30 @@ def test_a_step_reads_experts_by_table_only_when_every_pair_is_resident(demo_dir
     runner.fill_cache(pairs[:-1])  # one pair left on the host: lookups before each layer
     runner.cache.begin_step(1, False)
     assert runner.cache.step_table() is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="counts threads in /proc; needs 2 cores for a team with a worker")
+def test_release_thread_pool_frees_the_calling_threads_openmp_workers():
+    """core.Engine.start frees the loading thread's OpenMP workers (libgomp throttles every
+    barrier once it manages more threads than cores); here a fresh thread opens a parallel
+    region, then releases its pool: its workers exit."""
+    seen = []
+
+    def run():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            before = set(os.listdir("/proc/self/task"))
+            torch.ones(1 << 22).sum()  # a parallel region: this thread's pool gets a worker
+            seen.append(set(os.listdir("/proc/self/task")) - before)
+            seen.append(kernels.release_thread_pool())
+            seen.append(set(os.listdir("/proc/self/task")))
+        finally:
+            torch.set_num_threads(threads)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    workers, released, after = seen
+    assert workers and released and not workers & after

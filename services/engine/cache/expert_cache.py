@@ -111,11 +111,16 @@ class ExpertCache:
         self.addr_table: torch.Tensor | None = None
         self._slot_pair: list[tuple[int, int] | None] = [None] * pool.num_slots
         self._where: dict[tuple[int, int], int] = {}  # pair -> the slot its entry points to
-        self._table: ExpertTable | None | bool = False  # step_table's, once built (None: never)
         if self.on_cuda:
             self._copy_stream = torch.cuda.Stream(pool.device)
             self._slot_ready: dict[int, torch.cuda.Event] = {}
             self._reads_done: torch.cuda.Event | None = None
+        # The C kernel reads the same table in a decode step that runs every layer in one call
+        self._table: ExpertTable | None = None
+        if isinstance(self.compute, CpuMoe):
+            self.enable_address_table(num_layers)
+            assert self.addr_table is not None
+            self._table = self.compute.table(self.addr_table.numpy())
 
     @property
     def cpu_kernels(self) -> bool:
@@ -177,8 +182,9 @@ class ExpertCache:
     def route(self, layer: int, top_idx: torch.Tensor | np.ndarray,
               counts: Sequence[int] | np.ndarray, graphed: bool = False) -> None:
         """Look up this step's distinct experts of `layer` once each (counts [E]: rows routed
-        to each); place the misses. `graphed`: the step already ran in a CUDA graph, which read
-        every miss in place from the host store (see finish_table_step)."""
+        to each); place the misses. `graphed`: the step already ran, reading every expert by
+        table (a CUDA graph, or a CPU one-call step: see finish_table_step), each miss in place
+        from the host store; no apply() follows."""
         top = top_idx if isinstance(top_idx, np.ndarray) else top_idx.cpu().numpy()  # [T, K]
         counts = np.asarray(counts)  # [E]
         experts_arr = np.flatnonzero(counts)  # distinct experts, ascending
@@ -335,14 +341,10 @@ class ExpertCache:
         call and makes its lookups after (finish_table_step), when that gives exactly the
         lookups, hits and placements of looking up layer by layer: every pair resident (no miss
         to place, no fill), nothing to predict or record. Else None: the layers run one by one."""
-        if (self._table is None or not isinstance(self.compute, CpuMoe)
-                or self.wants_predictions or self.residency.num_resident < len(self.host.pairs)):
+        if (self._table is None or self.wants_predictions
+                or self.residency.num_resident < len(self.host.pairs)):
             return None
-        if self._table is False:
-            self.enable_address_table(self.num_layers)
-            assert self.addr_table is not None
-            self._table = self.compute.table(self.addr_table.numpy())
-        return self._table  # type: ignore[return-value]
+        return self._table
 
     def apply_graphed(self, layer: int, x: torch.Tensor, top_idx: torch.Tensor,
                       top_w: torch.Tensor) -> torch.Tensor:

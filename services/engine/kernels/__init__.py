@@ -402,10 +402,10 @@ class CpuKernels:
         assert route_top.shape == (L, T, K) and route_top.dtype == np.int64
         assert addresses.flags.c_contiguous and wtypes.flags.c_contiguous
         assert route_top.flags.c_contiguous
-        floats = self._workspace("floats", torch.float32,
-                                 self._lib.strata_moe_work_floats(T, K, D, ffn_size) + T * D)
+        work_floats = self._lib.strata_moe_work_floats(T, K, D, ffn_size)
+        floats = self._workspace("floats", torch.float32, work_floats + T * D)  # work, then y
         ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
-        y = floats.data_ptr() + 4 * self._lib.strata_moe_work_floats(T, K, D, ffn_size)
+        y = floats.data_ptr() + 4 * work_floats
         self._lib.strata_decode_step(ctypes.addressof(layers), L, ctypes.byref(step),
                                      addresses.ctypes.data, wtypes.ctypes.data, ffn_size,
                                      splits, ACTIVATIONS.index(mlp.act), mlp.alpha, mlp.limit,

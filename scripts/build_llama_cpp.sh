@@ -26,7 +26,29 @@ fi
 
 generator=()
 command -v ninja > /dev/null && generator=(-G Ninja)
+# ggml's AMX kernels run on worker threads that exist before it asks the kernel for AMX
+# (arch_prctl ARCH_REQ_XCOMP_PERM); on some kernels such threads then trap on every tile
+# instruction (seen on a Xeon guest: llama-bench died with SIGILL in the AMX Q8_0 kernel).
+# -march=native compiles those kernels in, so try that order first; build without AMX if it traps.
+native_flags=()
+if grep -qw amx_tile /proc/cpuinfo; then
+  printf '%s\n' '#include <immintrin.h>' '#include <pthread.h>' '#include <string.h>' \
+    '#include <sys/syscall.h>' '#include <unistd.h>' 'static volatile int asked;' \
+    'static void *worker(void *arg) {' '    unsigned char cfg[64] = {1};' \
+    '    while (!asked) usleep(1000);' '    cfg[16] = 64, cfg[48] = 16;' \
+    '    _tile_loadconfig(cfg);' '    _tile_zero(0);' '    _tile_release();' '    return arg;' '}' \
+    'int main(void) {' '    pthread_t t;' '    pthread_create(&t, 0, worker, 0);' \
+    '    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 1; /* REQ_XCOMP_PERM, XTILEDATA */' \
+    '    asked = 1;' '    return pthread_join(t, 0);' '}' > amx_probe.c
+  if ! { cc -O2 -mamx-tile amx_probe.c -o amx_probe -lpthread && ./amx_probe; } 2> /dev/null; then
+    echo "build_llama_cpp: this CPU lists AMX but its threads trap on it; building without AMX" >&2
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    native_flags=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx")
+  fi
+  rm -f amx_probe amx_probe.c
+fi
 cmake -S src -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  "${native_flags[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
   > build.log 2>&1 || { tail -20 build.log >&2; exit 1; }
 echo "build_llama_cpp: compiling (progress in $DEST/build.log)" >&2

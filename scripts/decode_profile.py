@@ -19,7 +19,8 @@ from services.bench.engine_bench import prompts, run_strata
 from services.engine.model.dtypes import DTYPES
 from services.engine.runner import ModelRunner
 
-KERNELS = ("moe", "linear", "decode_layer", "rms_norm", "router", "decode_attention")
+KERNELS = ("decode_step", "moe", "linear", "decode_layer", "rms_norm", "router",
+           "decode_attention")
 
 
 def main() -> None:

@@ -4,7 +4,11 @@ The runner owns a KV tensor of `num_blocks` blocks of `block_size` token positio
 decides which block holds which positions of which sequence. A block whose tokens are all computed
 gets a *prefix hash* (a hash of every token from the start of the sequence up to the block's end,
 computed as a chain: the block's tokens hashed with the previous block's hash),
-so a later prompt that starts with the same tokens reuses it instead of recomputing it.
+so a later prompt that starts with the same tokens reuses it instead of recomputing it. Past the
+last equal full block, a prompt also reuses the leading positions of a block that holds the same
+tokens up to where the prompt differs (or ends): its fresh block starts as a copy of that block
+(`BlockTable.copy_from`, done by the runner before the step computes the rest), so a repeated
+prompt, or a conversation's next turn, recomputes only its new tokens, not up to a block of old ones.
 
 Free blocks wait in LRU order; a freed block keeps its hash (and its K/V) until it is handed out
 again, so recently finished prompts stay reusable while memory allows.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +29,8 @@ class Block:
     block_id: int
     ref_count: int = 0
     prefix_hash: int | None = None
+    parent_hash: int | None = None  # with a prefix hash: the hash of the block before (None: first)
+    tokens: tuple[int, ...] = ()  # with a prefix hash: the block's tokens
 
 
 @dataclass
@@ -34,6 +41,14 @@ class BlockTable:
     num_reused_tokens: int = 0
     num_hashed_blocks: int = 0  # leading blocks whose prefix hash is registered
     last_hash: int | None = None  # the prefix hash of block num_hashed_blocks - 1 (the chain)
+    # (source block, this table's block): copy the source's K/V into the block before the step
+    # that computes the rest of it; num_reused_tokens counts the positions it gives
+    copy_from: tuple[int, int] | None = None
+
+
+# Blocks compared per admission when looking for a partly equal one (one list per parent block
+# and first token: more than this many only when many prompts share a prefix and its next token).
+_MAX_CANDIDATES = 32
 
 
 class NoFreeBlocks(RuntimeError):
@@ -53,13 +68,20 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int, prev_hash: int | No
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_reuse: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_reuse: bool = True,
+                 partial_reuse: bool = True):
+        """partial_reuse: also start a prompt's first fresh block as a copy of a cached block's
+        leading positions (off for int8 K/V: the copy keeps the source's block scale, which the
+        positions after it helped set, so it would not hold what computing them gives)."""
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_reuse = enable_prefix_reuse
+        self.partial_reuse = enable_prefix_reuse and partial_reuse
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._by_hash: dict[int, int] = {}
+        # hashed blocks by (parent's hash, first token): where a partly equal block is found
+        self._children: dict[tuple[int | None, int], dict[int, None]] = {}
 
     # -- figures -------------------------------------------------------------------------------
     @property
@@ -86,10 +108,12 @@ class BlockManager:
         return fresh + sum(1 for b, _ in reused if b in self._free) <= self.num_free_blocks
 
     def allocate(self, token_ids: Sequence[int]) -> BlockTable:
-        """Blocks for a prompt: reused full blocks of an equal prefix, then fresh ones.
+        """Blocks for a prompt: reused full blocks of an equal prefix, then fresh ones, the
+        first of them to start as a copy of a cached block with the next tokens equal (see
+        copy_from).
 
         At least the last token is left to compute (its logits start decoding), so a fully cached
-        prompt reuses all but its last block."""
+        prompt reuses all but its last token."""
         if not self.can_allocate(token_ids):
             raise NoFreeBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
                                f"{self.num_free_blocks} free")
@@ -100,8 +124,14 @@ class BlockManager:
         table.num_hashed_blocks = len(table.block_ids)
         table.last_hash = reused[-1][1] if reused else None
         table.num_reused_tokens = table.num_hashed_blocks * self.block_size
+        source, equal = self._partly_equal(token_ids, table.num_reused_tokens, table.last_hash)
         while len(table.block_ids) < self.blocks_needed(len(token_ids)):
             table.block_ids.append(self._take_fresh())
+        if equal:
+            # taken fresh above (it was free), the source is its own copy: nothing to move
+            if table.block_ids[table.num_hashed_blocks] != source:
+                table.copy_from = (source, table.block_ids[table.num_hashed_blocks])
+            table.num_reused_tokens += equal
         return table
 
     def may_append(self, table: BlockTable, num_tokens: int) -> bool:
@@ -136,11 +166,15 @@ class BlockManager:
             return
         P, done = self.block_size, table.num_hashed_blocks
         hashes = prefix_hashes(token_ids[done * P:full * P], P, table.last_hash)  # new blocks'
+        parent = table.last_hash
         for index, h in zip(range(done, full), hashes, strict=True):
             block = self.blocks[table.block_ids[index]]
             if h not in self._by_hash:
-                block.prefix_hash = h
+                block.prefix_hash, block.parent_hash = h, parent
+                block.tokens = tuple(token_ids[index * P:(index + 1) * P])
                 self._by_hash[h] = block.block_id
+                self._children.setdefault((parent, block.tokens[0]), {})[block.block_id] = None
+            parent = h
         table.num_hashed_blocks, table.last_hash = full, hashes[-1]
 
     def free(self, table: BlockTable) -> None:
@@ -169,6 +203,25 @@ class BlockManager:
             reused.append((block_id, h))
         return reused
 
+    def _partly_equal(self, token_ids: Sequence[int], start: int, parent: int | None
+                      ) -> tuple[int, int]:
+        """(block, n): a cached block following `parent` whose first n tokens equal
+        token_ids[start:], n as large as such blocks give (at most the tokens before the last
+        one; the most recently cached blocks are looked at first); n = 0 if none."""
+        want = token_ids[start:len(token_ids) - 1]
+        if not self.partial_reuse or not want:
+            return -1, 0
+        best, best_n = -1, 0
+        candidates = self._children.get((parent, want[0]), {})
+        for block_id in itertools.islice(reversed(candidates), _MAX_CANDIDATES):
+            tokens = self.blocks[block_id].tokens
+            n = 1
+            while n < len(want) and n < len(tokens) and tokens[n] == want[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = block_id, n
+        return best, best_n
+
     def _take_reused(self, block_id: int) -> int:
         """Share a block that holds the wanted K/V (in use by others, or free but cached)."""
         self._free.pop(block_id, None)
@@ -181,6 +234,10 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.prefix_hash is not None:
             del self._by_hash[block.prefix_hash]
-            block.prefix_hash = None
+            key = (block.parent_hash, block.tokens[0])
+            del self._children[key][block_id]
+            if not self._children[key]:
+                del self._children[key]
+            block.prefix_hash, block.parent_hash, block.tokens = None, None, ()
         block.ref_count = 1
         return block_id

@@ -71,7 +71,7 @@ class Runner(Protocol):
 
     tokenizer: Any
     config: Any
-    kv: Any  # PagedKVCache: num_blocks, block_size, claim()
+    kv: Any  # PagedKVCache: num_blocks, block_size, claim(), copy_blocks()
 
     def step(self, chunks: Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
                                                               CacheCounters]]: ...
@@ -174,7 +174,8 @@ class Engine:
                 prefix_reuse = False
         runner.kv.claim(self)  # the scheduler's block manager hands out the KV pool's blocks
         self.scheduler = Scheduler(
-            BlockManager(runner.kv.num_blocks, runner.kv.block_size, prefix_reuse), max_running,
+            BlockManager(runner.kv.num_blocks, runner.kv.block_size, prefix_reuse,
+                         partial_reuse=not runner.kv.quantized), max_running,
             max(max_step_tokens, max_running), clock=time.perf_counter)
         log.info("scheduler: up to %d running sequences, %d tokens per step, prefix reuse %s",
                  max_running, self.scheduler.max_step_tokens, "on" if prefix_reuse else "off")
@@ -348,6 +349,7 @@ class Engine:
             self._release(seq)
         if not step.chunks:
             return
+        self.runner.kv.copy_blocks(step.copies)  # prompts starting with part of a cached block
         work = [chunk_work(c) for c in step.chunks]
         self.steps += 1
         for chunk in step.chunks:  # grammar masks: computed while the forward runs

@@ -4,8 +4,10 @@
 
 Each step every running sequence in decode contributes its one new token; sequences still in
 prefill then contribute chunks, in admission order, until the step's token budget is spent; then
-waiting sequences are admitted while places, blocks and budget last. So a long prompt is cut into
-chunks and never freezes the others. When a growing sequence needs a KV block and none is free, the
+waiting sequences are admitted while places, blocks and budget last (a prompt that starts with
+part of a cached block gets a copy of that block's K/V first: `Step.copies`, which the engine has
+the runner make before the forward). So a long prompt is cut into chunks and never freezes the
+others. When a growing sequence needs a KV block and none is free, the
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed (prefix reuse usually finds its blocks again).
 
@@ -86,6 +88,9 @@ class Step:
     chunks: tuple[Chunk, ...] = ()
     preempted: tuple[SeqState, ...] = ()
     dropped: tuple[SeqState, ...] = ()  # cancelled sequences whose blocks were freed
+    # (source, destination) KV blocks to copy before the forward: admitted prompts that start
+    # with part of a cached block (BlockTable.copy_from)
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -131,15 +136,20 @@ class Scheduler:
             if seq.num_pending > 1 and budget > 0:
                 chunks.append(self._prefill_chunk(seq, budget))
                 budget -= chunks[-1].end - chunks[-1].start
+        copies = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq.token_ids):
                 break  # FIFO: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
             self._admit(seq)
+            assert seq.table is not None
+            if seq.table.copy_from is not None:
+                copies.append(seq.table.copy_from)
+                seq.table.copy_from = None
             chunks.append(self._prefill_chunk(seq, budget))
             budget -= chunks[-1].end - chunks[-1].start
-        return Step(tuple(chunks), tuple(preempted), tuple(dropped))
+        return Step(tuple(chunks), tuple(preempted), tuple(dropped), tuple(copies))
 
     def complete(self, step: Step) -> None:
         """The step's forward pass ran: its positions now have K/V in the cache."""

@@ -64,3 +64,17 @@ def test_span_slots_are_each_spans_slots_in_row_order():
                           for s in spans])
     assert torch.equal(cache.span_slots(spans), expected)
     assert cache.span_slots(spans).tolist() == [27, 8, 9, 10, 11, 21, 12, 13, 14]
+
+
+def test_copy_blocks_copies_every_layer_and_int8_scale():
+    for kv_dtype in ("auto", "int8"):
+        kv = PagedKVCache(3, 6, 4, 2, 8, torch.float32, torch.device("cpu"), kv_dtype)
+        k, v = torch.randn(2, 4, 2, 8).unbind(0)
+        slots = torch.arange(4) + 4 * 1  # block 1
+        for layer in range(3):
+            kv.write(layer, slots, k * (layer + 1), v - layer)
+        kv.copy_blocks([(1, 4)])
+        for layer in range(3):
+            assert torch.equal(kv.read(layer, [4], 4)[0], kv.read(layer, [1], 4)[0])
+            assert torch.equal(kv.read(layer, [4], 4)[1], kv.read(layer, [1], 4)[1])
+        assert not torch.equal(kv.read(0, [4], 4)[0], kv.read(0, [0], 4)[0])

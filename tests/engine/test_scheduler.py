@@ -124,7 +124,60 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     blocks.mark_computed(table, list(range(8)), 8)
     blocks.free(table)
     again = blocks.allocate(list(range(8)))
-    assert again.num_reused_tokens == 4
+    assert again.num_reused_tokens == 7, "4 in a shared block, 3 copied from the second"
+    plain = BlockManager(8, 4, partial_reuse=False)
+    table = plain.allocate(list(range(8)))
+    plain.mark_computed(table, list(range(8)), 8)
+    plain.free(table)
+    assert plain.allocate(list(range(8))).num_reused_tokens == 4
+
+
+def cached(blocks: BlockManager, tokens: list[int]) -> list[int]:
+    """A finished sequence's blocks (all its positions computed, then freed)."""
+    table = blocks.allocate(tokens)
+    blocks.mark_computed(table, tokens, len(tokens))
+    ids = list(table.block_ids)
+    blocks.free(table)
+    return ids
+
+
+def test_a_prompt_takes_the_equal_start_of_a_cached_block_as_a_copy():
+    blocks = BlockManager(16, 4)
+    donor = cached(blocks, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    blocks.allocate([50] * 12)  # takes the LRU free blocks: the donor's last ones are not free
+    table = blocks.allocate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 55, 56])
+    assert table.block_ids[:2] == donor[:2], "full blocks shared"
+    assert table.num_reused_tokens == 10, "8 shared + 2 copied (9, 10)"
+    assert table.copy_from == (donor[2], table.block_ids[2]) and table.block_ids[2] != donor[2]
+    # the donor stays cached for the next prompt: copies never take a block from others
+    again = blocks.allocate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 77, 78])
+    assert again.num_reused_tokens == 11 and again.copy_from == (donor[2], again.block_ids[2])
+
+
+def test_a_cached_block_taken_fresh_is_its_own_copy():
+    blocks = BlockManager(2, 4)
+    donor = cached(blocks, [1, 2, 3, 4, 5, 6, 7, 8])
+    table = blocks.allocate([1, 2, 3, 4, 5, 6, 9])  # the donor's second block is the only free one
+    assert table.block_ids == donor and table.copy_from is None
+    assert table.num_reused_tokens == 6
+    blocks.mark_computed(table, [1, 2, 3, 4, 5, 6, 9, 10], 8)  # it now holds other tokens
+    blocks.free(table)
+    assert blocks.allocate([1, 2, 3, 4, 5, 6, 7, 1]).num_reused_tokens == 6, (
+        "the overwritten block no longer offers 7")
+
+
+def test_scheduler_steps_carry_the_copies_of_admitted_prompts():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    first = seq(10)
+    sched.add(first)
+    for _ in range(3):  # prefill, then two decodes: positions 0-11 computed
+        run_step(sched)
+    sched.finish(first)
+    again = SeqState(next(_ids), list(range(1, 11)) + [55, 56], 12)
+    sched.add(again)
+    step = run_step(sched)
+    assert again.num_reused == 10 and step.chunks[0].start == 10
+    assert step.copies == () or step.copies == ((step.copies[0][0], again.table.block_ids[2]),)
 
 
 def test_cached_blocks_are_evicted_lru_when_memory_is_needed():

@@ -106,6 +106,17 @@ class PagedKVCache:
         return torch.tensor([s.block_table[p // P] * P + p % P for s in spans
                              for p in range(s.pos_start, s.pos_end)], dtype=torch.long)
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Block dst becomes a copy of block src, in every layer (K, V and int8 scales), for
+        each (src, dst): a prompt taking over a cached block's leading positions."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.k.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
+        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        for t in {id(t): t for t in tensors}.values():
+            t[:, dst] = t[:, src]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, G, Hd] at flat slots [T]."""
         if not self.quantized:

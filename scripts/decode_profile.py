@@ -19,7 +19,8 @@ from services.bench.engine_bench import prompts, run_strata
 from services.engine.model.dtypes import DTYPES
 from services.engine.runner import ModelRunner
 
-KERNELS = ("decode_step", "moe", "linear", "decode_layer", "rms_norm", "router",
+KERNELS = ("decode_step", "moe", "linear", "linear_blocks", "linear_fp8", "decode_layer",
+           "rms_norm", "router",
            "decode_attention")
 
 

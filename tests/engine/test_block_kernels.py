@@ -51,6 +51,21 @@ def test_dequantization_is_gguf_py_s_bit_for_bit(name):
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)))
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_rows_gives_the_reference_rows(cpu, name):
+    """The C embedding lookup against dequantize(): the same values to fp32 rounding (the
+    K-quants' group terms are applied in another order), rows picked in any order, repeats."""
+    rows = random_rows(name, 12, 512, np.random.default_rng(2))
+    w = BlockMatrix(torch.from_numpy(rows.reshape(-1)).contiguous(), 512, ((name, 12),))
+    ids = torch.tensor([[7, 0, 11], [7, 3, 3]])
+    got = cpu.dequantize_rows(w, ids)
+    want = w.rows(ids)
+    assert got.shape == (2, 3, 512)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    with pytest.raises(IndexError):
+        cpu.dequantize_rows(w, torch.tensor([12]))
+
+
 def test_rounded_activations_are_8_bit_per_block():
     x = torch.randn(3, 512)
     for name, bs in (("Q8_0", 32), ("Q4_K", 256)):

@@ -53,7 +53,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 9  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 10  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -199,6 +199,8 @@ class CpuKernels:
         lib.strata_linear_fp8.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr,
                                           _c_i64, _c_i64, _c_i64, _c_ptr]
         lib.strata_linear_fp8.restype = None
+        lib.strata_dequantize_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr]
+        lib.strata_dequantize_rows.restype = None
         lib.strata_block_work_bytes.argtypes = [_c_i64, _c_i64]
         lib.strata_block_work_bytes.restype = _c_i64
         lib.strata_moe.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr,
@@ -262,6 +264,20 @@ class CpuKernels:
                                        len(types), types.ctypes.data, rows.ctypes.data,
                                        y.data_ptr(), work.data_ptr())
         return y
+
+    def dequantize_rows(self, w: BlockMatrix, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [*ids.shape, K]: rows `ids` of a one-segment BlockMatrix dequantized (an
+        embedding lookup; BlockMatrix.rows is the reference)."""
+        (name, n), = w.segments
+        assert w.data.dtype == torch.uint8 and w.data.is_contiguous()
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < n:
+            raise IndexError(f"row ids outside the {n} rows of the matrix")
+        y = torch.empty(flat.numel(), w.in_features)
+        self._lib.strata_dequantize_rows(w.data.data_ptr(), block_type(name).kernel,
+                                         w.in_features, flat.data_ptr(), flat.numel(),
+                                         y.data_ptr())
+        return y.view(*ids.shape, w.in_features)
 
     def linear_fp8(self, x: torch.Tensor, w: Fp8Matrix) -> torch.Tensor:
         """x [T, K] (fp32, rows may be strided) times an Fp8Matrix (codes and block scales as

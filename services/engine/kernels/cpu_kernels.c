@@ -42,7 +42,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 9
+#define ABI_VERSION 10
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -943,6 +943,46 @@ static void block_units(const float *x, int64_t T, int64_t in, int64_t ldx,
                                                                   : BLOCK_UNIT_ROWS;
         product_blocks(block_weights(bt) == 32 ? &a32 : &a256, NULL, 1, T,
                        W + row0 * row_bytes_of(bt, in), bt, rows, y + first + row0, ldy);
+    }
+}
+
+/* out [n][K] = rows ids[0..n) of W (block type bt, rows of K weights, blocks as stored)
+ * dequantized: each weight the value the block products multiply by (d * q for the 32-weight
+ * types; d * s_g * q - (offset and min term)_g for the K-quants, g a group of 16). An
+ * embedding lookup, per decode step: small work, one thread. */
+void strata_dequantize_rows(const uint8_t *W, int64_t bt_, int64_t K, const int64_t *ids,
+                            int64_t n, float *out)
+{
+    const int bt = (int)bt_;
+    const int64_t bw = block_weights(bt), bb = block_bytes(bt), rb = row_bytes_of(bt, K);
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *blk = W + ids[r] * rb;
+        float *y = out + r * K;
+        for (int64_t b = 0; b < K / bw; b++, blk += bb, y += bw) {
+            if (bw == 32) {
+                const float d = scale_32(blk, bt);
+                const i8x32 w = unpack_32(blk, bt);
+                for (int j = 0; j < 32; j++)
+                    y[j] = d * (float)w[j];
+                continue;
+            }
+            int16_t s[16];
+            vf8 cw0, cw1;
+            const float d = scales_k(blk, bt, s, &cw0, &cw1);
+            for (int c = 0; c < 8; c++) {
+                if (bt == WT_IQ4_XS) {
+                    const i8x32 w = nibbles_to(blk + 8 + 16 * c, IQ4_VALUES);
+                    for (int j = 0; j < 32; j++)
+                        y[32 * c + j] = d * (float)(s[2 * c] * w[j]);
+                    continue;
+                }
+                const u8x32 u = unpack_k(blk, bt, c);
+                for (int j = 0; j < 32; j++) {
+                    const int g = 2 * c + j / 16;
+                    y[32 * c + j] = d * (float)(s[g] * u[j]) - (g < 8 ? cw0[g] : cw1[g - 8]);
+                }
+            }
+        }
     }
 }
 

@@ -128,7 +128,7 @@ class Decoder:
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of token_ids [...] -> [..., D] in the activation dtype."""
         if isinstance(self.embed, BlockMatrix):
-            return self.embed.rows(token_ids).to(self.dtype)
+            return self.backend.embed_rows(self.embed, token_ids).to(self.dtype)
         return self.embed[token_ids].to(self.dtype)
 
     def weight_bytes(self) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -461,6 +462,11 @@ def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, 
         "bandwidth_bound_tok_s": read_bps / active,
         "bound_fraction": median("bound_fraction"),
         "bound_fraction_runs": [r["bound_fraction"] for r in rounds],
+        # every runner of this process (and transformers' model with --compare-hf), file-backed
+        # pages of a memory-mapped checkpoint included
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "model_file_bytes": model_file_bytes(model_dir),
+        "kv_bytes": runner.kv.nbytes,
     }
     if runner.device.type == "cuda":
         result["link_gb_s"] = runner.link.bytes_per_s / 1e9
@@ -536,6 +542,13 @@ def render_runs(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def model_file_bytes(model: Path) -> int:
+    """Bytes of a checkpoint on disk: a GGUF file, or a directory's weight files."""
+    if model.is_file():
+        return model.stat().st_size
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
 def render(r: dict[str, Any]) -> str:
     lines = [
         f"model {r['model']} on {r.get('device', 'cpu')}: batch {r['batch']}, {r['prompt_tokens']} prompt + "
@@ -552,6 +565,11 @@ def render(r: dict[str, Any]) -> str:
         f"bound       {r['bandwidth_bound_tok_s']:10.1f} tok/s -> decode at "
         f"{r['bound_fraction']:.0%} of the bandwidth bound (median of the rounds' ratios)",
     ]
+    if r.get("model_file_bytes"):
+        lines.append(f"memory      {r['peak_rss_bytes'] / 2**30:10.2f} GiB peak RSS = "
+                     f"{r['peak_rss_bytes'] / r['model_file_bytes']:.2f}x the checkpoint's "
+                     f"{r['model_file_bytes'] / 2**30:.2f} GiB (KV pool {r['kv_bytes'] / 2**30:.2f}"
+                     " GiB)")
     if "decode_spill" in r:
         lines.append(f"cache       {r['decode_hit_rate']:10.1%} decode hit rate, spill "
                      f"{r['decode_spill']:.1%}")

@@ -40,6 +40,10 @@ def test_bench_engine_json(tiny_model, capsys, monkeypatch):
     assert r["bandwidth_bound_tok_s"] == pytest.approx(
         r["bandwidth_gb_s"] * 1e9 / r["active_bytes_per_token"])
     assert "hf_decode_tok_s" not in r
+    on_disk = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
+    assert r["model_file_bytes"] == on_disk > 0
+    assert r["peak_rss_bytes"] > on_disk and r["kv_bytes"] > 0
+    assert "peak RSS" in engine_bench.render(r)
 
 
 def test_bench_engine_compare_hf(tiny_model, capsys, monkeypatch):

@@ -29,8 +29,10 @@ class Block:
     block_id: int
     ref_count: int = 0
     prefix_hash: int | None = None
-    parent_hash: int | None = None  # with a prefix hash: the hash of the block before (None: first)
-    tokens: tuple[int, ...] = ()  # with a prefix hash: the block's tokens
+    parent_hash: int | None = None  # the hash of the block before (None: first), with tokens
+    # the tokens whose K/V the block holds, when it offers them to partly equal prompts: all
+    # its tokens with a prefix hash, or the computed ones of a freed sequence's last block
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -177,9 +179,23 @@ class BlockManager:
             parent = h
         table.num_hashed_blocks, table.last_hash = full, hashes[-1]
 
-    def free(self, table: BlockTable) -> None:
+    def free(self, table: BlockTable, token_ids: Sequence[int] = (), num_computed: int = 0
+             ) -> None:
         """Release a sequence's blocks; the last blocks go to the free list's LRU end last, so a
-        prompt's later blocks are evicted before its first ones."""
+        prompt's later blocks are evicted before its first ones. Given the sequence's tokens
+        and how many are computed, its partly filled last block (past its hashed ones) keeps
+        offering those tokens' K/V to a partly equal prompt until it is handed out again: the
+        next turn of a conversation starts with all of this one."""
+        P = self.block_size
+        index = num_computed // P
+        if (self.partial_reuse and num_computed % P and index == table.num_hashed_blocks
+                and index < len(table.block_ids)):
+            block = self.blocks[table.block_ids[index]]
+            if block.ref_count == 1 and block.prefix_hash is None and not block.tokens:
+                block.parent_hash, block.tokens = table.last_hash, tuple(
+                    token_ids[index * P:num_computed])
+                self._children.setdefault((block.parent_hash, block.tokens[0]),
+                                          {})[block.block_id] = None
         for block_id in reversed(table.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -234,10 +250,11 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.prefix_hash is not None:
             del self._by_hash[block.prefix_hash]
+        if block.tokens:
             key = (block.parent_hash, block.tokens[0])
             del self._children[key][block_id]
             if not self._children[key]:
                 del self._children[key]
-            block.prefix_hash, block.parent_hash, block.tokens = None, None, ()
+        block.prefix_hash, block.parent_hash, block.tokens = None, None, ()
         block.ref_count = 1
         return block_id

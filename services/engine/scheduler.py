@@ -176,7 +176,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.table is not None:
-            self.blocks.free(seq.table)
+            self.blocks.free(seq.table, seq.token_ids, seq.num_computed)
             seq.table = None
 
     # -- internals -----------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class Scheduler:
     def _preempt(self, seq: SeqState) -> None:
         self.running.remove(seq)
         assert seq.table is not None
-        self.blocks.free(seq.table)
+        self.blocks.free(seq.table, seq.token_ids, seq.num_computed)
         seq.table = None
         seq.num_computed = 0
         seq.num_preemptions += 1

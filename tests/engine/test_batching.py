@@ -117,6 +117,14 @@ def test_prefix_reuse_gives_identical_output_and_reports_the_reused_tokens(engin
     repeated = run_all(reuse, [request(prompts[0])])[0]
     assert repeated.tokens == expected[0].tokens
     assert repeated.finished.stats.reused_prompt_tokens == len(a) - 1, "all but the last token"
+    # a prompt whose last block the first run left partly filled (one token generated, none
+    # of it computed): the repeat still reuses all but its last token
+    short = shared + "Third one?"
+    assert len(encode(short)) % 8, "a partly filled last block"
+    once = run_all(reuse, [request(short, max_tokens=1)])[0]
+    twice = run_all(reuse, [request(short, max_tokens=1)])[0]
+    assert twice.tokens == once.tokens
+    assert twice.finished.stats.reused_prompt_tokens == len(encode(short)) - 1
 
 
 def test_int8_kv_agrees_with_fp32(tiny_dir):

@@ -110,8 +110,9 @@ def test_prefix_reuse_takes_full_blocks_of_an_equal_prefix():
     again = SeqState(next(_ids), list(range(1, 11)) + [77, 78], 12)
     sched.add(again)
     step = run_step(sched)
-    assert again.num_reused == 8, "two full blocks of the shared 10-token prefix"
-    assert step.chunks[0].start == 8
+    assert again.num_reused == 10, ("two full blocks of the shared 10-token prefix, and 9, 10 "
+                                    "from the first's freed, partly filled last block")
+    assert step.chunks[0].start == 10
     other = SeqState(next(_ids), [5] + list(range(2, 11)), 10)
     sched.add(other)
     run_step(sched)
@@ -164,6 +165,24 @@ def test_a_cached_block_taken_fresh_is_its_own_copy():
     blocks.free(table)
     assert blocks.allocate([1, 2, 3, 4, 5, 6, 7, 1]).num_reused_tokens == 6, (
         "the overwritten block no longer offers 7")
+
+
+def test_a_freed_sequences_partly_filled_last_block_offers_its_computed_tokens():
+    blocks = BlockManager(8, 4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    table = blocks.allocate(tokens)
+    blocks.mark_computed(table, tokens, 6)
+    last = table.block_ids[1]
+    blocks.free(table, tokens, 6)  # block 1 holds the K/V of 5, 6
+    again = blocks.allocate([1, 2, 3, 4, 5, 6, 7])
+    assert again.num_reused_tokens == 6, "the next turn starts with all of this one"
+    assert again.copy_from in (None, (last, again.block_ids[1]))
+    blocks.free(again)
+    plain = BlockManager(8, 4)
+    table = plain.allocate(tokens)
+    plain.mark_computed(table, tokens, 6)
+    plain.free(table)  # without its tokens: only the full block is offered
+    assert plain.allocate([1, 2, 3, 4, 5, 6, 7]).num_reused_tokens == 4
 
 
 def test_scheduler_steps_carry_the_copies_of_admitted_prompts():

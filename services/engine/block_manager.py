@@ -82,7 +82,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._by_hash: dict[int, int] = {}
-        # hashed blocks by (parent's hash, first token): where a partly equal block is found
+        # blocks with tokens (hashed ones, freed partly filled ones) by (parent's hash, first
+        # token): where a partly equal block is found
         self._children: dict[tuple[int | None, int], dict[int, None]] = {}
 
     # -- figures -------------------------------------------------------------------------------

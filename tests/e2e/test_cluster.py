@@ -215,7 +215,7 @@ def test_a_repeated_prompt_reuses_cached_kv_blocks_and_answers_the_same(cluster)
                                       temperature=0)
     assert again.choices[0].message.content == first.choices[0].message.content
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    assert cached == again.usage.prompt_tokens - 1, "all but the last token (token-granular)"
 
 
 async def test_disconnect_storm_leaves_the_engine_idle_with_every_kv_block_free(cluster):

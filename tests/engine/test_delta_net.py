@@ -68,7 +68,9 @@ def test_decode_rows_of_several_sequences_advance_together():
         together = run(net, x[:, t], spans)
         for i in range(3):
             one = run(alone, x[i, t:t + 1], [Span(0, 1, t, (), i)])
-            torch.testing.assert_close(together[i:i + 1], one, rtol=1e-5, atol=1e-6)
+            # fp32 torch products of 3 rows and of 1 take different kernels on some CPUs (an
+            # AVX-512 Xeon: 2.8e-6 apart after 10 recurrent steps): agreement to fp32 noise
+            torch.testing.assert_close(together[i:i + 1], one, rtol=1e-4, atol=1e-5)
 
 
 def test_a_position_past_zero_without_its_state_is_refused():

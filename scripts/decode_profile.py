@@ -20,8 +20,7 @@ from services.engine.model.dtypes import DTYPES
 from services.engine.runner import ModelRunner
 
 KERNELS = ("decode_step", "moe", "linear", "linear_blocks", "linear_fp8", "decode_layer",
-           "rms_norm", "router",
-           "decode_attention")
+           "rms_norm", "router", "decode_attention")
 
 
 def main() -> None:

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moe_micro import block_experts  # noqa: E402  (this directory: the same random experts)
+
 from services.engine import kernels  # noqa: E402
 from services.engine.cache.layout import num_splits  # noqa: E402
-from tests.engine.test_block_kernels import random_rows  # noqa: E402  (random valid blocks)
 
 
 def main() -> None:
@@ -51,9 +52,7 @@ def main() -> None:
     D, F, E, K = a.D, a.F, a.experts, a.routed
     rng = np.random.default_rng(0)
     types = a.types.split(",")
-    blobs = {t: torch.from_numpy(np.stack([np.concatenate(
-        [random_rows(t, F, D, rng).reshape(-1), random_rows(t, F, D, rng).reshape(-1),
-         random_rows(t, D, F, rng).reshape(-1)]) for _ in range(E)])) for t in types}
+    blobs = {t: block_experts(t, E, D, F, rng) for t in types}
     for T in (1, 4):
         x = torch.randn(T, D)
         top_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])

@@ -28,6 +28,13 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return random_rows(name, rows, cols, rng).reshape(-1)
 
 
+def block_experts(name: str, E: int, D: int, F: int, rng: np.random.Generator) -> torch.Tensor:
+    """uint8 [E, blob bytes]: E random expert blobs of one block type (gate, up, down rows)."""
+    return torch.from_numpy(np.stack([np.concatenate(
+        [random_blocks(name, F, D, rng), random_blocks(name, F, D, rng),
+         random_blocks(name, D, F, rng)]) for _ in range(E)]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("D", type=int, nargs="?", default=2048)
@@ -43,9 +50,7 @@ def main() -> None:
 
     blobs = {"bf16": (torch.randn(E, ExpertLayout(D, F).numel) * 0.1).bfloat16()}
     for name in a.types.split(","):
-        blobs[name] = torch.from_numpy(np.stack([np.concatenate(
-            [random_blocks(name, F, D, rng), random_blocks(name, F, D, rng),
-             random_blocks(name, D, F, rng)]) for _ in range(E)]))
+        blobs[name] = block_experts(name, E, D, F, rng)
     for T in (1, 4):
         x = torch.randn(T, D)
         top_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])

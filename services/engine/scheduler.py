@@ -7,9 +7,9 @@ prefill then contribute chunks, in admission order, until the step's token budge
 waiting sequences are admitted while places, blocks and budget last (a prompt that starts with
 part of a cached block gets a copy of that block's K/V first: `Step.copies`, which the engine has
 the runner make before the forward). So a long prompt is cut into chunks and never freezes the
-others. When a growing sequence needs a KV block and none is free, the
-most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
-the queue, to be recomputed (prefix reuse usually finds its blocks again).
+others. When a growing sequence needs a KV block and none is free, the most recently admitted
+sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (prefix reuse usually finds its blocks again).
 
 Speculative decoding: a decoding sequence may carry `draft` tokens (set by the engine before
 `schedule`). Its decode chunk then also covers the draft's positions, so one forward verifies

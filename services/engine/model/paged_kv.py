@@ -64,11 +64,15 @@ class PagedKVCache:
                                "release that driver's sequences first")
         self.owner = owner
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """The pool's tensors, each once: K, V (one tensor when shared) and (int8) scales."""
+        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return list({id(t): t for t in tensors}.values())
+
     @property
     def nbytes(self) -> int:
         """Bytes of the pool on its device: K, V and (int8) their scales."""
-        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
-        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -113,8 +117,7 @@ class PagedKVCache:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.k.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
-        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
-        for t in {id(t): t for t in tensors}.values():
+        for t in self._tensors():
             t[:, dst] = t[:, src]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -26,22 +26,39 @@ fi
 
 generator=()
 command -v ninja > /dev/null && generator=(-G Ninja)
-# ggml's AMX kernels run on worker threads that exist before it asks the kernel for AMX
-# (arch_prctl ARCH_REQ_XCOMP_PERM); on some kernels such threads then trap on every tile
-# instruction (seen on a Xeon guest: llama-bench died with SIGILL in the AMX Q8_0 kernel).
-# -march=native compiles those kernels in, so try that order first; build without AMX if it traps.
+# ggml's AMX kernels fill a tile configuration and load it with _tile_loadconfig; GCC 12.2
+# drops those stores (it does not see the load read them), so every tile is left unconfigured
+# and the first tile instruction traps (llama-bench died with SIGILL in the AMX Q8_0 kernel on a
+# Xeon). -march=native compiles those kernels in on an AMX CPU: compile ggml's pattern with this
+# compiler and run it first, and build without AMX if it traps.
 native_flags=()
 if grep -qw amx_tile /proc/cpuinfo; then
-  printf '%s\n' '#include <immintrin.h>' '#include <pthread.h>' '#include <string.h>' \
-    '#include <sys/syscall.h>' '#include <unistd.h>' 'static volatile int asked;' \
-    'static void *worker(void *arg) {' '    unsigned char cfg[64] = {1};' \
-    '    while (!asked) usleep(1000);' '    cfg[16] = 64, cfg[48] = 16;' \
-    '    _tile_loadconfig(cfg);' '    _tile_zero(0);' '    _tile_release();' '    return arg;' '}' \
-    'int main(void) {' '    pthread_t t;' '    pthread_create(&t, 0, worker, 0);' \
-    '    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 1; /* REQ_XCOMP_PERM, XTILEDATA */' \
-    '    asked = 1;' '    return pthread_join(t, 0);' '}' > amx_probe.c
-  if ! { cc -O2 -mamx-tile amx_probe.c -o amx_probe -lpthread && ./amx_probe; } 2> /dev/null; then
-    echo "build_llama_cpp: this CPU lists AMX but its threads trap on it; building without AMX" >&2
+  cat > amx_probe.c << 'PROBE'
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+struct tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+int main(void)
+{
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */))
+        return 1;
+    struct tile_config tc __attribute__((aligned(64))) = {0};
+    tc.palette_id = 1;
+    tc.rows[0] = 16;
+    tc.colsb[0] = 64;
+    _tile_loadconfig(&tc);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+PROBE
+  if ! { cc -O2 -mamx-tile amx_probe.c -o amx_probe && ./amx_probe; } 2> /dev/null; then
+    echo "build_llama_cpp: AMX code from this compiler traps here; building without AMX" >&2
     no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     native_flags=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx")
   fi

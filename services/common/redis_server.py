@@ -9,6 +9,7 @@ real server process on a loopback TCP port.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import tempfile
@@ -28,6 +29,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago: every socket stays bound until
+    all are picked (free_port called in a row may hand out the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                 for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def _server_pid(host: str, port: int) -> int | None:
@@ -166,4 +178,4 @@ class EmbeddedRedis:
         return f"EmbeddedRedis({where}, pid={self._process.pid if self._process else None})"
 
 
-__all__ = ["EmbeddedRedis", "RedisStartError", "free_port"]
+__all__ = ["EmbeddedRedis", "RedisStartError", "free_port", "free_ports"]

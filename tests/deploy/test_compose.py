@@ -587,9 +587,10 @@ def test_cpu_profile_settings_bring_up_a_healthy_stack(tmp_path):
     """compose.yaml's commands, environment, secret and healthchecks for the cpu profile, run as
     plain processes (no Docker): each service must pass its own healthcheck; the gateway finds
     the engine through the Redis registry alone and serves a completion to the demo key only."""
-    from services.common.redis_server import EmbeddedRedis, free_port
+    from services.common.redis_server import EmbeddedRedis, free_ports
 
-    ports = {port: str(free_port()) for port in ("8000", "50051", "50061", "9464")}
+    ports = {port: str(p) for port, p in zip(("8000", "50051", "50061", "9464"), free_ports(4),
+                                              strict=True)}
     module, func = strata_main_target().split(":")
     launch = f"import sys; from {module} import {func} as main; sys.exit(main(sys.argv[1:]))"
     processes = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from services.common.redis_server import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -55,7 +52,7 @@ class RunningCluster:
 
 def start_cluster(tmp: Path, *extra: str, timeout_s: float = 180.0,
                   env: dict[str, str] | None = None) -> RunningCluster:
-    port, metrics_port, engine_port, cachemgr_port = (free_port() for _ in range(4))
+    port, metrics_port, engine_port, cachemgr_port = free_ports(4)
     log_dir = tmp / "logs"
     output = tmp / "up.out"
     env = {**os.environ, "STRATA_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1",

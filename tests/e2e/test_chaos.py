@@ -269,7 +269,8 @@ async def test_a_gateway_killed_mid_burst_frees_its_leases_and_the_caps_stay_exa
     import subprocess
     import sys
 
-    from tests.e2e.conftest import ROOT, free_port
+    from services.common.redis_server import free_port
+    from tests.e2e.conftest import ROOT
 
     c = start_cluster(tmp_path, "--max-inflight", "2", "--max-queue", "0")
     port_b = free_port()

@@ -22,7 +22,6 @@ from services.engine.cache.policy import (
     DEFAULT_CRF_LAMBDA,
     DEFAULT_PINNED_FRACTION,
     DEFAULT_POLICY,
-    DEFAULT_PREFETCH,
     POLICIES,
     PolicySpec,
 )
@@ -47,6 +46,13 @@ def _kv_dtype(text: str) -> str:
 
 
 
+
+
+def _auto_bool(text: str | bool | None) -> bool | None:
+    """A boolean, or None for "auto" (the engine decides from the device)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
+        return None
+    return parse_bool(text)
 
 
 def _fraction(text: str) -> float:
@@ -147,8 +153,10 @@ SETTINGS = (
             "where misses run: exact (cost model among placements bit-identical to a hit: "
             "both with the CPU kernels or the CUDA Triton kernel, which reads the host store in "
             "place; else copy), auto (cost model, fastest), host, copy"),
-    Setting("prefetch", "STRATA_PREFETCH", parse_bool, DEFAULT_PREFETCH,
-            "prefetch the next layer's predicted experts (its router on this layer's input)"),
+    Setting("prefetch", "STRATA_PREFETCH", _auto_bool, None,
+            "prefetch the next layer's predicted experts (its router on this layer's input); "
+            "unset or auto: on for CUDA, off on the CPU (there a fill is a memcpy on the compute "
+            "thread that cannot run ahead, and decode steps without it run in one call)"),
     Setting("record_routing", "STRATA_RECORD_ROUTING", optional_str, None,
             "write every step's routed pairs to this trace file (for strata cache replay)"),
     Setting("metrics_port", "STRATA_ENGINE_METRICS_PORT", non_negative_int, 9466,
@@ -193,7 +201,7 @@ class EngineConfig:
     pinned_fraction: float = DEFAULT_PINNED_FRACTION
     crf_lambda: float = DEFAULT_CRF_LAMBDA
     placement: str = DEFAULT_PLACEMENT
-    prefetch: bool = DEFAULT_PREFETCH
+    prefetch: bool | None = None  # auto: on for CUDA (runner.resolve_prefetch)
     record_routing: str | None = None
     metrics_port: int = 9466  # 0: no Prometheus endpoint
     plan_swap_slots: int = 64

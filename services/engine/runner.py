@@ -150,7 +150,7 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         policy: PolicySpec | None = None,
         placement: str = DEFAULT_PLACEMENT,
-        prefetch: bool = DEFAULT_PREFETCH,
+        prefetch: bool | None = None,  # None: on for CUDA, off on the CPU
         record_routing: str | Path | None = None,
         draft_head_bytes: int = 0,
         kv_memory_bytes: int | None = None,
@@ -166,6 +166,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         self.device = torch.device(device)
+        if prefetch is None:  # a CPU fill is a memcpy on the compute thread: nothing to win
+            prefetch = DEFAULT_PREFETCH and self.device.type == "cuda"
         self.config: ModelConfig = load_model_config(model_dir)
         self.model_name = model_dir.name
         self.model_dir = model_dir

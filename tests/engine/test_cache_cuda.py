@@ -39,7 +39,7 @@ def test_every_policy_with_prefetch_is_exact_on_cuda(tiny_dir, policy):
         if runner.cache.host_exact:  # the device kernel reads host blobs in place: both exact
             assert runner.cache.device_kernel
             assert d.misses_host + d.misses_copied == d.spilled
-            assert set(d.reasons) <= {"host:cheaper", "copy:cheaper", "host:graph"}
+            assert set(d.reasons) <= {"host:cheaper", "copy:cheaper", "host:table"}
         else:  # a host matmul may differ in the last bits: copies only
             assert d.misses_host == 0 and d.misses_copied == d.spilled
             assert set(d.reasons) <= {"copy:exact"}
@@ -72,7 +72,7 @@ def test_auto_placement_and_live_replay_on_cuda(tiny_dir, tmp_path):
     runner.close()
     d = runner.cache.decode
     assert d.misses_host + d.misses_copied == d.spilled
-    assert set(d.reasons) <= {"host:cheaper", "copy:cheaper", "host:graph"}
+    assert set(d.reasons) <= {"host:cheaper", "copy:cheaper", "host:table"}
     got = replay(Trace.read(path).records, 6, runner.policy, prefetch=runner.cache.prefetch)
     assert (got.decode.lookups, got.decode.hits) == (d.lookups, d.hits)
 
@@ -92,7 +92,7 @@ def test_graphed_decode_steps_equal_eager_ones(tiny_dir, policy):
             if graphs:  # captured at start, each batch size of the default list
                 assert runner.graphs.replays == 24 and sorted(runner.graphs.graphs) == [*range(1, 9)]
                 d = runner.cache.decode
-                assert "host:graph" in d.reasons or d.spilled == 0
+                assert "host:table" in d.reasons or d.spilled == 0
             runs[graphs] = (tokens, logits.cpu(), runner.cache.decode, runner)
         (t0, l0, d0, _), (t1, l1, d1, graphed) = runs[False], runs[True]
         assert t1 == t0 and torch.equal(l1, l0)

@@ -17,6 +17,7 @@ from services.engine import kernels
 from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
 from services.engine.driver import SequenceDriver
 from services.engine.kernels.backend import TorchBackend
+from services.engine.model.checkpoint import load_model_config
 from services.engine.model.layers.rope import apply_rope
 from services.engine.runner import ModelRunner
 
@@ -234,10 +235,13 @@ def test_a_step_of_every_layer_in_one_call_equals_the_layer_by_layer_path(demo_d
 
 
 @needs_compiler
-def test_a_step_reads_experts_by_table_only_when_every_pair_is_resident(demo_dir):
+def test_a_decode_step_reads_experts_by_table_slot_or_host_store(demo_dir, tmp_path):
+    """The address table points each pair at its slot, a pair with none at its host blob (read
+    in place, as a CUDA graph replay reads it); predictions keep the layers apart (prefetch
+    with pairs left to fetch, a routing trace)."""
     runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
     pairs = runner.layer_order_pairs()
-    runner.fill_cache(pairs)
+    runner.fill_cache(pairs[:-1])
     runner.cache.begin_step(1, False)
     table = runner.cache.step_table()
     assert table is not None and table.addresses.shape == (len(runner.model.layers),
@@ -246,9 +250,37 @@ def test_a_step_reads_experts_by_table_only_when_every_pair_is_resident(demo_dir
     layer, expert = pairs[0]
     slot = runner.cache.residency.lookup((layer, expert))
     assert table.addresses[layer, expert] == base + slot * blob
-    runner.fill_cache(pairs[:-1])  # one pair left on the host: lookups before each layer
-    runner.cache.begin_step(1, False)
-    assert runner.cache.step_table() is None
+    last = pairs[-1]
+    assert table.addresses[last] == runner.cache.host.blob(last).data_ptr()
+    prefetching = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0,
+                              prefetch=True)
+    prefetching.fill_cache(pairs[:-1])
+    prefetching.cache.begin_step(1, False)
+    assert prefetching.cache.step_table() is None
+    recording = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0,
+                            record_routing=tmp_path / "trace.bin")
+    recording.cache.begin_step(1, False)
+    assert recording.cache.step_table() is None
+
+
+@needs_compiler
+def test_table_steps_with_misses_equal_layer_by_layer_steps(demo_dir):
+    """A third of the pairs resident: decode steps by table (misses read in place, looked up
+    after the step) give the logits, lookups and hits of steps placed layer by layer."""
+    runs = []
+    for placement in ("exact", "copy"):  # copy: every miss staged before its layer reads it
+        runner = ModelRunner(demo_dir, cache_slots=load_model_config(demo_dir).total_pairs // 3,
+                             reserved_bytes=0, placement=placement, prefetch=False)
+        runner.fill_cache(runner.layer_order_pairs()[::2])
+        drive = SequenceDriver(runner)
+        seq = drive.start([5, 17, 3, 99])
+        rows = [drive.prefill(seq)] + [drive.decode(seq, t) for t in (7, 8, 9, 10)]
+        runs.append((torch.stack(rows), runner.cache.decode))  # (prefill: its own counters)
+    (by_table, d), (by_layer, d_layer) = runs
+    assert torch.equal(by_table, by_layer)
+    assert (d.lookups, d.hits, d.spilled) == (d_layer.lookups, d_layer.hits, d_layer.spilled)
+    assert d.spilled > 0 and d.reasons == {"host:table": d.reasons["host:table"]}
+    assert d_layer.reasons.keys() == {"copy:forced"}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,

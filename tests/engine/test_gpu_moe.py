@@ -430,7 +430,7 @@ def test_graphed_step_logic_equals_eager_steps_on_the_cpu(tiny_dir, monkeypatch,
     assert t1 == t0
     assert (d1.lookups, d1.hits, d1.fills) == (d0.lookups, d0.hits, d0.fills)
     assert d1.fills > 0 or policy == "static"  # lru refills its slots every step
-    assert set(d1.reasons) <= {"host:graph"} and sum(d1.reasons.values()) > 0
+    assert set(d1.reasons) <= {"host:table"} and sum(d1.reasons.values()) > 0
     cache = runner.cache
     for pair in cache.host.pairs:
         slot = cache.residency.lookup(pair)

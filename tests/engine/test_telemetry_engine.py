@@ -48,7 +48,7 @@ def sample(families: dict[str, list], name: str, **labels) -> float:
 
 @pytest.fixture
 async def engine_server(tiny_dir):
-    runner = ModelRunner(tiny_dir, cache_slots=12, reserved_bytes=0)
+    runner = ModelRunner(tiny_dir, cache_slots=12, reserved_bytes=0, prefetch=True)
     runner.fill_cache(runner.layer_order_pairs())
     engine = Engine(runner)
     status = StatusSource(engine, "engine-a", runner.model_name, "cpu")

@@ -180,9 +180,9 @@ class ExpertCache:
         return self.prefetch and self.residency.num_resident < len(self.host.pairs)
 
     def route(self, layer: int, top_idx: torch.Tensor | np.ndarray,
-              counts: Sequence[int] | np.ndarray, graphed: bool = False) -> None:
+              counts: Sequence[int] | np.ndarray, by_table: bool = False) -> None:
         """Look up this step's distinct experts of `layer` once each (counts [E]: rows routed
-        to each); place the misses. `graphed`: the step already ran, reading every expert by
+        to each); place the misses. `by_table`: the step already ran, reading every expert by
         table (a CUDA graph, or a CPU one-call step: see finish_table_step), each miss in place
         from the host store; no apply() follows."""
         top = top_idx if isinstance(top_idx, np.ndarray) else top_idx.cpu().numpy()  # [T, K]
@@ -217,7 +217,7 @@ class ExpertCache:
             self.decode.hits += decode_n
             self.prefill.lookups += all_n - decode_n
             self.prefill.hits += all_n - decode_n
-            self._plan = {} if graphed else {e: (_SLOT, slot) for e, slot in
+            self._plan = {} if by_table else {e: (_SLOT, slot) for e, slot in
                                              zip(experts, hit_slots, strict=True)}
             self.step_token_hits += top.shape[1]  # each token's K lookups too
             return
@@ -233,7 +233,7 @@ class ExpertCache:
             if out.hit:
                 self._plan[expert] = (_SLOT, out.slot)
                 continue
-            where, reason = ("host", "host:graph") if graphed else self.placer.choose(d + p)
+            where, reason = ("host", "host:table") if by_table else self.placer.choose(d + p)
             c = self.decode if d else self.prefill
             c.reasons[reason] = c.reasons.get(reason, 0) + 1
             if where == "host":
@@ -338,11 +338,14 @@ class ExpertCache:
 
     def step_table(self) -> ExpertTable | None:
         """Every pair's blob address, for a CPU decode step that runs all its layers in one C
-        call and makes its lookups after (finish_table_step), when that gives exactly the
-        lookups, hits and placements of looking up layer by layer: every pair resident (no miss
-        to place, no fill), nothing to predict or record. Else None: the layers run one by one."""
-        if (self._table is None or self.wants_predictions
-                or self.residency.num_resident < len(self.host.pairs)):
+        call and makes its lookups after it (finish_table_step), as a CUDA graph replay does:
+        the same lookups, hits, policy state and fills as looking up layer by layer, each miss
+        read in place from the host store (reason "host:table"; the bits of a hit: the same
+        kernel reads the same bytes). None where the layers must run one by one: no CPU kernel,
+        every miss to be copied (`--placement copy`), or predictions wanted (next-layer
+        prefetch with pairs left to fetch, or a routing trace being recorded: each needs every
+        layer's hidden state before the next layer runs)."""
+        if self._table is None or self.placer.mode == "copy" or self.wants_predictions:
             return None
         return self._table
 
@@ -363,7 +366,7 @@ class ExpertCache:
         for j, layer in enumerate(moe_layers):
             top = top_idx[j]
             self.route(layer, top, np.bincount(top.ravel(), minlength=self.num_experts),
-                       graphed=True)
+                       by_table=True)
 
     def _stage(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Copy a host blob into staging buffer i (each staged expert of a layer has its own:

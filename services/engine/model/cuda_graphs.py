@@ -15,7 +15,7 @@ the pinned host store in place) — no host decision inside the step.
 The cache's lookups, hit counting, policy and fills still happen, after the replay, from the
 routing the graph recorded (ExpertCache.finish_table_step): the same calls in the same order
 as an eager step, so hit rates, traces and residency are an eager step's. What differs: every
-miss of a graphed step is read in place over the link (placement reason "host:graph"), a fill
+miss of a graphed step is read in place over the link (placement reason "host:table"), a fill
 the policy admits serves the steps after it, and there is no next-layer prefetch — a prediction
 made inside the step could only start its copy after the step, for a token it no longer helps
 (measured on the H200: predictions in the graph and fills after it cost 30% of decode speed at

@@ -8,11 +8,11 @@ The decoder loop is the same as for any step (Decoder.run_layers); only a layer'
 half runs here: x += (last MoE output); attention; h = norm(x); the router on h — each stage
 the function the per-op kernels compute, so results equal theirs bit for bit.
 
-When the expert cache can hand over every expert's address (ExpertCache.step_table: every
-pair resident), `all_layers` runs the whole loop in one C call instead (strata_decode_step:
-per layer the same attention half, then the experts read by address), and the cache makes the
-step's lookups after it from the top-K each layer left (ExpertCache.finish_table_step) — no
-Python between layers, the same bits.
+When the expert cache can hand over every expert's address (ExpertCache.step_table: its
+slot, or a miss's host blob read in place; no predictions wanted), `all_layers` runs the whole
+loop in one C call instead (strata_decode_step: per layer the same attention half, then the
+experts read by address), and the cache makes the step's lookups after it from the top-K each
+layer left (ExpertCache.finish_table_step) — no Python between layers, the same bits.
 """
 
 from __future__ import annotations

@@ -115,6 +115,45 @@ def progress(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
 
 
+class PeakRss:
+    """This process's peak resident memory (anonymous and file-backed pages), leaving out the
+    bench's own bandwidth probes (512 MiB of buffers on the CPU, freed after each): the
+    kernel's high-water mark is read before a probe and reset after it (Linux's
+    /proc/self/clear_refs). Where it cannot be reset the figure includes the probes."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.includes_probes = False
+
+    @staticmethod
+    def _hwm() -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def before_probe(self) -> None:
+        self.peak = max(self.peak, self._hwm())
+
+    def after_probe(self) -> None:
+        """Once the probe's buffers are freed: the high-water mark back to what is resident."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.includes_probes = True
+
+    def value(self) -> int:
+        return max(self.peak, self._hwm())
+
+
+peak_rss = PeakRss()  # the process's, over every runner of the run
+
+
 def measure_bandwidth(num_bytes: int | None = None, repeats: int = BANDWIDTH_REPEATS,
                       device: torch.device | str = "cpu") -> tuple[float, float]:
     """(read, copy) bandwidth in bytes/s of `device`'s memory, best of `repeats`: `x.sum()`
@@ -391,7 +430,9 @@ def timed_round(b: Bench, args: argparse.Namespace, batch_prompts: list[list[int
     """Step 2 of the module docstring: one round of `b`, appended to b.rounds."""
     runner, c = b.runner, b.runner.config
     device = runner.device
+    peak_rss.before_probe()
     read_bps, copy_bps = measure_bandwidth(device=device)
+    peak_rss.after_probe()
     before = runner.cache.decode.copy()
     p_s, d_s, tokens, distinct = run_strata(runner, batch_prompts, args.gen_tokens)
     d = runner.cache.decode.since(before)
@@ -463,8 +504,9 @@ def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, 
         "bound_fraction": median("bound_fraction"),
         "bound_fraction_runs": [r["bound_fraction"] for r in rounds],
         # every runner of this process (and transformers' model with --compare-hf), file-backed
-        # pages of a memory-mapped checkpoint included
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # pages of a memory-mapped checkpoint included; the bandwidth probes left out
+        "peak_rss_bytes": peak_rss.value(),
+        "peak_rss_includes_probes": peak_rss.includes_probes,
         "model_file_bytes": model_file_bytes(model_dir),
         "kv_bytes": runner.kv.nbytes,
     }
@@ -566,10 +608,12 @@ def render(r: dict[str, Any]) -> str:
         f"{r['bound_fraction']:.0%} of the bandwidth bound (median of the rounds' ratios)",
     ]
     if r.get("model_file_bytes"):
-        lines.append(f"memory      {r['peak_rss_bytes'] / 2**30:10.2f} GiB peak RSS = "
-                     f"{r['peak_rss_bytes'] / r['model_file_bytes']:.2f}x the checkpoint's "
-                     f"{r['model_file_bytes'] / 2**30:.2f} GiB (KV pool {r['kv_bytes'] / 2**30:.2f}"
-                     " GiB)")
+        rss, kv, file = r["peak_rss_bytes"], r["kv_bytes"], r["model_file_bytes"]
+        lines.append(f"memory      {rss / 2**30:10.2f} GiB peak RSS = {(rss - kv) / file:.2f}x "
+                     f"the checkpoint's {file / 2**30:.2f} GiB + the KV pool's "
+                     f"{kv / 2**30:.2f} GiB"
+                     + (" (bandwidth probes included)" if r.get("peak_rss_includes_probes")
+                        else ""))
     if "decode_spill" in r:
         lines.append(f"cache       {r['decode_hit_rate']:10.1%} decode hit rate, spill "
                      f"{r['decode_spill']:.1%}")

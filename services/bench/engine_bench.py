@@ -57,6 +57,7 @@ import torch
 from services.engine import kernels
 from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from services.engine.cache.policy import DEFAULT_POLICY, POLICIES, PolicySpec
+from services.engine.model.checkpoint import checkpoint_bytes
 from services.engine.model.dtypes import DTYPES, dtype_name
 from services.engine.model.quant import EXPERT_DTYPES
 
@@ -507,7 +508,7 @@ def summarize(b: Bench, args: argparse.Namespace, model_dir: Path) -> dict[str, 
         # pages of a memory-mapped checkpoint included; the bandwidth probes left out
         "peak_rss_bytes": peak_rss.value(),
         "peak_rss_includes_probes": peak_rss.includes_probes,
-        "model_file_bytes": model_file_bytes(model_dir),
+        "model_file_bytes": checkpoint_bytes(model_dir),
         "kv_bytes": runner.kv.nbytes,
     }
     if runner.device.type == "cuda":
@@ -582,13 +583,6 @@ def render_runs(out: dict[str, Any]) -> str:
     for key, value in out.get("dtype_ratio", {}).items():
         lines.append(f"decode {key}: {value:.2f}x (median of back-to-back rounds)")
     return "\n".join(lines)
-
-
-def model_file_bytes(model: Path) -> int:
-    """Bytes of a checkpoint on disk: a GGUF file, or a directory's weight files."""
-    if model.is_file():
-        return model.stat().st_size
-    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
 
 def render(r: dict[str, Any]) -> str:

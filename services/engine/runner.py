@@ -49,6 +49,7 @@ from services.engine.kernels.backend import select_backend
 from services.engine.model.checkpoint import (
     NOT_LOADED,
     CheckpointReader,
+    checkpoint_bytes,
     load_model_config,
     open_checkpoint,
 )
@@ -136,6 +137,21 @@ class ChunkWork:
         if not self.wants_logits:
             return 0
         return len(self.token_ids) if self.every_position else 1 + self.num_draft
+
+
+def load_line(name: str, device: torch.device, seconds: float, host: HostStore,
+              file_bytes: int) -> str:
+    """The load's last line: its time against one read of the checkpoint at the rate the host
+    store read its experts (the bulk of the file), so a slow load says where it went."""
+    line = (f"model {name} ready on {device} in {seconds:.1f} s (host store "
+            f"{host.total_bytes / 2**20:.0f} MiB")
+    if host.load_seconds <= 0 or not host.total_bytes:
+        return line + ")"
+    rate = host.total_bytes / host.load_seconds
+    one_read = file_bytes / rate
+    return (line + f" filled at {rate / 2**20:.0f} MiB/s; one read of the {file_bytes / 2**30:.2f}"
+            f" GiB checkpoint at that rate takes {one_read:.1f} s: the load took "
+            f"{seconds / max(one_read, 1e-9):.1f}x that)")
 
 
 class ModelRunner:
@@ -243,7 +259,8 @@ class ModelRunner:
         )
         self.link = probe_link(self.device)
         log.info(self.link.log_line())
-        cost = (measure_cost_model(fmt, host, self.link, self.device, self.dtype)
+        cost = (measure_cost_model(fmt, host, self.link, self.device, self.dtype,
+                                   self.backend.cpu)
                 if host.pairs else None)
         host_exact = fmt.exact_on(self.device, device_kernel(fmt, self.device) is not None)
         placer = Placer(placement if cost else "host", cost, host_exact)
@@ -258,13 +275,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs(graph_batches, prefetch)
-        log.info(
-            "model %s ready on %s in %.1f s (host store %.0f MiB)",
-            self.model_name,
-            self.device,
-            time.perf_counter() - t0,
-            host.total_bytes / 2**20,
-        )
+        log.info(load_line(self.model_name, self.device, time.perf_counter() - t0, host,
+                           checkpoint_bytes(model_dir)))
 
     def _setup_kv(self, kv_memory_bytes: int | None, block_size: int, kv_dtype: str) -> None:
         """The paged KV pool, allocated before the expert cache is sized (on CUDA the cache gets

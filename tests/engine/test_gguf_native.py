@@ -278,3 +278,35 @@ def test_plan_counts_a_gguf_s_non_expert_weights_as_the_same_checkpoint_s(q8_0_g
     ckpt, _ = source
     for dtype in (torch.float32, torch.bfloat16):
         assert fixed_bytes_of(q8_0_gguf, dtype)[0] == fixed_bytes_of(ckpt, dtype)[0] > 0
+
+
+@pytest.mark.parametrize("fixture", ["q8_0_gguf", "q4_k_m_gguf"])
+def test_the_header_reads_as_gguf_py_reads_it(fixture, request):
+    """GGUFHeader (the parse every load uses) gives gguf-py's GGUFReader's metadata values and
+    tensor table: names, types, dims, offsets and the same bytes in the same shapes."""
+    from services.engine.model.gguf_header import GGUFHeader
+
+    path = request.getfixturevalue(fixture)
+    path = path[-1] if isinstance(path, tuple) else path  # q4_k_m_gguf: (ckpt, tensors, path)
+    header, reader = GGUFHeader(path), gguf.GGUFReader(str(path))
+    want = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert header.fields == want and "tokenizer.ggml.tokens" in header.fields
+    assert len(header.tensors) == len(reader.tensors)
+    for got, ref in zip(header.tensors, reader.tensors, strict=True):
+        assert (got.name, got.tensor_type, got.n_bytes, got.data_offset) == \
+               (ref.name, ref.tensor_type, ref.n_bytes, ref.data_offset)
+        assert got.shape.tolist() == ref.shape.tolist() and got.data.dtype == ref.data.dtype
+        assert np.array_equal(got.data, ref.data)
+
+
+def test_the_header_refuses_what_is_not_a_gguf_file(tmp_path):
+    from services.engine.model.gguf_header import GGUFHeader
+
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="magic"):
+        GGUFHeader(bad)
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little")
+                    + (0).to_bytes(8, "little") + (5).to_bytes(8, "little") + b"ab")
+    with pytest.raises(ValueError, match="past the end"):
+        GGUFHeader(bad)  # a tensor name longer than the file

@@ -40,6 +40,7 @@ class HostStore:
         self.blobs = torch.empty(
             len(self.pairs), fmt.numel, dtype=self.dtype, pin_memory=pin_memory
         )  # [P, numel]
+        self.load_seconds = 0.0
 
     @property
     def slot_bytes(self) -> int:
@@ -59,7 +60,8 @@ class HostStore:
         return blob_checksum(self.blob(pair))
 
     def load(self, reader: CheckpointReader) -> None:
-        """Fill every row from the checkpoint, logging progress along the way."""
+        """Fill every row from the checkpoint, logging progress along the way; `load_seconds`
+        is how long it took."""
         t0 = time.perf_counter()
         fmt = self.format
         step = max(64, -(-len(self.pairs) // 10))  # about every 10%, at most ~10 lines
@@ -76,6 +78,7 @@ class HostStore:
                     seconds,
                     (row + 1) * self.slot_bytes / 2**20 / max(seconds, 1e-9),
                 )
+        self.load_seconds = time.perf_counter() - t0
 
 
 def blob_checksum(blob: torch.Tensor) -> str:

@@ -33,10 +33,12 @@ import torch
 
 from services.engine.cache.formats import device_kernel
 from services.engine.cache.layout import num_splits
+from services.engine.cache.moe_compute import CpuMoe, Placed, moe_compute
 
 if TYPE_CHECKING:
     from services.engine.cache.formats import ExpertFormat
     from services.engine.cache.host_store import HostStore
+    from services.engine.kernels import CpuKernels
 
 log = logging.getLogger("strata.engine")
 
@@ -186,11 +188,21 @@ class Placer:
 
 
 def measure_cost_model(fmt: ExpertFormat, host: HostStore, link: LinkProbe,
-                       device: torch.device, dtype: torch.dtype) -> CostModel:
+                       device: torch.device, dtype: torch.dtype,
+                       cpu_kernels: CpuKernels | None = None) -> CostModel:
     """Measured host and device expert speeds (the same on CPU) for miss placement. On
     CUDA with the device kernel, "host" is that kernel reading the pinned host blob in place
-    over the link; without it, the CPU computing (and the activations' round trip)."""
+    over the link; without it, the CPU computing (and the activations' round trip). On the
+    CPU the expert is timed in what computes it there: the C kernel where the format has one,
+    else the format's torch ops."""
     pair = host.pairs[0]
+    if device.type == "cpu":
+        compute = moe_compute(fmt, device, 1, cpu_kernels)
+        if isinstance(compute, CpuMoe):
+            timing = time_expert(fmt.at(pair[0]), host.blob(pair), dtype=dtype,
+                                 forward=_one_expert(compute, pair[0]))
+            _log_host_timing(timing)
+            return CostModel(fmt.blob_bytes, link.bytes_per_s, timing, timing)
     fmt = fmt.at(pair[0])  # the timed pair's layer (block types may differ by layer)
     gpu = device_kernel(fmt, device)
     if gpu is not None:
@@ -220,12 +232,22 @@ def measure_cost_model(fmt: ExpertFormat, host: HostStore, link: LinkProbe,
             x = x.cpu().to(device)
         torch.cuda.synchronize(device)
         activation_s = (time.perf_counter() - t0) / 5
-    log.info(
-        "host expert throughput: %.0f tokens/s for one expert at 1 token (%.3f ms), "
-        "%.0f tokens/s at 16 tokens",
-        host_timing.tokens_per_s,
-        host_timing.seconds(1) * 1e3,
-        16 / host_timing.seconds(16),
-    )
+    _log_host_timing(host_timing)
     return CostModel(fmt.blob_bytes, link.bytes_per_s, host_timing, device_timing,
                      activation_s)
+
+
+def _one_expert(compute: CpuMoe, layer: int) -> Callable[[torch.Tensor, torch.Tensor],
+                                                          torch.Tensor]:
+    """forward(x [n, D], blob) through the C kernel: every row routed to the one expert."""
+    def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return compute(x, torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=x.dtype),
+                       Placed({0: blob}, layer=layer))
+    return forward
+
+
+def _log_host_timing(timing: ExpertTiming) -> None:
+    log.info("host expert throughput: %.0f tokens/s for one expert at 1 token (%.3f ms), "
+             "%.0f tokens/s at 16 tokens", timing.tokens_per_s, timing.seconds(1) * 1e3,
+             16 / timing.seconds(16))

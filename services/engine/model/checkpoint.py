@@ -51,6 +51,14 @@ def open_checkpoint(model_dir: Path, names: WeightNames | None = None) -> Checkp
     return CheckpointReader(model_dir, names)
 
 
+def checkpoint_bytes(model: Path) -> int:
+    """Bytes of a checkpoint on disk: a GGUF file, or a directory's weight files."""
+    model = Path(model)
+    if model.is_file():
+        return model.stat().st_size
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
     """config.json of a checkpoint directory, or a GGUF file's metadata (model/gguf_reader.py)."""
     if (gguf_path := find_gguf(model_dir)) is not None:

@@ -27,6 +27,7 @@ import torch
 from services.engine.model.blocks import BLOCK_TYPES
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames
 from services.engine.model.families import parse_config
+from services.engine.model.gguf_header import GGUFHeader
 
 try:
     import gguf
@@ -80,10 +81,10 @@ PRE_TOKENIZER_REGEX = {
 
 
 @functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, mtime_ns: int) -> Any:
+def _open_gguf(path: str, mtime_ns: int) -> GGUFHeader:
     """One parse of a file's header and tensor table for the config, the tokenizer and the
     weights of one load (keyed by modification time: a rewritten file is read again)."""
-    return gguf.GGUFReader(path)
+    return GGUFHeader(path)
 
 
 class GGUFCheckpoint:
@@ -109,8 +110,7 @@ class GGUFCheckpoint:
         self._hf = self._name_map()
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self._reader.get_field(key)
-        return default if f is None else f.contents()
+        return self._reader.fields.get(key, default)
 
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.arch}.{key}", default)

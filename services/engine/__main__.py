@@ -28,13 +28,31 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def device_budget(config: EngineConfig, device: str) -> int | None:
-    """The configured budget; None on CUDA means the runner reads the driver's free memory."""
-    if config.device_memory is not None or device.startswith("cuda"):
-        return config.device_memory
-    log.info("no --device-memory on CPU: using a %s budget standing in for free VRAM",
-             format_bytes(DEFAULT_CPU_DEVICE_MEMORY))
-    return DEFAULT_CPU_DEVICE_MEMORY
+def device_budget(config: EngineConfig, device: str) -> tuple[int | None, int | None]:
+    """(--device-memory, --cache-slots) for the runner. None for the budget on CUDA means the
+    runner reads the driver's free memory. On the CPU with neither given, the cache holds every
+    pair when they all take at most DEFAULT_CPU_DEVICE_MEMORY (a small model: the cache and its
+    telemetry as a GPU with room for them would show), else none: there the host store already
+    is the memory the experts are computed from, a slot would be a second copy of its pair, and
+    a decode step reads a miss in place at the speed of a hit (the budget is then what the
+    weights, the KV pool and the reserve take)."""
+    if (config.device_memory is not None or config.cache_slots is not None
+            or device.startswith("cuda")):
+        return config.device_memory, config.cache_slots
+    from services.engine.model.checkpoint import load_model_config
+    from services.engine.runner import slot_bytes_of
+
+    pairs = load_model_config(config.model_dir).total_pairs
+    slot_bytes = slot_bytes_of(config.model_dir, config.dtype, config.expert_dtype)
+    if pairs * slot_bytes <= DEFAULT_CPU_DEVICE_MEMORY:
+        log.info("no --device-memory on CPU: using a %s budget standing in for free VRAM",
+                 format_bytes(DEFAULT_CPU_DEVICE_MEMORY))
+        return DEFAULT_CPU_DEVICE_MEMORY, None
+    log.info("no --device-memory on CPU: no cache slots (the %d pairs take %s, more than the %s "
+             "a CPU engine mirrors by default; decode reads every expert in place from the host "
+             "store). Give --device-memory or --cache-slots to size a cache as a GPU would.",
+             pairs, format_bytes(pairs * slot_bytes), format_bytes(DEFAULT_CPU_DEVICE_MEMORY))
+    return None, 0
 
 
 async def serve(config: EngineConfig) -> None:
@@ -51,10 +69,10 @@ async def serve(config: EngineConfig) -> None:
 
         torch.set_num_threads(config.threads)
     draft_bytes = config.draft_reserve or _draft_bytes(config)
+    budget, cache_slots = device_budget(config, device)
     try:
-        runner = ModelRunner(config.model_dir, device=device,
-                             device_memory_bytes=device_budget(config, device),
-                             reserved_bytes=config.reserve, cache_slots=config.cache_slots,
+        runner = ModelRunner(config.model_dir, device=device, device_memory_bytes=budget,
+                             reserved_bytes=config.reserve, cache_slots=cache_slots,
                              policy=config.policy_spec,
                              placement=config.placement, prefetch=config.prefetch,
                              cuda_graphs=config.cuda_graphs,

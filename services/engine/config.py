@@ -81,7 +81,7 @@ SETTINGS = (
     Setting("device_memory", "STRATA_DEVICE_MEMORY", parse_bytes, None,
             "device memory the engine may take, at most the free VRAM: the non-expert "
             "weights, the KV pool, the draft reserve and --reserve come out of it and the "
-            "expert cache gets the rest (default: free VRAM on CUDA, 768MiB on CPU)"),
+            "expert cache gets the rest (default: free VRAM on CUDA; on CPU 768MiB if every pair's slot fits in it, else no cache slots)"),
     Setting("reserve", "STRATA_RESERVE", parse_bytes, 700 * 2**20,
             "device memory kept out of the expert cache besides the weights, KV and draft "
             "reserve: activations, CUDA graphs, allocator slack"),

@@ -320,3 +320,24 @@ def test_a_model_larger_than_host_memory_is_refused_before_loading(tiny_dir, cap
     assert "loaded non-expert weights" not in caplog.text  # refused before loading
     ModelRunner(tiny_dir, cache_slots=0, reserved_bytes=0,
                 host_memory_bytes=host + weights).close()  # exactly enough: served
+
+
+def test_a_cpu_engine_mirrors_small_expert_sets_and_reads_large_ones_in_place(tiny_dir,
+                                                                           monkeypatch):
+    """No --device-memory or --cache-slots on the CPU: every pair cached when their slots fit
+    the stand-in budget (as before), else no slots — the budget is what the engine needs."""
+    from services.engine import __main__ as engine_main
+    from services.engine.config import EngineConfig
+
+    config = EngineConfig(model=str(tiny_dir))
+    assert engine_main.device_budget(config, "cpu") == (engine_main.DEFAULT_CPU_DEVICE_MEMORY,
+                                                        None)
+    assert engine_main.device_budget(EngineConfig(model=str(tiny_dir), cache_slots=3),
+                                     "cpu") == (None, 3)
+    monkeypatch.setattr(engine_main, "DEFAULT_CPU_DEVICE_MEMORY", TOTAL_PAIRS * 3 * 64 * 32 * 4 - 1)
+    budget, slots = engine_main.device_budget(config, "cpu")
+    assert (budget, slots) == (None, 0)
+    runner = ModelRunner(tiny_dir, device_memory_bytes=budget, cache_slots=slots)
+    assert runner.slots == 0
+    seq, _, _ = greedy(runner, PROMPT)
+    assert seq.stats.decode.hits == 0 and seq.stats.decode.lookups > 0

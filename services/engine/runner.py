@@ -46,6 +46,7 @@ from services.engine.cache.policy import DEFAULT_PREFETCH, PolicySpec, Residency
 from services.engine.cache.slot_pool import FillReport, SlotPool
 from services.engine.cache.trace import TraceWriter
 from services.engine.kernels.backend import select_backend
+from services.engine.model.blocks import BLOCK_TYPES
 from services.engine.model.checkpoint import (
     NOT_LOADED,
     CheckpointReader,
@@ -98,15 +99,22 @@ def fixed_bytes_of(model_dir: Path, dtype: str | torch.dtype = "auto",
 def non_expert_bytes(reader: CheckpointReader, weight_dtype: torch.dtype,
                      num_layers: int) -> int:
     """Every tensor the model loads but the routed experts (the host store's, per expert or
-    stacked; a GGUF reader lists none) counted in the weight dtype: an upper bound for
-    block-type tensors. Layers past num_layers (a checkpoint's MTP layers) are not loaded."""
+    stacked; a GGUF reader lists none): a matrix stored in a GGUF block type at its stored
+    bytes (the CPU and Triton backends compute on it as stored), the rest in the weight dtype.
+    Layers past num_layers (a checkpoint's MTP layers) are not loaded."""
     def loaded(name: str) -> bool:
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         return (".experts." not in name and not name.startswith(NOT_LOADED)
                 and (layer is None or int(layer[1]) < num_layers))
 
-    params = sum(math.prod(reader.shape(name)) for name in reader.names if loaded(name))
-    return params * weight_dtype.itemsize
+    def nbytes(name: str) -> int:
+        shape = reader.shape(name)
+        stored = BLOCK_TYPES.get(reader.stored_dtype(name)) if len(shape) == 2 else None
+        if stored is not None:
+            return shape[0] * stored.row_bytes(shape[1])
+        return math.prod(shape) * weight_dtype.itemsize
+
+    return sum(nbytes(name) for name in reader.names if loaded(name))
 
 
 class PromptError(ValueError):

@@ -30,9 +30,10 @@ def resolve_device(requested: str) -> str:
 
 def device_budget(config: EngineConfig, device: str) -> tuple[int | None, int | None]:
     """(--device-memory, --cache-slots) for the runner. None for the budget on CUDA means the
-    runner reads the driver's free memory. On the CPU with neither given, the cache holds every
-    pair when they all take at most DEFAULT_CPU_DEVICE_MEMORY (a small model: the cache and its
-    telemetry as a GPU with room for them would show), else none: there the host store already
+    runner reads the driver's free memory. On the CPU with neither given: where every pair's
+    slot fits in DEFAULT_CPU_DEVICE_MEMORY, that budget stands in for free VRAM (a small model:
+    the cache and its telemetry as a GPU would show them); else no slots, since there the host
+    store already
     is the memory the experts are computed from, a slot would be a second copy of its pair, and
     a decode step reads a miss in place at the speed of a hit (the budget is then what the
     weights, the KV pool and the reserve take)."""

@@ -81,7 +81,8 @@ SETTINGS = (
     Setting("device_memory", "STRATA_DEVICE_MEMORY", parse_bytes, None,
             "device memory the engine may take, at most the free VRAM: the non-expert "
             "weights, the KV pool, the draft reserve and --reserve come out of it and the "
-            "expert cache gets the rest (default: free VRAM on CUDA; on CPU 768MiB if every pair's slot fits in it, else no cache slots)"),
+            "expert cache gets the rest (default: free VRAM on CUDA; on CPU 768MiB if every "
+            "pair's slot fits in it, else no cache slots)"),
     Setting("reserve", "STRATA_RESERVE", parse_bytes, 700 * 2**20,
             "device memory kept out of the expert cache besides the weights, KV and draft "
             "reserve: activations, CUDA graphs, allocator slack"),
@@ -201,7 +202,7 @@ class EngineConfig:
     pinned_fraction: float = DEFAULT_PINNED_FRACTION
     crf_lambda: float = DEFAULT_CRF_LAMBDA
     placement: str = DEFAULT_PLACEMENT
-    prefetch: bool | None = None  # auto: on for CUDA (runner.resolve_prefetch)
+    prefetch: bool | None = None  # None (auto): ModelRunner turns it on for CUDA, off on CPU
     record_routing: str | None = None
     metrics_port: int = 9466  # 0: no Prometheus endpoint
     plan_swap_slots: int = 64

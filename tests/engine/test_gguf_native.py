@@ -313,3 +313,24 @@ def test_the_header_refuses_what_is_not_a_gguf_file(tmp_path):
                     + (0).to_bytes(8, "little") + (5).to_bytes(8, "little") + b"ab")
     with pytest.raises(ValueError, match="past the end"):
         GGUFHeader(bad)  # a tensor name longer than the file
+
+    def header(version: int, *field: bytes) -> bytes:
+        """A GGUF header with no tensors and the given metadata fields."""
+        return (b"GGUF" + version.to_bytes(4, "little") + (0).to_bytes(8, "little")
+                + len(field).to_bytes(8, "little") + b"".join(field))
+
+    def key(name: bytes, kind: int) -> bytes:
+        return len(name).to_bytes(8, "little") + name + kind.to_bytes(4, "little")
+
+    for raw, message in [
+        (header(3 << 24), "big-endian"),
+        (header(1), "version 1"),
+        (header(3, key(b"x", 13)), "unknown metadata value type 13"),
+        (header(3, key(b"x", 9) + (9).to_bytes(4, "little") + (1).to_bytes(8, "little")),
+         "arrays of type 9"),
+    ]:
+        bad.write_bytes(raw)
+        with pytest.raises(ValueError, match=message):
+            GGUFHeader(bad)
+    bad.write_bytes(header(3, key(b"general.name", 8) + (2).to_bytes(8, "little") + b"ok"))
+    assert GGUFHeader(bad).fields == {"general.name": "ok"} and GGUFHeader(bad).tensors == []

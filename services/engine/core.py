@@ -78,6 +78,8 @@ class Runner(Protocol):
 
     def release(self, seq_id: int) -> None: ...
 
+    def rewind(self, seq_id: int, num_computed: int) -> None: ...
+
 
 class _Live:
     """The loop thread's state of one accepted request (the scheduler's SeqState.payload)."""
@@ -160,10 +162,6 @@ class Engine:
         if getattr(runner, "per_sequence_state", False):
             # linear-attention layers' state lives outside the KV pool: a sequence reusing
             # another's prefix blocks would skip positions that state never saw
-            if self.spec_tokens:
-                raise ValueError("speculative decoding is not supported for models with "
-                                 "per-sequence recurrent state (qwen3_next's linear "
-                                 "attention): run with --spec-tokens 0")
             budgeted = getattr(runner, "max_running", max_running)
             if max_running > budgeted:
                 raise ValueError(f"max_running {max_running} exceeds the {budgeted} sequences "
@@ -451,6 +449,7 @@ class Engine:
             if not self._take(seq, token_id, logits[row]):
                 return  # finished: its blocks are freed
         self.scheduler.accept_draft(seq, accepted)
+        self.runner.rewind(seq.seq_id, seq.num_computed)
 
     def _advance(self, seq: SeqState, logits: torch.Tensor) -> None:
         """Sample the next token and take it."""

@@ -406,7 +406,7 @@ class ModelRunner:
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.pos_start, chunk.pos_start + n))
             spans.append(Span(row, row + n, chunk.pos_start, chunk.block_table,
-                              -1 if chunk.seq_id is None else chunk.seq_id))
+                              -1 if chunk.seq_id is None else chunk.seq_id, chunk.num_draft))
             prefill_rows.extend([chunk.prefill] * n)
             logit_rows.extend(range(row + n - chunk.num_logits, row + n))
         self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
@@ -464,6 +464,11 @@ class ModelRunner:
     def per_sequence_state(self) -> bool:
         """Whether layers keep state per sequence outside the paged KV (linear attention)."""
         return bool(self.model.per_sequence)
+
+    def rewind(self, seq_id: int, num_computed: int) -> None:
+        """After a verification step: the sequence's computed positions end at num_computed
+        (the rejected drafts' are recomputed later); per-sequence state goes back to there."""
+        self.model.rewind(seq_id, num_computed)
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was preempted: layers that keep per-sequence state (beyond

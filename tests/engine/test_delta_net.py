@@ -1,6 +1,7 @@
 """Gated DeltaNet (services/engine/model/layers/delta_net.py): a prefill span's closed-form
 chunks equal the token-by-token recurrence, however the tokens are split into spans and
-steps; states are per sequence and dropped on release."""
+steps; states are per sequence and dropped on release; a verification span rewinds to its
+accepted prefix."""
 
 from __future__ import annotations
 
@@ -74,5 +75,30 @@ def test_decode_rows_of_several_sequences_advance_together():
 
 
 def test_a_position_past_zero_without_its_state_is_refused():
-    with pytest.raises(RuntimeError, match="without its state"):
+    with pytest.raises(RuntimeError, match="whose state is at none"):
         run(layer(), torch.randn(2, D), [Span(0, 2, 16, (), 3)])
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 3])
+def test_a_verification_span_rewinds_to_its_accepted_prefix(accepted):
+    """Last token + 3 drafts verified in one span, `accepted` of them kept: the next tokens'
+    outputs are those of decoding the kept rows one by one (the same recurrence; the input
+    projection of 4 rows and of 1 may round apart: fp32 noise); a step at the wrong position
+    is refused."""
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(5))
+    plain, spec = layer(4), layer(4)
+    run(plain, x[:6], [Span(0, 6, 0, (), 1)])
+    run(spec, x[:6], [Span(0, 6, 0, (), 1)])
+    drafted = torch.cat([x[6:7 + accepted], torch.randn(3 - accepted, D)])
+    verified = run(spec, drafted, [Span(0, 4, 6, (), 1, drafts=3)])
+    kept = [run(plain, x[t:t + 1], [Span(0, 1, t, (), 1)]) for t in range(6, 7 + accepted)]
+    close = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(verified[:accepted + 1], torch.cat(kept), **close)
+    spec.rewind(1, 7 + accepted)
+    assert spec.states[1].pos == 7 + accepted and spec.states[1].replay is None
+    for t in range(7 + accepted, 12):
+        one = [Span(0, 1, t, (), 1)]
+        torch.testing.assert_close(run(spec, x[t:t + 1], one), run(plain, x[t:t + 1], one),
+                                   **close)
+    with pytest.raises(RuntimeError, match="whose state is at 12"):
+        run(spec, x[:1], [Span(0, 1, 7, (), 1)])

@@ -53,8 +53,9 @@ class Decoder:
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
         self._structs: tuple[PagedKVCache, ctypes.Array] | None = None
         self.last_hidden: torch.Tensor | None = None  # of the last forward
-        # Layer parts with per-sequence state (none in today's families): they define
-        # release(seq_id), which the runner calls when a sequence ends or is preempted.
+        # Layer parts with per-sequence state (linear attention's): they define release(seq_id),
+        # which the runner calls when a sequence ends or is preempted, and rewind(seq_id, pos)
+        # for rejected drafts.
         self.per_sequence = [part for layer in layers for part in (layer.attn, layer.mlp)
                              if callable(getattr(part, "release", None))]
 
@@ -92,6 +93,13 @@ class Decoder:
         outside the paged KV (a recurrent layer's, say) drop its state."""
         for part in self.per_sequence:
             part.release(seq_id)
+
+    def rewind(self, seq_id: int, pos: int) -> None:
+        """A verification step accepted the sequence's positions up to `pos` only: the layer
+        parts with per-sequence state go back to there (the paged KV needs nothing: rejected
+        positions are overwritten when recomputed)."""
+        for part in self.per_sequence:
+            part.rewind(seq_id, pos)
 
     def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """The decoder loop: x [T, D] through every layer -> [T, D] before the final norm.

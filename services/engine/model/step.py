@@ -73,6 +73,7 @@ class Span:
     pos_start: int
     block_table: Sequence[int]
     seq_id: int = -1  # whose tokens (layers with per-sequence state key it by this)
+    drafts: int = 0  # its last `drafts` rows are drafts to verify (speculative decoding)
 
     @property
     def pos_end(self) -> int:

@@ -19,6 +19,11 @@ release() when it finishes or is preempted (its recomputation starts again from 
 The paged KV pool holds nothing for these layers, and a prefix shared in the pool would skip
 positions whose state this layer never saw: the engine turns prefix reuse off for such models.
 
+A verification span (speculative decoding: the last token and k drafts) runs token by token
+through the decode recurrence, and the state before it is kept with the span's inputs: when
+only a prefix of the drafts is accepted, rewind() restores that state and replays the accepted rows
+(no per-row snapshots: k+1 states of every layer would outweigh the rows' inputs many times).
+
 Decode rows of a step advance together (their states stacked). A prefill span runs in chunks
 of CHUNK tokens, each in closed form: with G_t the product of the decays up to t and S0 the
 state before the chunk, the recurrence unrolls to
@@ -47,6 +52,20 @@ CHUNK = 64  # prefill tokens per closed-form block
 class State:
     conv: torch.Tensor  # [Kc - 1, C] the last conv inputs
     s: torch.Tensor  # [Hv, Dk, Dv] fp32
+    pos: int = 0  # positions consumed
+    replay: _Replay | None = None  # the last verification span, until it is settled
+
+
+@dataclass
+class _Replay:
+    """What a verification span started from, and its rows' inputs (to replay a prefix)."""
+
+    pos: int
+    conv: torch.Tensor
+    s: torch.Tensor
+    mixed: torch.Tensor  # [t, C]
+    beta: torch.Tensor  # [t, Hv]
+    g: torch.Tensor  # [t, Hv]
 
 
 @dataclass
@@ -71,6 +90,23 @@ class GatedDeltaNet:
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
 
+    def rewind(self, seq_id: int, pos: int) -> None:
+        """The sequence's positions now end at `pos` (drafts after it were rejected): its
+        state goes back to where its last verification span started and replays the rows
+        up to `pos`."""
+        st = self.states.get(seq_id)
+        if st is None:
+            return
+        r, st.replay = st.replay, None
+        if st.pos <= pos:  # every row was accepted
+            return
+        if r is None or not r.pos <= pos:
+            raise RuntimeError(f"sequence {seq_id}: cannot rewind a linear-attention state at "
+                               f"position {st.pos} to {pos} (no verification span covers it)")
+        st.conv, st.s, st.pos = r.conv, r.s, r.pos
+        for row in range(pos - r.pos):
+            self._recur([st], r.mixed[row:row + 1], r.beta[row:row + 1], r.g[row:row + 1])
+
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [T, D] (normalized) -> [T, D]."""
         be = step.backend
@@ -83,11 +119,15 @@ class GatedDeltaNet:
         decode = [s for s in step.all_spans if s.row_end - s.row_start == 1]
         if decode:
             rows = torch.tensor([s.row_start for s in decode], device=x.device)
-            o[rows] = self._advance(decode, mixed[rows], beta[rows], g[rows])
+            states = [self._state(s, mixed.shape[1], x.device) for s in decode]
+            o[rows] = self._recur(states, mixed[rows], beta[rows], g[rows])
         for s in step.all_spans:
             if s.row_end - s.row_start > 1:
                 rows = slice(s.row_start, s.row_end)
-                o[rows] = self._prefill(s, mixed[rows], beta[rows], g[rows])
+                if s.drafts:
+                    o[rows] = self._verify(s, mixed[rows], beta[rows], g[rows])
+                else:
+                    o[rows] = self._prefill(s, mixed[rows], beta[rows], g[rows])
         y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, Hv, Dv]
         y = (self.norm.float() * y) * F.silu(z.view(-1, Hv, Dv))
         return be.linear(y.reshape(x.shape[0], Hv * Dv).to(x.dtype), self.out)
@@ -98,9 +138,12 @@ class GatedDeltaNet:
                 torch.zeros(self.conv.shape[0] - 1, channels, device=device),
                 torch.zeros(self.value_heads, self.key_dim, self.value_dim, device=device))
         state = self.states.get(span.seq_id)
-        if state is None:
-            raise RuntimeError(f"sequence {span.seq_id} reached position {span.pos_start} of a "
-                               "linear-attention layer without its state (a reused prefix?)")
+        if state is None or state.pos != span.pos_start:
+            raise RuntimeError(
+                f"sequence {span.seq_id} reached position {span.pos_start} of a linear-attention "
+                f"layer whose state is at {'none' if state is None else state.pos} (a reused "
+                "prefix, or rejected drafts not rewound?)")
+        state.replay = None  # settled: the rows it held are the sequence's
         return state
 
     def _qkv(self, conv_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,6 +164,7 @@ class GatedDeltaNet:
         taps = window.unfold(0, self.conv.shape[0], 1)  # [t, C, Kc]: token i's inputs
         q, k, v = self._qkv((taps * self.conv.t()).sum(dim=-1))
         state.conv = window[-(self.conv.shape[0] - 1):]
+        state.pos += mixed.shape[0]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, t, .]
         beta, g = beta.t(), g.t()  # [Hv, t]
         s, out = state.s, torch.empty_like(v)
@@ -142,11 +186,21 @@ class GatedDeltaNet:
         state.s = s
         return out.transpose(0, 1)
 
-    def _advance(self, spans: list[Span], mixed: torch.Tensor, beta: torch.Tensor,
-                 g: torch.Tensor) -> torch.Tensor:
+    def _verify(self, span: Span, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
+                ) -> torch.Tensor:
+        """A verification span's rows (mixed [t, C], beta, g [t, Hv]) one by one through the
+        decode recurrence -> o [t, Hv, Dv]; what it started from is kept for rewind()."""
+        state = self._state(span, mixed.shape[1], mixed.device)
+        replay = _Replay(state.pos, state.conv, state.s, mixed, beta, g)
+        out = torch.cat([self._recur([state], mixed[r:r + 1], beta[r:r + 1], g[r:r + 1])
+                         for r in range(mixed.shape[0])])
+        state.replay = replay
+        return out
+
+    def _recur(self, states: list[State], mixed: torch.Tensor, beta: torch.Tensor,
+               g: torch.Tensor) -> torch.Tensor:
         """One token of each of B sequences: mixed [B, C] (q|k|v before the conv), beta, g
         [B, Hv] -> o [B, Hv, Dv]; their states advanced."""
-        states = [self._state(s, mixed.shape[1], mixed.device) for s in spans]
         window = torch.cat([torch.stack([st.conv for st in states]), mixed[:, None]], dim=1)
         q, k, v = self._qkv((window * self.conv).sum(dim=1))  # [B, Hv, Dk / Dv]
         s = torch.stack([st.s for st in states]) * g.exp()[..., None, None]  # [B, Hv, Dk, Dv]
@@ -154,7 +208,7 @@ class GatedDeltaNet:
         s = s + k[..., None] * delta[..., None, :]
         o = torch.einsum("bhk,bhkv->bhv", q, s)
         for i, st in enumerate(states):
-            st.conv, st.s = window[i, 1:], s[i]
+            st.conv, st.s, st.pos = window[i, 1:], s[i], st.pos + 1
         return o
 
 

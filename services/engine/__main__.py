@@ -69,7 +69,7 @@ async def serve(config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(config.threads)
-    draft_bytes = config.draft_reserve or _draft_bytes(config)
+    draft_bytes = config.draft_reserve or _draft_bytes(config, device)
     budget, cache_slots = device_budget(config, device)
     try:
         runner = ModelRunner(config.model_dir, device=device, device_memory_bytes=budget,
@@ -148,7 +148,7 @@ async def serve(config: EngineConfig) -> None:
     log.info("engine %s stopped after %d requests", engine_id, engine.totals.requests_finished)
 
 
-def _draft_bytes(config: EngineConfig) -> int:
+def _draft_bytes(config: EngineConfig, device: str) -> int:
     """Device memory of the draft source, estimated before the expert cache is sized."""
     if not config.spec_tokens:
         return 0
@@ -156,7 +156,7 @@ def _draft_bytes(config: EngineConfig) -> int:
 
     try:
         return draft_memory_bytes(config.spec_method, config.spec_draft_model,
-                                  config.model_dir)
+                                  config.model_dir, device)
     except (OSError, ValueError) as exc:
         model = (f", --spec-draft-model={config.spec_draft_model}"
                  if config.spec_method == "draft" else "")

@@ -168,6 +168,6 @@ def test_the_engine_reserves_the_heads_memory_or_refuses_at_start(mtp_dir, tiny_
 
     config = EngineConfig(model=str(mtp_dir), spec_tokens=2, spec_method="mtp")
     head = MtpConfig.for_model(load_model_config(mtp_dir), window=4)
-    assert _draft_bytes(config) == head.num_params() * 4
+    assert _draft_bytes(config, "cpu") == head.num_params() * 4
     with pytest.raises(ConfigError, match="--spec-method=mtp.*no multi-token-prediction head"):
-        _draft_bytes(EngineConfig(model=str(tiny_dir), spec_tokens=2, spec_method="mtp"))
+        _draft_bytes(EngineConfig(model=str(tiny_dir), spec_tokens=2, spec_method="mtp"), "cpu")

@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from services.engine.core import Engine
 from services.engine.runner import ModelRunner
 from services.engine.spec.base import DraftRequest, DraftSource
+from tests.engine.conftest import TOKENIZER_VOCAB
 from tests.engine.test_batching import run_all
 from tests.engine.test_model_families import make_family_checkpoint
 from tests.engine.test_spec_engine import request
@@ -77,3 +79,126 @@ def test_rejected_drafts_rewind_the_linear_attention_state(qwen3_next_dir, max_r
     proposed = sum(s.drafts_proposed for s in stats)
     accepted = sum(s.drafts_accepted for s in stats)
     assert 0 < accepted < proposed
+
+
+# -- the checkpoint's own MTP layer (--spec-method mtp) ---------------------------------------
+class ReferenceMtp(torch.nn.Module):
+    """Qwen3-Next's MTP module as vLLM runs it, from transformers' own Qwen3Next parts:
+    fc([enorm(embed(x_{t+1})); hnorm(h_t)]) -> a full-attention decoder layer (gated
+    attention, sparse MoE with a shared expert) -> norm -> the main lm_head."""
+
+    def __init__(self, config):
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        super().__init__()
+        D = config.hidden_size
+        full = config.layer_types.index("full_attention")
+        self.fc = torch.nn.Linear(2 * D, D, bias=False)
+        self.pre_fc_norm_embedding = m.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = m.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
+        self.layers = torch.nn.ModuleList([m.Qwen3NextDecoderLayer(config, full)])
+        self.norm = m.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
+        with torch.no_grad():  # parts built outside a PreTrainedModel are not initialized
+            for name, p in self.named_parameters():
+                p.normal_(0.0, 0.2 if name.endswith("norm.weight") else 0.1)  # (1 + w) norms
+
+    def forward(self, main, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """ids [T] (token t+1 of each position t), hidden [T, D] (h_t, after the main model's
+        final norm) at positions 0..T-1, causal -> g [T, D] (after the MTP norm)."""
+        T = ids.shape[0]
+        e = self.pre_fc_norm_embedding(main.model.embed_tokens(ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))[None]
+        positions = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](x, main.model.rotary_emb(x, positions), attention_mask=mask,
+                           position_ids=positions)
+        return self.norm(x[0])
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    """A tiny Qwen3-Next checkpoint with an MTP layer in a shard of its own (as released:
+    mtp.* beside the model, which transformers does not load)."""
+    from safetensors.torch import save_file
+
+    model_dir, ref = make_family_checkpoint(tmp_path_factory.mktemp("q3n-mtp") / "qwen3_next",
+                                            "qwen3_next", seed=5, _attn_implementation="eager")
+    torch.manual_seed(11)
+    mtp = ReferenceMtp(ref.config).eval()
+    save_file({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()},
+              str(model_dir / "model-mtp.safetensors"))
+    return model_dir, ref, mtp
+
+
+def reference_drafts(ref, mtp, tokens: list[int], k: int) -> list[int]:
+    """k greedy drafts after tokens x_0..x_n: the main model's hidden states of x_0..x_{n-1},
+    then the MTP module over every position from scratch each round."""
+    with torch.no_grad():
+        out = ref.model(torch.tensor([tokens[:-1]]))
+        hidden = out.last_hidden_state[0]  # [n, D] after the final norm
+        ids, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            g = mtp(ref, torch.tensor(ids), hidden)
+            logits = ref.lm_head(g[-1])[:TOKENIZER_VOCAB]
+            drafts.append(int(logits.argmax()))
+            ids.append(drafts[-1])
+            hidden = torch.cat([hidden, g[-1:]])  # the MTP's own output stands in
+    return drafts
+
+
+def test_the_checkpoint_mtp_layer_drafts_what_transformers_parts_compute(mtp_dir):
+    """--spec-method mtp on a checkpoint with its own MTP layer: three greedy drafts after a
+    prompt, after a step of accepted and rejected drafts, for two sequences in one batch —
+    each what the reference computes from scratch (full causal attention, no cache)."""
+    from services.engine.runner import ChunkWork
+    from services.engine.spec import draft_memory_bytes, make_draft_source
+    from services.engine.spec.checkpoint_mtp import CheckpointMtp
+
+    model_dir, ref, mtp = mtp_dir
+    runner = ModelRunner(model_dir, cache_slots=10**9, reserved_bytes=0, dtype="fp32")
+    source = make_draft_source("mtp", runner=runner)
+    assert isinstance(source, CheckpointMtp)
+    assert draft_memory_bytes("mtp", model_dir=model_dir, device="cpu") == source.memory_bytes
+    prompts = [runner.tokenizer.encode(p) for p in ("The expert cache holds", "abcabc")]
+    tables = [list(range(0, 4)), list(range(4, 8))]
+    for seq_id, ids in enumerate(prompts):  # prefill; the first token greedy
+        (logits, _), = runner.step([ChunkWork(ids, 0, tables[seq_id], True, True,
+                                              seq_id=seq_id)])
+        ids.append(int(logits.argmax()))
+    requests = [DraftRequest(i, ids, len(ids) - 1, 3) for i, ids in enumerate(prompts)]
+    drafts = source.propose(requests)
+    assert drafts == [reference_drafts(ref, mtp, ids, 3) for ids in prompts]
+    # verify [last, d1, d2, d3] of each: keep what the main model agrees with, then draft on
+    work = [ChunkWork([ids[-1], *d], len(ids) - 1, tables[i], False, True, num_draft=3,
+                      seq_id=i) for i, (ids, d) in enumerate(zip(prompts, drafts, strict=True))]
+    for ids, d, (logits, _) in zip(prompts, drafts, runner.step(work), strict=True):
+        greedy = logits.argmax(dim=-1).tolist()
+        ids.append(greedy[0])
+        for j, token in enumerate(d):
+            if token != greedy[j]:
+                break
+            ids.append(greedy[j + 1])
+    requests = [DraftRequest(i, ids, len(ids) - 1, 3) for i, ids in enumerate(prompts)]
+    assert source.propose(requests) == [reference_drafts(ref, mtp, ids, 3) for ids in prompts]
+    assert source.draft_lookups > 0  # the MTP layer's own experts, not the main cache's
+
+
+def test_mtp_speculation_gives_plain_greedy_output(mtp_dir):
+    """`--spec-method mtp` from the checkpoint's own layer, alone and batched: the tokens of
+    plain decoding; drafts proposed and checked."""
+    from services.engine.spec import make_draft_source
+
+    model_dir, _, _ = mtp_dir
+    plain = serve(model_dir, PROMPTS, max_tokens=16)
+    for max_running in (1, 4):
+        runner = ModelRunner(model_dir, cache_slots=10**9, reserved_bytes=0, dtype="fp32")
+        engine = Engine(runner, max_running=max_running, max_step_tokens=32,
+                        draft_source=make_draft_source("mtp", runner=runner), spec_tokens=3)
+        engine.start()
+        try:
+            spec = run_all(engine, [request(p, max_tokens=16) for p in PROMPTS])
+        finally:
+            engine.stop()
+        assert [c.tokens for c in spec] == [c.tokens for c in plain]
+        assert sum(c.finished.stats.drafts_proposed for c in spec) > 0
+        assert engine.totals.draft_lookups > 0

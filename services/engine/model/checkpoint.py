@@ -16,11 +16,13 @@ Tensors are converted to the dtype asked for (model/dtypes.py picks it) on the C
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,17 @@ class CheckpointReader:
         if missing:
             raise CheckpointError(f"{self.model_dir} lacks shard(s) {', '.join(missing)}")
         return files
+
+    def renamed(self, rename: Callable[[str], str | None]) -> CheckpointReader:
+        """The same files read under other names: rename(name) is the name a tensor reads as,
+        or None to leave it out (a checkpoint's MTP layer read as a one-layer model, say)."""
+        view = copy.copy(self)
+        view._file_of, view._stored = {}, {}
+        for name, f in self._file_of.items():
+            if (new := rename(name)) is not None:
+                view._file_of[new] = f
+                view._stored[new] = self._stored.get(name, name)
+        return view
 
     @property
     def names(self) -> list[str]:

@@ -61,13 +61,14 @@ class Decoder:
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
-                kv: PagedKVCache, experts: ExpertSource, logit_rows: torch.Tensor
-                ) -> torch.Tensor:
+                kv: PagedKVCache, experts: ExpertSource, logit_rows: torch.Tensor,
+                inputs: torch.Tensor | None = None) -> torch.Tensor:
         """One step over several sequences: token_ids, positions [T] (spans say which rows are
         whose; on the host or the device) -> fp32 logits [S, V] of logit_rows [S]. Linear
         layers and the MoE run once over all T rows; attention per sequence over its paged
         K/V. (The runner replays a pure decode step from a CUDA graph instead, where it
-        captured one: model/cuda_graphs.py.)"""
+        captured one: model/cuda_graphs.py.) `inputs` [T, D]: the first layer's input in place
+        of token_ids' embeddings (an MTP layer's, spec/checkpoint_mtp.py)."""
         token_ids, positions = token_ids.to(self.device), positions.to(self.device)
         slots = kv.span_slots(spans).to(self.device)  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
@@ -75,7 +76,7 @@ class Decoder:
         cos, sin = self.rope.rows(positions)
         step = Step(positions, self.rope, cos, sin, slots, others, decode, kv, experts,
                     self.backend, all_spans=spans)
-        x = self.embed_rows(token_ids)  # [T, D]
+        x = self.embed_rows(token_ids) if inputs is None else inputs  # [T, D]
         table = None
         if (self.fusable and decode is not None and decode.all_rows
                 and decode.lengths is not None):

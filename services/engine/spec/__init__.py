@@ -23,6 +23,7 @@ def draft_memory_bytes(
     method: str,
     draft_model: str | Path | None = None,
     model_dir: str | Path | None = None,
+    device: str = "cuda",
 ) -> int:
     """Device memory the method's source will take, known before anything is loaded (the
     target's expert cache is sized around it); ValueError when the method cannot run.
@@ -30,7 +31,11 @@ def draft_memory_bytes(
     if method == "mtp":
         if model_dir is None:
             raise ValueError("the checkpoint has no multi-token-prediction head")
+        from services.engine.spec.checkpoint_mtp import checkpoint_mtp_bytes, has_checkpoint_mtp
         from services.engine.spec.mtp import mtp_head_bytes
+
+        if has_checkpoint_mtp(model_dir):  # its own MTP layer (Qwen3-Next, Qwen3.5)
+            return checkpoint_mtp_bytes(model_dir, device=device)
 
         return mtp_head_bytes(model_dir)  # ValueError: no head
     if method == "draft":
@@ -60,8 +65,11 @@ def make_draft_source(
     if method == "mtp":
         if runner is None:
             raise ValueError("the checkpoint has no multi-token-prediction head")
+        from services.engine.spec.checkpoint_mtp import CheckpointMtp, has_checkpoint_mtp
         from services.engine.spec.mtp import MtpDraft
 
+        if has_checkpoint_mtp(runner.model_dir):  # the checkpoint's own layer before a trained head
+            return CheckpointMtp(runner)
         return MtpDraft.load(runner)  # ValueError naming the file when there is no head
     if method == "draft":
         if not draft_model:

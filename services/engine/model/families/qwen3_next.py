@@ -10,7 +10,8 @@ first partial_rotary_factor (0.25) of each 256-dim head, and a sigmoid output ga
 yields each head's query and gate, re-laid at load as q | k | v | gate). Every RMSNorm but the
 DeltaNet's gated one scales by (1 + w): the weights are offset by one at load. MoE layers are
 qwen2_moe's: softmax top-K (renormalized), a shared expert behind a sigmoid gate. The
-checkpoint's multi-token-prediction head (`mtp.*`) is not loaded.
+checkpoint's multi-token-prediction layer (`mtp.*`) is not part of the model: with
+`--spec-method mtp` it is the draft source (spec/checkpoint_mtp.py, built by build_layer too).
 """
 
 import torch

@@ -82,50 +82,108 @@ def test_rejected_drafts_rewind_the_linear_attention_state(qwen3_next_dir, max_r
 
 
 # -- the checkpoint's own MTP layer (--spec-method mtp) ---------------------------------------
-class ReferenceMtp(torch.nn.Module):
+def _init(module: torch.nn.Module, norm_center: float) -> None:
+    """Parts built outside a PreTrainedModel are not initialized: random weights that count,
+    norms around `norm_center` ((1 + w) norms: 0), routing biases that matter."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(norm_center, 0.2)
+            else:
+                p.normal_(0.0, 0.1)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+
+
+def _causal(main, x: torch.Tensor) -> dict:
+    T = x.shape[1]
+    positions = torch.arange(T)[None]
+    return dict(attention_mask=torch.full((T, T), float("-inf")).triu(1)[None, None],
+                position_ids=positions, position_embeddings=main.model.rotary_emb(x, positions))
+
+
+class QwenMtp(torch.nn.Module):
     """Qwen3-Next's MTP module as vLLM runs it, from transformers' own Qwen3Next parts:
     fc([enorm(embed(x_{t+1})); hnorm(h_t)]) -> a full-attention decoder layer (gated
-    attention, sparse MoE with a shared expert) -> norm -> the main lm_head."""
+    attention, sparse MoE with a shared expert) -> norm -> the main lm_head; a later round
+    reads the normed output."""
 
     def __init__(self, config):
         from transformers.models.qwen3_next import modeling_qwen3_next as m
 
         super().__init__()
-        D = config.hidden_size
-        full = config.layer_types.index("full_attention")
+        D, eps = config.hidden_size, config.rms_norm_eps
         self.fc = torch.nn.Linear(2 * D, D, bias=False)
-        self.pre_fc_norm_embedding = m.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
-        self.pre_fc_norm_hidden = m.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
-        self.layers = torch.nn.ModuleList([m.Qwen3NextDecoderLayer(config, full)])
-        self.norm = m.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
-        with torch.no_grad():  # parts built outside a PreTrainedModel are not initialized
-            for name, p in self.named_parameters():
-                p.normal_(0.0, 0.2 if name.endswith("norm.weight") else 0.1)  # (1 + w) norms
+        self.pre_fc_norm_embedding = m.Qwen3NextRMSNorm(D, eps=eps)
+        self.pre_fc_norm_hidden = m.Qwen3NextRMSNorm(D, eps=eps)
+        self.layers = torch.nn.ModuleList([m.Qwen3NextDecoderLayer(
+            config, config.layer_types.index("full_attention"))])
+        self.norm = m.Qwen3NextRMSNorm(D, eps=eps)
+        _init(self, 0.0)
 
-    def forward(self, main, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """ids [T] (token t+1 of each position t), hidden [T, D] (h_t, after the main model's
-        final norm) at positions 0..T-1, causal -> g [T, D] (after the MTP norm)."""
-        T = ids.shape[0]
+    def stored(self) -> dict[str, torch.Tensor]:
+        return {f"mtp.{k}": v for k, v in self.state_dict().items()}
+
+    def forward(self, main, ids, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] (token t+1 at position t), hidden [T, D] (h_t after the main final norm),
+        causal over positions 0..T-1 -> (what a later round reads [T, D], logits [T, V])."""
         e = self.pre_fc_norm_embedding(main.model.embed_tokens(ids))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))[None]
-        positions = torch.arange(T)[None]
-        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        x = self.layers[0](x, main.model.rotary_emb(x, positions), attention_mask=mask,
-                           position_ids=positions)
-        return self.norm(x[0])
+        g = self.norm(self.layers[0](x, **_causal(main, x))[0])
+        return g, main.lm_head(g)
 
 
-@pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory):
-    """A tiny Qwen3-Next checkpoint with an MTP layer in a shard of its own (as released:
-    mtp.* beside the model, which transformers does not load)."""
+class NextnMtp(torch.nn.Module):
+    """DeepSeek-V3's / GLM-4.5's MTP layer (layer num_hidden_layers) as vLLM runs it, from
+    transformers' own parts: the embedding zeroed at position 0, eh_proj([enorm(e); hnorm(h)]),
+    the family's decoder layer, then shared_head (norm, head); a later round reads the output
+    before the norm."""
+
+    def __init__(self, config, family: str):
+        import transformers.models.deepseek_v3.modeling_deepseek_v3 as ds
+        import transformers.models.glm4_moe.modeling_glm4_moe as glm
+
+        super().__init__()
+        norm, layer = {"glm4_moe": (glm.Glm4MoeRMSNorm, glm.Glm4MoeDecoderLayer),
+                       "deepseek_v3": (ds.DeepseekV3RMSNorm, ds.DeepseekV3DecoderLayer)}[family]
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.index = config.num_hidden_layers
+        self.enorm, self.hnorm = norm(D, eps=eps), norm(D, eps=eps)
+        self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+        self.block = layer(config, self.index)
+        self.shared_head = torch.nn.ModuleDict(dict(
+            norm=norm(D, eps=eps), head=torch.nn.Linear(D, config.vocab_size, bias=False)))
+        _init(self, 1.0)
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{self.index}."
+        return {p + k.removeprefix("block."): v for k, v in self.state_dict().items()}
+
+    def forward(self, main, ids, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        e = main.model.embed_tokens(ids).clone()
+        e[0] = 0  # position 0
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))[None]
+        y = self.block(x, **_causal(main, x))[0]
+        return y, self.shared_head["head"](self.shared_head["norm"](y))
+
+
+MTP_FAMILIES = ["qwen3_next", "glm4_moe", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module", params=MTP_FAMILIES)
+def mtp_dir(request, tmp_path_factory):
+    """A tiny checkpoint with its MTP layer in a shard of its own, named as released (mtp.*
+    beside the model; DeepSeek / GLM: layer num_hidden_layers), which transformers does not
+    load."""
     from safetensors.torch import save_file
 
-    model_dir, ref = make_family_checkpoint(tmp_path_factory.mktemp("q3n-mtp") / "qwen3_next",
-                                            "qwen3_next", seed=5, _attn_implementation="eager")
+    family = request.param
+    model_dir, ref = make_family_checkpoint(tmp_path_factory.mktemp("mtp") / family, family,
+                                            seed=5, _attn_implementation="eager")
     torch.manual_seed(11)
-    mtp = ReferenceMtp(ref.config).eval()
-    save_file({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()},
+    mtp = (QwenMtp(ref.config) if family == "qwen3_next" else NextnMtp(ref.config, family))
+    save_file({k: v.contiguous() for k, v in mtp.eval().stored().items()},
               str(model_dir / "model-mtp.safetensors"))
     return model_dir, ref, mtp
 
@@ -134,13 +192,11 @@ def reference_drafts(ref, mtp, tokens: list[int], k: int) -> list[int]:
     """k greedy drafts after tokens x_0..x_n: the main model's hidden states of x_0..x_{n-1},
     then the MTP module over every position from scratch each round."""
     with torch.no_grad():
-        out = ref.model(torch.tensor([tokens[:-1]]))
-        hidden = out.last_hidden_state[0]  # [n, D] after the final norm
+        hidden = ref.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]  # after the norm
         ids, drafts = list(tokens[1:]), []
         for _ in range(k):
-            g = mtp(ref, torch.tensor(ids), hidden)
-            logits = ref.lm_head(g[-1])[:TOKENIZER_VOCAB]
-            drafts.append(int(logits.argmax()))
+            g, logits = mtp(ref, torch.tensor(ids), hidden)
+            drafts.append(int(logits[-1, :TOKENIZER_VOCAB].argmax()))
             ids.append(drafts[-1])
             hidden = torch.cat([hidden, g[-1:]])  # the MTP's own output stands in
     return drafts

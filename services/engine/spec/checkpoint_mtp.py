@@ -1,13 +1,16 @@
-"""MTP drafts from the checkpoint's own multi-token-prediction layer (Qwen3-Next, Qwen3.5: the
-`mtp.*` tensors released beside the model, which transformers does not load).
+"""MTP drafts from the checkpoint's own multi-token-prediction layer, released beside the model
+and never loaded by transformers: Qwen3-Next's and Qwen3.5's `mtp.*`; DeepSeek-V3/R1's, Kimi-K2's
+and GLM-4.5's layer `num_hidden_layers` (`eh_proj`, `enorm`, `hnorm`, `shared_head`).
 
 Shape legend: T rows, D hidden, V vocab, E experts.
 
     h_t   the main model's hidden state at position t, after its final norm
-    x_t = fc([enorm(embed(token t+1)); hnorm(h_t)])          2D -> D  ((1 + w) norms)
-    g_t = norm(layer(x_t))    one decoder layer: gated full attention over the MTP layer's own
-                              K/V of positions <= t, then a MoE block with its own E experts
-    the main model's lm_head(g_t) -> logits of token t+2
+    x_t = fc([enorm(embed(token t+1)); hnorm(h_t)])          2D -> D
+    y_t = layer(x_t)          one decoder layer of the family (full attention over the MTP
+                              layer's own K/V of positions <= t, a MoE block with its own experts)
+    head(norm(y_t)) -> logits of token t+2 (DeepSeek / GLM: shared_head; Qwen: the main lm_head)
+    a later round reads norm(y_t) (Qwen) or y_t (DeepSeek / GLM) as its h, and DeepSeek / GLM
+    zero the embedding at position 0: both as vLLM runs these layers.
 
     propose (a sequence's tokens x_0 .. x_n, x_n not yet run; h_0 .. h_{n-1} known):
       round 1   catch up positions [computed, n-1] with (h_t, x_{t+1})  -> d1 from row n-1
@@ -15,9 +18,9 @@ Shape legend: T rows, D hidden, V vocab, E experts.
     Positions below n hold real pairs and are kept (`computed` = n); the draft rounds' K/V at
     n and beyond are overwritten by the next catch-up.
 
-The layer is built by the family's own builder from a view of the checkpoint in which
-`mtp.layers.0.*` reads as layer 0 of a one-layer model (attention, norms, router, shared
-expert: the main layers' code, so the same kernels). Its K/V lives in a pool of its own, with
+The layer is built by the family's own builder from a view of the checkpoint in which the MTP
+decoder layer reads as layer 0 of a one-layer model (attention, norms, router, shared expert:
+the main layers' code, so the same kernels). Its K/V lives in a pool of its own, with
 its own block tables; its routed experts in an expert cache of their own (one MoE layer): every
 pair resident on CUDA, read in place from the host store on the CPU. Their lookups are
 `draft_lookups`, never the main cache's. Drafts are greedy: a deterministic function of the
@@ -55,20 +58,47 @@ from services.engine.spec.base import DraftRequest, DraftSource
 
 log = logging.getLogger("strata.engine")
 
-FAMILIES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # whose `mtp.*` layer this reads
-LAYER = "mtp.layers.0."
 KV_WINDOWS = 4  # the MTP layer's KV pool: this many context windows (the draft model's rule)
+QWEN = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # mtp.* beside the model
+NEXTN = ("deepseek_v3", "kimi_k2", "glm4_moe")  # layer num_hidden_layers (DeepSeek's "nextn")
 
 
-def mtp_view(reader: CheckpointReader) -> CheckpointReader:
-    """The checkpoint read as a one-layer model: mtp.layers.0.* as model.layers.0.*, mtp.norm
-    as model.norm; the main layers left out; embeddings, lm_head and mtp.fc.* as they are."""
+@dataclass(frozen=True)
+class MtpLayout:
+    """Where a checkpoint keeps its MTP layer (names as stored) and how it runs."""
+
+    layer: str  # its decoder layer's prefix
+    fc: str
+    enorm: str
+    hnorm: str
+    norm: str
+    head: str | None  # its own lm_head; None: the main model's
+    feed_normed: bool  # a later round reads the last output after the norm (else before it)
+    zero_first: bool  # the embedding at position 0 is zeroed
+
+
+def mtp_layout(c: ModelConfig, reader: Any) -> MtpLayout | None:
+    """The checkpoint's MTP layer, or None when it has none this module reads."""
+    if c.model_type in QWEN and "mtp.fc.weight" in reader:
+        return MtpLayout("mtp.layers.0.", "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
+                         "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight", None,
+                         feed_normed=True, zero_first=False)
+    p = f"model.layers.{c.num_layers}."
+    if c.model_type in NEXTN and f"{p}eh_proj.weight" in reader:
+        head = f"{p}shared_head.head.weight"
+        return MtpLayout(p, f"{p}eh_proj.weight", f"{p}enorm.weight", f"{p}hnorm.weight",
+                         f"{p}shared_head.norm.weight", head if head in reader else None,
+                         feed_normed=False, zero_first=True)
+    return None
+
+
+def mtp_view(reader: CheckpointReader, layout: MtpLayout) -> CheckpointReader:
+    """The checkpoint read as a one-layer model: the MTP decoder layer's tensors as
+    model.layers.0.*, the main layers and final norm left out, the rest as stored."""
 
     def rename(name: str) -> str | None:
-        if name.startswith(LAYER):
-            return "model.layers.0." + name[len(LAYER):]
-        if name == "mtp.norm.weight":
-            return "model.norm.weight"
+        if name.startswith(layout.layer):
+            return "model.layers.0." + name[len(layout.layer):]
         if name.startswith(("model.layers.", "model.norm.")):
             return None
         return name
@@ -82,24 +112,30 @@ def mtp_config(c: ModelConfig) -> ModelConfig:
                                decoder_sparse_step=1, sliding_layers=())
 
 
+def _open(model_dir: str | Path) -> tuple[ModelConfig, Any, MtpLayout | None]:
+    c = load_model_config(Path(model_dir))
+    reader = open_checkpoint(Path(model_dir), weight_names(c))
+    return c, reader, mtp_layout(c, reader)
+
+
 def has_checkpoint_mtp(model_dir: str | Path | None) -> bool:
-    """Whether the checkpoint holds an MTP layer this module reads (a safetensors directory of
-    a family in FAMILIES with mtp.fc.weight)."""
+    """Whether the checkpoint (a safetensors directory) holds an MTP layer this module reads."""
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         return False
-    c = load_model_config(Path(model_dir))
-    if c.model_type not in FAMILIES:
-        return False
-    return "mtp.fc.weight" in open_checkpoint(Path(model_dir), weight_names(c))
+    return _open(model_dir)[2] is not None
 
 
 def checkpoint_mtp_bytes(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                          device: str = "cuda") -> int:
     """Device bytes of the MTP layer: its tensors (its experts too where they are resident:
-    on CUDA) and its KV pool."""
-    c = load_model_config(Path(model_dir))
-    reader = open_checkpoint(Path(model_dir), weight_names(c))
-    names = [n for n in reader.names if n.startswith("mtp.")
+    on CUDA; not the copy of the embeddings some checkpoints keep in it) and its KV pool."""
+    c, reader, layout = _open(model_dir)
+    if layout is None:
+        raise ValueError(f"{Path(model_dir).name} has no multi-token-prediction layer")
+    own = {layout.fc, layout.enorm, layout.hnorm, layout.norm, layout.head}
+    names = [n for n in reader.names
+             if (n in own or (n.startswith(layout.layer)
+                              and not n.endswith("embed_tokens.weight")))
              and (torch.device(device).type == "cuda" or ".experts." not in n)]
     weights = sum(math.prod(reader.shape(n)) for n in names) * dtype.itemsize
     mc = mtp_config(c)
@@ -126,18 +162,29 @@ class CheckpointMtp(DraftSource):
     def __init__(self, runner: Any):
         self.runner = runner  # services.engine.runner.ModelRunner of the main model
         main, c = runner.model, runner.config
-        reader = mtp_view(open_checkpoint(runner.model_dir, weight_names(c)))
+        stored = open_checkpoint(runner.model_dir, weight_names(c))
+        layout = mtp_layout(c, stored)
+        if layout is None:
+            raise ValueError(f"{runner.model_name} has no multi-token-prediction layer")
+        self.layout = layout
+        reader = mtp_view(stored, layout)
         self.config = mc = mtp_config(c)
         be = runner.backend
-        t = Tensors(reader, runner.weight_dtype, be.device,
-                    be.activation_dtype(runner.weight_dtype), be.block_matrices,
-                    be.fp8_matrices)
+
+        def tensors(r: Any) -> Tensors:
+            return Tensors(r, runner.weight_dtype, be.device,
+                           be.activation_dtype(runner.weight_dtype), be.block_matrices,
+                           be.fp8_matrices)
+
+        t, own = tensors(reader), tensors(stored)
         layer = family(c.model_type).build_layer(t, mc, 0)
-        self.fc = t.linear("mtp.fc.weight")  # [S, 2D, D/S]
-        self.norm_embed = t.get("mtp.pre_fc_norm_embedding.weight") + 1  # (1 + w)
-        self.norm_hidden = t.get("mtp.pre_fc_norm_hidden.weight") + 1
-        self.decoder = Decoder(mc, main.embed, [layer], t.get("model.norm.weight") + 1,
-                               main.lm_head, main.rope, be, runner.weight_dtype)
+        offset = 1 if c.norm_offset else 0  # (1 + w) norms
+        self.fc = own.linear(layout.fc)  # [S, 2D, D/S]
+        self.norm_embed = own.get(layout.enorm) + offset
+        self.norm_hidden = own.get(layout.hnorm) + offset
+        head = main.lm_head if layout.head is None else own.linear(layout.head)
+        self.decoder = Decoder(mc, main.embed, [layer], own.get(layout.norm) + offset, head,
+                               main.rope, be, runner.weight_dtype)
         self.cache = self._expert_cache(reader)
         blocks = KV_WINDOWS * -(-c.context_window // 16)
         self.kv = PagedKVCache.for_model(mc, blocks, 16, main.dtype, be.device)
@@ -174,7 +221,7 @@ class CheckpointMtp(DraftSource):
 
     def describe(self) -> str:
         c = self.config
-        return (f"the checkpoint's MTP layer ({self.runner.model_name}: gated attention, "
+        return (f"the checkpoint's MTP layer ({self.runner.model_name}: {self.layout.layer}*, "
                 f"{c.num_experts} experts top-{c.experts_per_token}, "
                 f"{self.memory_bytes / 2**20:.0f} MiB)")
 
@@ -272,11 +319,13 @@ class CheckpointMtp(DraftSource):
 
     def _forward(self, ids: list[int], positions: list[int], spans: list[Span],
                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the MTP layer over every span -> each span's last row: its output
-        g [B, D] (after the layer's norm) and fp32 logits [B, V]."""
+        """One forward of the MTP layer over every span -> each span's last row: what a
+        later round reads as its h, g [B, D], and fp32 logits [B, V]."""
         d, be = self.decoder, self.decoder.backend
         device = d.device
         e = d.embed_rows(torch.tensor(ids, dtype=torch.long, device=device))  # [T, D]
+        if self.layout.zero_first:
+            e[torch.tensor(positions, device=device) == 0] = 0
         eps = self.config.rms_norm_eps
         x = be.linear(torch.cat([be.rms_norm(e, self.norm_embed, eps),
                                  be.rms_norm(hidden.to(d.dtype), self.norm_hidden, eps)], dim=-1),
@@ -290,5 +339,7 @@ class CheckpointMtp(DraftSource):
                            self.cache, last, inputs=x)  # [B, V]
         logits[:, self.runner.num_usable_tokens:] = float("-inf")
         assert d.last_hidden is not None
-        g = be.rms_norm(d.last_hidden[last.to(device)], d.final_norm, eps)  # [B, D]
+        g = d.last_hidden[last.to(device)]  # [B, D]
+        if self.layout.feed_normed:
+            g = be.rms_norm(g, d.final_norm, eps)
         return g, logits

@@ -139,8 +139,9 @@ SETTINGS = (
             "forward as its decode token (0: off)"),
     Setting("spec_method", "STRATA_SPEC_METHOD", choice(SPEC_METHODS), "ngram",
             "where drafts come from: ngram (prompt lookup in the prompt and output so far), "
-            "mtp (the checkpoint's multi-token-prediction layer: Qwen3-Next's / Qwen3.5's own, "
-            "else a head from strata model train-mtp), draft (a separate small model)"),
+            "mtp (the checkpoint's own multi-token-prediction layer: Qwen3-Next/3.5, "
+            "DeepSeek-V3, Kimi-K2, GLM-4.5; else a head from strata model train-mtp), draft (a "
+            "separate small model)"),
     Setting("spec_draft_model", "STRATA_SPEC_DRAFT_MODEL", optional_str, None,
             "--spec-method draft: checkpoint directory of the draft model (same tokenizer); "
             "its weights and KV are reserved before the expert cache is sized"),

@@ -4,8 +4,9 @@ GQA with q/k/v biases (`attention_bias`; o has none) and optional per-head q/k n
 (`use_qk_norm`), RoPE on the first partial_rotary_factor (0.5) of each head, DeepSeek-V3's
 routing (sigmoid scores, a correction bias for the choice only, the best topk_group of n_group
 groups, weights renormalized and times routed_scaling_factor), ungated shared experts, the
-first `first_k_dense_replace` layers dense. The checkpoint's multi-token-prediction layers
-(`num_nextn_predict_layers`, stored as the layers after the last) are not loaded.
+first `first_k_dense_replace` layers dense. The checkpoint's multi-token-prediction layer
+(`num_nextn_predict_layers`, stored as the layer after the last) is not part of the model: with
+`--spec-method mtp` it is the draft source (spec/checkpoint_mtp.py).
 """
 
 from services.engine.model.config import WeightNames, req

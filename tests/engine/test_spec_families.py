@@ -1,7 +1,9 @@
-"""Speculative decoding on Qwen3-Next's hybrid layers: the Gated DeltaNet's recurrent state per
-sequence is rewound to the accepted prefix after every verification step, so greedy output is
-the same as plain decoding's whatever the drafts (tiny random checkpoints written by
-transformers' own Qwen3Next classes)."""
+"""Speculative decoding in the families that need more than the engine's generic path:
+Qwen3-Next's Gated DeltaNet state per sequence is rewound to the accepted prefix after every
+verification step (greedy output is plain decoding's whatever the drafts), and `--spec-method
+mtp` drafts from the checkpoint's own MTP layer (Qwen3-Next's `mtp.*`, DeepSeek-V3's and
+GLM-4.5's layer num_hidden_layers), checked against references built from transformers' own
+parts of each family on tiny random checkpoints."""
 
 from __future__ import annotations
 

@@ -139,6 +139,38 @@ def test_qwen3_next_plans_its_attention_layers_kv_and_its_linear_state(tmp_path,
     assert "75.4 MiB of recurrent state per running sequence" in capsys.readouterr().out
 
 
+QWEN3_5_397B_CONFIG = {  # Qwen/Qwen3.5-397B-A17B: the multimodal config, its text model nested
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False, "text_config": {
+        "model_type": "qwen3_5_moe_text", "attention_bias": False, "attn_output_gate": True,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+        "hidden_size": 4096, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144, "moe_intermediate_size": 1024,
+        "mtp_num_hidden_layers": 1, "num_attention_heads": 32, "num_experts": 512,
+        "num_experts_per_tok": 10, "num_hidden_layers": 60, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+        "shared_expert_intermediate_size": 1024, "vocab_size": 248320},
+    "vision_config": {"model_type": "qwen3_5_moe", "depth": 27, "hidden_size": 1152}}
+
+
+def test_qwen3_5_397b_plans_from_its_nested_text_config(tmp_path, capsys):
+    """Qwen3.5-397B-A17B, the largest Qwen3.5: 60 x 512 = 30,720 pairs, KV only in its 15
+    full-attention layers, 45 DeltaNet layers of state per running sequence (64 value heads);
+    the vision tower is not planned."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_5_397B_CONFIG))
+    assert plan_main(["--config", str(path), "--json", "--kv-tokens", "4096"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pairs"] == 60 * 512
+    assert out["kv_bytes"] == 4096 * 15 * 2 * 2 * 256 * 2
+    assert out["state_bytes_per_sequence"] == 45 * 4 * (3 * (2 * 16 * 128 + 64 * 128)
+                                                        + 64 * 128 * 128)
+    assert {r["format"]: r for r in out["formats"]}["bf16"]["pair_bytes"] == 3 * 4096 * 1024 * 2
+
+
 def test_a_bad_config_is_a_clear_error(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "rope_scaling": {"type": "longrope"}}))

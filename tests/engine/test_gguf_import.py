@@ -37,7 +37,10 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
+ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
+        "glm4_moe": "glm4moe"}
+# families whose names come from gguf-py's tensor map (the table convert_hf_to_gguf maps by)
+CONVERTER_MAP = {"glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -74,6 +77,12 @@ def source_loaders(ckpt: Path) -> dict[str, tuple[tuple[int, ...], Callable[[], 
         if base in TOP:
             out[f"{TOP[base]}.{kind}"] = (shape, lambda n=name: reader.get(n).numpy())
             continue
+        if config.model_type in CONVERTER_MAP:  # the converter's rename, then its table
+            table = gguf.get_tensor_name_map(CONVERTER_MAP[config.model_type], config.num_layers)
+            hf = name.replace("e_score_correction_bias", "e_score_correction.bias")
+            out[table.get_name(hf, try_suffixes=(".weight", ".bias"))] = (
+                shape, lambda n=name: reader.get(n).numpy())
+            continue
         layer, rest = base.removeprefix("model.layers.").split(".", 1)
 
         def load(n: str = name, rest: str = rest) -> np.ndarray:
@@ -105,12 +114,16 @@ def source_tensors(ckpt: Path) -> dict[str, np.ndarray]:
     return {name: load() for name, (_, load) in source_loaders(ckpt).items()}
 
 
-def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy, Q]]) -> Path:
+def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy, Q]],
+               nextn: int = 0) -> Path:
     """tensors: GGUF name -> (array, its type); quantized arrays are raw uint8 blocks. A Lazy
-    array is read when its turn to be written comes (one tensor in memory at a time)."""
+    array is read when its turn to be written comes (one tensor in memory at a time). `nextn`:
+    MTP layers among the tensors, after the model's (GLM: counted in block_count)."""
     c = load_model_config(ckpt)
     w = gguf.GGUFWriter(str(out), ARCH[c.model_type])
-    w.add_block_count(c.num_layers)
+    w.add_block_count(c.num_layers + nextn)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_context_length(c.context_window)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -128,6 +141,12 @@ def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if c.clip_qkv is not None:
         w.add_clamp_kqv(c.clip_qkv)
+    if c.model_type == "glm4_moe":  # as convert_hf_to_gguf's Glm4MoeModel writes them
+        w.add_rope_dimension_count(int(c.head_dim * c.partial_rotary_factor))
+        w.add_expert_shared_count(c.shared_expert_intermediate_size // c.moe_intermediate_size)
+        w.add_leading_dense_block_count(len(c.mlp_only_layers))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
     tok = HFTokenizer.from_file(str(ckpt / "tokenizer.json"))
     tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
     w.add_tokenizer_model("gpt2")
@@ -355,6 +374,11 @@ def test_unsupported_architecture_and_tokenizer_are_refused(tmp_path):
     ("mixtral", {}),  # llama arch: q/k rows permuted by the converter, undone by the reader
     ("olmoe", dict(clip_qkv=0.5)),  # q/k norm over the whole projection, clamp_kqv
     ("qwen2_moe", {}),  # q/k/v bias, shared expert, its gate stored as [D]
+    # partial RoPE (rope.dimension_count), q/k/v biases, sigmoid routing with exp_probs_b,
+    # scaled, an ungated shared expert, a leading dense layer; groups are not in the file
+    # (llama.cpp's glm4moe has none), so one group; then per-head q/k norms
+    ("glm4_moe", dict(n_group=1, topk_group=1)),
+    ("glm4_moe", dict(n_group=1, topk_group=1, use_qk_norm=True, num_experts_per_tok=3)),
 ])
 def test_family_gguf_matches_transformers(family, overrides, tmp_path):
     from tests.engine.test_model_families import make_family_checkpoint
@@ -365,6 +389,27 @@ def test_family_gguf_matches_transformers(family, overrides, tmp_path):
                       {n: (a, Q.F32) for n, a in source_tensors(ckpt).items()})
     assert load_model_config(path) == load_model_config(ckpt)
     assert_matches_reference(path, ref, steps=6)
+
+
+def test_glm4_moe_gguf_with_its_mtp_layer_loads_the_model_s_layers(tmp_path):
+    """A GLM-4.5 GGUF as the converter writes it with the MTP layer kept: block_count counts
+    it, nextn_predict_layers says so; the engine loads the model's layers (its logits are
+    transformers') and not the extra block."""
+    from tests.engine.test_model_families import make_family_checkpoint
+    from tests.engine.test_model_reference import assert_matches_reference
+
+    ckpt, ref = make_family_checkpoint(tmp_path / "glm", "glm4_moe", seed=4, n_group=1,
+                                       topk_group=1)
+    tensors = {n: (a, Q.F32) for n, a in source_tensors(ckpt).items()}
+    last = load_model_config(ckpt).num_layers - 1
+    D = ref.config.hidden_size
+    mtp = {n.replace(f"blk.{last}.", f"blk.{last + 1}."): (a * 3, q)
+           for n, (a, q) in tensors.items() if n.startswith(f"blk.{last}.")}
+    mtp[f"blk.{last + 1}.nextn.eh_proj.weight"] = (np.ones((D, 2 * D), np.float32), Q.F32)
+    mtp[f"blk.{last + 1}.nextn.enorm.weight"] = (np.ones(D, np.float32), Q.F32)
+    path = write_gguf(ckpt, tmp_path / "glm.gguf", {**tensors, **mtp}, nextn=1)
+    assert load_model_config(path) == load_model_config(ckpt)
+    assert_matches_reference(path, ref, steps=4)
 
 
 def test_a_gguf_checkpoint_constrains_output_as_its_source_does(source, tmp_path):

@@ -8,9 +8,10 @@
 
 So the one loader (load_qwen3_moe, HostStore) runs GGUF files unchanged: quantized experts
 arrive as fp32 and `--expert-dtype int8|int4` requantizes them as it does any checkpoint.
-Supported: qwen3moe, qwen2moe, olmoe, gpt-oss and llama with experts (Mixtral). llama.cpp's converter
-permutes llama's q/k rows for its interleaved RoPE; `_unpermute` undoes that. DeepSeek's GGUF
-attention tensors (split kv_b) are not mapped.
+Supported: qwen3moe, qwen2moe, olmoe, gpt-oss, glm4moe and llama with experts (Mixtral).
+llama.cpp's converter permutes llama's q/k rows for its interleaved RoPE; `_unpermute` undoes
+that. A glm4moe file counts its MTP layer in block_count (`nextn_predict_layers` of them at the
+end, not loaded). DeepSeek's GGUF attention tensors (split kv_b) are not mapped.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ except ImportError as e:  # a declared dependency, but say what to do if it is m
 
 # general.architecture -> model_type; llama is accepted only with experts (Mixtral)
 ARCH_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
-                   "llama": "mixtral", "gpt-oss": "gpt_oss"}
+                   "llama": "mixtral", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
 # top-k renormalization where the file does not say ({arch}.expert_weights_norm): what
 # llama.cpp's graph does for the architecture
 DEFAULT_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True,
-                     "gpt-oss": True}
+                     "gpt-oss": True, "glm4moe": True}
 
 LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's MoE block
     "attn_norm.weight": "input_layernorm.weight",
@@ -61,6 +62,7 @@ LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's Mo
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "{moe}.{router}.weight",
     "ffn_gate_inp.bias": "{moe}.{router}.bias",
+    "exp_probs_b.bias": "{moe}.{router_bias}",  # the choice's correction bias (glm4moe)
     "ffn_gate.weight": "mlp.gate_proj.weight",  # dense layers
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -122,7 +124,8 @@ class GGUFCheckpoint:
             parts = name.split(".", 2)
             if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
                 target = LAYER_NAMES[parts[2]].format(moe=n.moe, shared=n.shared,
-                                                      shared_gate=n.shared_gate, router=n.router)
+                                                      shared_gate=n.shared_gate, router=n.router,
+                                                      router_bias=n.router_bias)
                 hf[f"model.layers.{parts[1]}.{target}"] = name
         return hf
 
@@ -270,7 +273,7 @@ class GGUFCheckpoint:
             if len(set(kv_heads)) != 1:
                 raise CheckpointError("per-layer KV head counts are not supported")
             kv_heads = kv_heads[0]
-        layers = int(a("block_count"))
+        layers = int(a("block_count")) - int(a("nextn_predict_layers", 0) or 0)  # MTP after
         hidden = int(a("embedding_length"))
         moe_layers = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in self._tensors]
         first_moe = moe_layers[0] if moe_layers else 0
@@ -315,6 +318,20 @@ class GGUFCheckpoint:
                 raw["rope_scaling"]["truncate"] = False
             raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                   for i in range(layers)]
+        rope_dims = a("rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != raw["head_dim"]:  # partial RoPE (GLM)
+            raw["partial_rotary_factor"] = int(rope_dims) / raw["head_dim"]
+        if self.arch == "glm4moe":  # DeepSeek-V3's routing: sigmoid, bias, scale, groups
+            raw.update(
+                first_k_dense_replace=int(a("leading_dense_block_count", 0) or 0),
+                n_shared_experts=int(a("expert_shared_count", 0) or 0),
+                routed_scaling_factor=_f32(a("expert_weights_scale", 1.0)),
+                n_group=int(a("expert_group_count", 1) or 1),
+                topk_group=int(a("expert_group_used_count", 1) or 1),
+                use_qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
+            if int(a("expert_gating_func", 2)) != 2:
+                raise CheckpointError(f"{self.path.name}: glm4moe with expert_gating_func "
+                                      f"{a('expert_gating_func')} (Strata reads sigmoid, 2)")
         if f"blk.{first_moe}.ffn_up_shexp.weight" in self._tensors:
             raw["shared_expert_intermediate_size"] = int(
                 reversed_shape(self._tensor(f"blk.{first_moe}.ffn_up_shexp.weight"))[0])

@@ -38,9 +38,10 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-        "glm4_moe": "glm4moe"}
+        "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 # families whose names come from gguf-py's tensor map (the table convert_hf_to_gguf maps by)
-CONVERTER_MAP = {"glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
+CONVERTER_MAP = {"glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
+                 "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -69,6 +70,8 @@ def source_loaders(ckpt: Path) -> dict[str, tuple[tuple[int, ...], Callable[[], 
     config = load_model_config(ckpt)
     reader = CheckpointReader(ckpt, weight_names(config))
     out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+    H, R = config.num_heads, config.kv_lora_rank  # MLA's kv_b_proj [H * (nope + v), R]
+    nope, v = config.head_dim - config.qk_rope_head_dim, config.v_head_dim
     for name in reader.names:
         if ".experts." in name or name.endswith(("gate_up_proj", "experts.down_proj")):
             continue
@@ -80,6 +83,16 @@ def source_loaders(ckpt: Path) -> dict[str, tuple[tuple[int, ...], Callable[[], 
         if config.model_type in CONVERTER_MAP:  # the converter's rename, then its table
             table = gguf.get_tensor_name_map(CONVERTER_MAP[config.model_type], config.num_layers)
             hf = name.replace("e_score_correction_bias", "e_score_correction.bias")
+            if hf.endswith("kv_b_proj.weight"):  # split per head, k_b transposed (MLA)
+                def part(n: str = name, k: bool = True) -> np.ndarray:
+                    kv_b = reader.get(n).numpy().reshape(H, nope + v, R)
+                    return (kv_b[:, :nope].transpose(0, 2, 1) if k else kv_b[:, nope:]).copy()
+
+                for key, k, dims in (("k_b_proj", True, (H, R, nope)),
+                                     ("v_b_proj", False, (H, v, R))):
+                    out[table.get_name(hf.replace("kv_b_proj", key), try_suffixes=(".weight",))] = (
+                        dims, lambda n=name, k=k: part(n, k))
+                continue
             out[table.get_name(hf, try_suffixes=(".weight", ".bias"))] = (
                 shape, lambda n=name: reader.get(n).numpy())
             continue
@@ -128,15 +141,24 @@ def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    mla = c.kv_lora_rank > 0  # deepseek2: MLA written as MQA over the latent
+    w.add_head_count_kv(1 if mla else c.num_kv_heads)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim if mla else c.head_dim)
+    w.add_value_length(c.kv_lora_rank if mla else c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
+    if (y := c.rope_scaling) is not None:  # TextModel's keys; deepseek2: its log multiplier
+        assert y.rope_type == "yarn"
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(y.factor)
+        w.add_rope_scaling_orig_ctx_len(y.original_max_position_embeddings)
+        if c.kv_lora_rank and y.mscale_all_dim is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * y.mscale_all_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.experts_per_token)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_weights_norm(c.norm_topk_prob)
+    if c.norm_topk_prob or not mla:  # deepseek2's converter writes it only when true
+        w.add_expert_weights_norm(c.norm_topk_prob)
     if c.shared_expert_intermediate_size:
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if c.clip_qkv is not None:
@@ -147,6 +169,20 @@ def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy
         w.add_leading_dense_block_count(len(c.mlp_only_layers))
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(c.routed_scaling_factor)
+    if mla:  # as convert_hf_to_gguf's DeepseekV2Model (and its TextModel base) write them
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_key_length_mla(c.head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        w.add_leading_dense_block_count(len(c.mlp_only_layers))
+        w.add_expert_shared_count(c.shared_expert_intermediate_size // c.moe_intermediate_size)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_group_count(c.num_groups)
+        w.add_expert_group_used_count(c.topk_groups)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if c.router_scoring ==
+                                 "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
     tok = HFTokenizer.from_file(str(ckpt / "tokenizer.json"))
     tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
     w.add_tokenizer_model("gpt2")
@@ -379,6 +415,14 @@ def test_unsupported_architecture_and_tokenizer_are_refused(tmp_path):
     # (llama.cpp's glm4moe has none), so one group; then per-head q/k norms
     ("glm4_moe", dict(n_group=1, topk_group=1)),
     ("glm4_moe", dict(n_group=1, topk_group=1, use_qk_norm=True, num_experts_per_tok=3)),
+    # MLA with kv_b_proj split per head into attn_k_b / attn_v_b, interleaved RoPE on the rope
+    # part, softmax routing in groups (V2); sigmoid + bias (V3), a low-rank q
+    ("deepseek_v2", {}),
+    ("deepseek_v3", dict(q_lora_rank=24)),
+    # YaRN as every published DeepSeek config sets it: mscale from the log multiplier
+    ("deepseek_v2", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+        beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
 ])
 def test_family_gguf_matches_transformers(family, overrides, tmp_path):
     from tests.engine.test_model_families import make_family_checkpoint

@@ -8,16 +8,18 @@
 
 So the one loader (load_qwen3_moe, HostStore) runs GGUF files unchanged: quantized experts
 arrive as fp32 and `--expert-dtype int8|int4` requantizes them as it does any checkpoint.
-Supported: qwen3moe, qwen2moe, olmoe, gpt-oss, glm4moe and llama with experts (Mixtral).
-llama.cpp's converter permutes llama's q/k rows for its interleaved RoPE; `_unpermute` undoes
-that. A glm4moe file counts its MTP layer in block_count (`nextn_predict_layers` of them at the
-end, not loaded). DeepSeek's GGUF attention tensors (split kv_b) are not mapped.
+Supported: qwen3moe, qwen2moe, olmoe, gpt-oss, glm4moe, deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2)
+and llama with experts (Mixtral). llama.cpp's converter permutes llama's q/k rows for its
+interleaved RoPE; `_unpermute` undoes that. A glm4moe file counts its MTP layer in block_count
+(`nextn_predict_layers` of them at the end, not loaded). deepseek2's converter splits MLA's
+kv_b_proj per head into attn_k_b (transposed) and attn_v_b: read back as the one kv_b_proj.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -37,13 +39,16 @@ except ImportError as e:  # a declared dependency, but say what to do if it is m
     raise CheckpointError("reading GGUF files needs the `gguf` package: "
                           "pip install 'gguf>=0.16'") from e
 
+log = logging.getLogger("strata.engine")
+
 # general.architecture -> model_type; llama is accepted only with experts (Mixtral)
 ARCH_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
-                   "llama": "mixtral", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+                   "llama": "mixtral", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe",
+                   "deepseek2": "deepseek_v2"}  # deepseek2 with sigmoid gating: deepseek_v3
 # top-k renormalization where the file does not say ({arch}.expert_weights_norm): what
 # llama.cpp's graph does for the architecture
 DEFAULT_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True,
-                     "gpt-oss": True, "glm4moe": True}
+                     "gpt-oss": True, "glm4moe": True, "deepseek2": False}
 
 LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's MoE block
     "attn_norm.weight": "input_layernorm.weight",
@@ -59,6 +64,12 @@ LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's Mo
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",  # deepseek2's latent attention
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # older files; newer split it (below)
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "{moe}.{router}.weight",
     "ffn_gate_inp.bias": "{moe}.{router}.bias",
@@ -127,6 +138,8 @@ class GGUFCheckpoint:
                                                       shared_gate=n.shared_gate, router=n.router,
                                                       router_bias=n.router_bias)
                 hf[f"model.layers.{parts[1]}.{target}"] = name
+            elif parts[0] == "blk" and len(parts) == 3 and parts[2] == "attn_k_b.weight":
+                hf[f"model.layers.{parts[1]}.self_attn.kv_b_proj.weight"] = name  # + attn_v_b
         return hf
 
     @property
@@ -146,11 +159,18 @@ class GGUFCheckpoint:
         return self._tensors[gguf_name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensor(self._gguf_name(name)).shape))
+        g = self._gguf_name(name)
+        if g.endswith(".attn_k_b.weight"):  # [H, R, Dn] and [H, Dv, R] -> [H * (Dn + Dv), R]
+            H, R, nope = reversed_shape(self._tensor(g))
+            v = reversed_shape(self._tensor(g.replace("attn_k_b", "attn_v_b")))[1]
+            return (H * (nope + v), R)
+        return tuple(int(d) for d in reversed(self._tensor(g).shape))
 
     def stored_dtype(self, name: str) -> str:
-        """The tensor's GGUF type name (F32, BF16, Q8_0, ...)."""
-        return self._tensor(self._gguf_name(name)).tensor_type.name
+        """The tensor's GGUF type name (F32, BF16, Q8_0, ...); F32 for one assembled from two
+        (deepseek2's kv_b_proj), which is read as floats."""
+        g = self._gguf_name(name)
+        return "F32" if g.endswith(".attn_k_b.weight") else self._tensor(g).tensor_type.name
 
     def _gguf_name(self, name: str) -> str:
         if name not in self._hf:
@@ -160,6 +180,10 @@ class GGUFCheckpoint:
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = self._gguf_name(name)
         w = self._dequant(self._tensor(g).data, self._tensor(g).tensor_type)
+        if g.endswith(".attn_k_b.weight"):  # per head: k_b [R, Dn] transposed, then v_b
+            v_b = self._tensor(g.replace("attn_k_b", "attn_v_b"))
+            w = torch.cat([w.transpose(1, 2), self._dequant(v_b.data, v_b.tensor_type)], dim=1)
+            w = w.reshape(-1, w.shape[-1])  # [H * (Dn + Dv), R]
         if self.arch == "llama" and g.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = self.arch_field("attention.head_count")
             if g.endswith(".attn_k.weight"):
@@ -319,7 +343,9 @@ class GGUFCheckpoint:
             raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                   for i in range(layers)]
         rope_dims = a("rope.dimension_count")
-        if rope_dims is not None and int(rope_dims) != raw["head_dim"]:  # partial RoPE (GLM)
+        if self.arch == "deepseek2":
+            self._deepseek2(raw, num_experts)
+        elif rope_dims is not None and int(rope_dims) != raw["head_dim"]:  # partial RoPE (GLM)
             raw["partial_rotary_factor"] = int(rope_dims) / raw["head_dim"]
         if self.arch == "glm4moe":  # DeepSeek-V3's routing: sigmoid, bias, scale, groups
             raw.update(
@@ -335,9 +361,34 @@ class GGUFCheckpoint:
         if f"blk.{first_moe}.ffn_up_shexp.weight" in self._tensors:
             raw["shared_expert_intermediate_size"] = int(
                 reversed_shape(self._tensor(f"blk.{first_moe}.ffn_up_shexp.weight"))[0])
-        if a("attention.value_length", raw["head_dim"]) != raw["head_dim"]:
+        if (self.arch != "deepseek2"
+                and a("attention.value_length", raw["head_dim"]) != raw["head_dim"]):
             raise CheckpointError("GGUF value_length != key_length is not supported")
         return raw
+
+    def _deepseek2(self, raw: dict[str, Any], num_experts: int) -> None:
+        """deepseek2's keys as DeepSeek's config.json fields: MLA's ranks and head dims (the
+        file's key/value_length are the latent's, *_mla the heads'), grouped routing (sigmoid
+        gating: V3), YaRN's mscale from yarn_log_multiplier (0.1 mscale_all_dim; DeepSeek's
+        configs set mscale equal to it)."""
+        a = self.arch_field
+        rope = int(a("rope.dimension_count"))
+        groups = int(a("expert_group_count", 1) or 1)
+        raw.update(
+            model_type="deepseek_v3" if int(a("expert_gating_func", 1)) == 2 else "deepseek_v2",
+            n_routed_experts=num_experts, kv_lora_rank=int(a("attention.kv_lora_rank")),
+            q_lora_rank=int(a("attention.q_lora_rank", 0) or 0) or None,
+            qk_rope_head_dim=rope, qk_nope_head_dim=int(a("attention.key_length_mla")) - rope,
+            v_head_dim=int(a("attention.value_length_mla")),
+            first_k_dense_replace=int(a("leading_dense_block_count", 0) or 0),
+            n_shared_experts=int(a("expert_shared_count", 0) or 0),
+            routed_scaling_factor=_f32(a("expert_weights_scale", 1.0)),
+            n_group=groups, topk_group=int(a("expert_group_used_count", 1) or 1),
+            topk_method="group_limited_greedy" if groups > 1 else "greedy")
+        log_mul = a("rope.scaling.yarn_log_multiplier")
+        if "rope_scaling" in raw and log_mul:
+            mscale = float(f"{log_mul / 0.1:.6g}")  # a float32's digits (0.707, not 0.70699996)
+            raw["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
 
 
 def _f32(value: float) -> float:
@@ -378,7 +429,14 @@ def gguf_tokenizer(path: Path) -> dict[str, Any]:
     types: list[int] = ck.field("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in ck.field("tokenizer.ggml.merges") or []]
     tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    regex = PRE_TOKENIZER_REGEX.get(ck.field("tokenizer.ggml.pre", ""))
+    pre = ck.field("tokenizer.ggml.pre", "")
+    regex = PRE_TOKENIZER_REGEX.get(pre)
+    if regex is None and pre not in ("", "default", "gpt-2"):
+        log.warning("GGUF %s: pre-tokenizer %r is split with GPT-2's pattern here (Strata "
+                    "reproduces %s only): token ids of some texts (digit runs, CJK, "
+                    "punctuation) may differ from llama.cpp's; serve the model's Hugging Face "
+                    "directory (tokenizer.json) where that matters", path.name, pre,
+                    ", ".join(["gpt-2", *PRE_TOKENIZER_REGEX]))
     if regex is None:  # GPT-2's own split
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:

@@ -38,10 +38,11 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-        "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+        "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+        "minimax_m2": "minimax-m2"}
 # families whose names come from gguf-py's tensor map (the table convert_hf_to_gguf maps by)
 CONVERTER_MAP = {"glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
-                 "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
+                 "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2}
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -169,6 +170,9 @@ def write_gguf(ckpt: Path, out: Path, tensors: dict[str, tuple[np.ndarray | Lazy
         w.add_leading_dense_block_count(len(c.mlp_only_layers))
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.model_type == "minimax_m2":  # as convert_hf_to_gguf's MiniMaxM2Model writes them
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(int(c.head_dim * c.partial_rotary_factor))
     if mla:  # as convert_hf_to_gguf's DeepseekV2Model (and its TextModel base) write them
         w.add_kv_lora_rank(c.kv_lora_rank)
         if c.q_lora_rank:
@@ -419,6 +423,8 @@ def test_unsupported_architecture_and_tokenizer_are_refused(tmp_path):
     # part, softmax routing in groups (V2); sigmoid + bias (V3), a low-rank q
     ("deepseek_v2", {}),
     ("deepseek_v3", dict(q_lora_rank=24)),
+    # q/k norms over the whole projections, RoPE on 8 of 16 dims, sigmoid top-3 + bias
+    ("minimax_m2", dict(num_experts_per_tok=3)),
     # YaRN as every published DeepSeek config sets it: mscale from the log multiplier
     ("deepseek_v2", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,

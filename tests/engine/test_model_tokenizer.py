@@ -63,3 +63,78 @@ def test_template_is_sandboxed_and_errors_are_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer(tmp_path).apply_chat_template([])
+
+
+# -- a tiktoken.model vocabulary (Kimi-K2 ships no tokenizer.json) ----------------------------
+KIMI_TEXTS = [
+    "The expert cache holds 1234567 pairs; don't you'll WE'VE HTTPServer.",
+    "def f(x):\n    return x + 1  # ünïcode\n\n\n\t  tabs and   runs",
+    "混合专家模型的缓存命中率 and 日本語のテキスト, 한국어 텍스트",
+    "emoji 🤖🚀 and punctuation!!! ... ??? \"quoted\" (parens) [brackets]",
+    "<|im_end|>special tokens<|im_user|> in text[EOS]",
+]
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    """Kimi-K2's tokenizer files over a small vocabulary: tiktoken.model ranked from the shipped
+    model's byte-level merges (the 256 bytes, then each merge's token in order) and a
+    tokenizer_config.json naming some of the 256 special ids after the ranks."""
+    import base64
+    from pathlib import Path
+
+    from services.engine.model.tokenizer import _byte_to_unicode
+
+    source = Path(__file__).parents[2] / "services/models/strata-stdlib-moe/tokenizer.json"
+    to_byte = {ch: b for b, ch in _byte_to_unicode().items()}
+    ranks = {bytes([b]): b for b in range(256)}
+    for a, b in json.loads(source.read_text())["model"]["merges"]:
+        ranks.setdefault(bytes(to_byte[c] for c in a + b), len(ranks))
+    path = tmp_path_factory.mktemp("kimi")
+    (path / "tiktoken.model").write_text("".join(
+        f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    n = len(ranks)
+    named = {n: "[BOS]", n + 1: "[EOS]", n + 3: "<|im_user|>", n + 4: "<|im_end|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {str(i): {"content": t, "special": True}
+                                 for i, t in named.items()}}))
+    return path, ranks, named
+
+
+def test_a_tiktoken_vocabulary_encodes_as_tiktoken_does(kimi_dir):
+    """Kimi's tiktoken.model read as byte-level BPE gives tiktoken's own ids (same ranks, same
+    split pattern, its specials) for English, code, CJK, emoji and special tokens; decoding
+    and token bytes round-trip; EOS is the named special."""
+    tiktoken = pytest.importorskip("tiktoken")
+    from services.engine.model.tiktoken_vocab import KIMI_PATTERN, RESERVED_SPECIAL
+
+    path, ranks, named = kimi_dir
+    tok = Tokenizer(path)
+    n = len(ranks)
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + RESERVED_SPECIAL)}
+    ref = tiktoken.Encoding("kimi-test", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                            special_tokens=specials)
+    assert tok.vocab_size == n + RESERVED_SPECIAL
+    for text in KIMI_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, allowed_special="all"), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        assert b"".join(tok.token_bytes(i) for i in ids if i < n) == b"".join(
+            ref.decode_single_token_bytes(i) for i in ids if i < n)
+    assert tok.eos_token_ids == {n + 1}
+    assert tok.token_to_id(f"<|reserved_token_{n + 2}|>") == n + 2  # unnamed: reserved
+
+
+def test_a_tiktoken_vocabulary_of_another_tokenizer_is_refused_by_name(kimi_dir, tmp_path):
+    import shutil
+
+    from services.engine.model.config import CheckpointError
+
+    path, _, _ = kimi_dir
+    shutil.copy(path / "tiktoken.model", tmp_path / "tiktoken.model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "SomeTikTokenizer"}))
+    with pytest.raises(CheckpointError, match="SomeTikTokenizer.*is not Kimi's"):
+        Tokenizer(tmp_path)

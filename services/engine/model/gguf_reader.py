@@ -8,8 +8,8 @@
 
 So the one loader (load_qwen3_moe, HostStore) runs GGUF files unchanged: quantized experts
 arrive as fp32 and `--expert-dtype int8|int4` requantizes them as it does any checkpoint.
-Supported: qwen3moe, qwen2moe, olmoe, gpt-oss, glm4moe, deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2)
-and llama with experts (Mixtral). llama.cpp's converter permutes llama's q/k rows for its
+Supported: qwen3moe, qwen2moe, olmoe, gpt-oss, glm4moe, deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2),
+minimax-m2 and llama with experts (Mixtral). llama.cpp's converter permutes llama's q/k rows for its
 interleaved RoPE; `_unpermute` undoes that. A glm4moe file counts its MTP layer in block_count
 (`nextn_predict_layers` of them at the end, not loaded). deepseek2's converter splits MLA's
 kv_b_proj per head into attn_k_b (transposed) and attn_v_b: read back as the one kv_b_proj.
@@ -44,11 +44,12 @@ log = logging.getLogger("strata.engine")
 # general.architecture -> model_type; llama is accepted only with experts (Mixtral)
 ARCH_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
                    "llama": "mixtral", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe",
-                   "deepseek2": "deepseek_v2"}  # deepseek2 with sigmoid gating: deepseek_v3
+                   "deepseek2": "deepseek_v2",  # deepseek2 with sigmoid gating: deepseek_v3
+                   "minimax-m2": "minimax_m2"}
 # top-k renormalization where the file does not say ({arch}.expert_weights_norm): what
 # llama.cpp's graph does for the architecture
 DEFAULT_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True,
-                     "gpt-oss": True, "glm4moe": True, "deepseek2": False}
+                     "gpt-oss": True, "glm4moe": True, "deepseek2": False, "minimax-m2": True}
 
 LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>; {moe} is the family's MoE block
     "attn_norm.weight": "input_layernorm.weight",
@@ -355,9 +356,9 @@ class GGUFCheckpoint:
                 n_group=int(a("expert_group_count", 1) or 1),
                 topk_group=int(a("expert_group_used_count", 1) or 1),
                 use_qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
-            if int(a("expert_gating_func", 2)) != 2:
-                raise CheckpointError(f"{self.path.name}: glm4moe with expert_gating_func "
-                                      f"{a('expert_gating_func')} (Strata reads sigmoid, 2)")
+        if self.arch in ("glm4moe", "minimax-m2") and int(a("expert_gating_func", 2)) != 2:
+            raise CheckpointError(f"{self.path.name}: {self.arch} with expert_gating_func "
+                                  f"{a('expert_gating_func')} (Strata reads sigmoid, 2)")
         if f"blk.{first_moe}.ffn_up_shexp.weight" in self._tensors:
             raw["shared_expert_intermediate_size"] = int(
                 reversed_shape(self._tensor(f"blk.{first_moe}.ffn_up_shexp.weight"))[0])

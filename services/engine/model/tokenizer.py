@@ -1,4 +1,5 @@
-"""Tokenizer: tokenizer.json via the `tokenizers` library, chat template via sandboxed jinja2.
+"""Tokenizer: tokenizer.json via the `tokenizers` library (or a tiktoken.model vocabulary,
+Kimi-K2's, converted to one: model/tiktoken_vocab.py), chat template via sandboxed jinja2.
 
 `encode` never inserts special tokens on its own (no surprise BOS); special tokens written in the
 text (e.g. `<|im_start|>`) map to their ids. The chat template comes from tokenizer_config.json's
@@ -31,16 +32,23 @@ class Tokenizer:
         if (gguf_path := find_gguf(model_dir)) is not None:
             self._init_gguf(gguf_path)
             return
+        from services.engine.model.tiktoken_vocab import TIKTOKEN_FILE, tiktoken_tokenizer
+
         path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{model_dir} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
         cfg = _read_json(model_dir / "tokenizer_config.json")
+        if path.is_file():
+            self._tok = HFTokenizer.from_file(str(path))
+            self._byte_level = "ByteLevel" in json.dumps(
+                json.loads(path.read_text()).get("decoder"))
+        elif (model_dir / TIKTOKEN_FILE).is_file():
+            self._tok = tiktoken_tokenizer(model_dir, cfg)
+            self._byte_level = True
+        else:
+            raise CheckpointError(f"{model_dir} has no tokenizer.json (nor {TIKTOKEN_FILE})")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.chat_template = _chat_template(model_dir, cfg)
         self.eos_token_ids = self._eos_ids(model_dir)
-        self._byte_level = "ByteLevel" in json.dumps(json.loads(path.read_text()).get("decoder"))
 
     def _init_gguf(self, path: Path) -> None:
         from services.engine.model.gguf_reader import gguf_tokenizer

@@ -30,6 +30,7 @@ import torch
 
 from services.common.counters import CacheCounters, PhaseCounters
 from services.common.settings import available_cores
+from services.common.tool_calls import ARGUMENTS_AS_OBJECT
 from services.engine import kernels
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
@@ -297,7 +298,8 @@ class Engine:
                 "tools": json.loads(request.tools.tools_json)}
             try:
                 text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                    [m.as_template_message() if isinstance(m, ChatTurn)
+                    [m.as_template_message(tokenizer.tool_call_format in ARGUMENTS_AS_OBJECT)
+                     if isinstance(m, ChatTurn)
                      else {"role": m[0], "content": m[1]} for m in request.messages],
                     add_generation_prompt=True, **extra)
             except ValueError as exc:  # the template rejected the conversation

@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.common.tool_calls import TOOL_CALL_MARKERS
+from services.common.tool_calls import (
+    ARG_KEY,
+    ARG_KEY_END,
+    ARG_VALUE,
+    ARG_VALUE_END,
+    TOOL_CALL_MARKERS,
+)
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 # Any JSON object: what OpenAI's response_format {"type": "json_object"} promises.
@@ -90,11 +96,13 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
     newline-separated, with parallel calls) in the template's syntax, each a JSON object whose
     "name" is one of the functions (the named one) and whose "arguments" follow that
     function's parameters schema."""
-    opening, closing = TOOL_CALL_MARKERS[fmt]
-    open_, close, between = f"{opening}\n", f"\n{closing}", "\n"
     functions = [t["function"] for t in json.loads(tools_json)]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice]
+    if fmt == "glm45":
+        return _key_value_calls(functions, parallel)
+    opening, closing = TOOL_CALL_MARKERS[fmt]
+    open_, close, between = f"{opening}\n", f"\n{closing}", "\n"
     calls = [{"type": "object", "properties": {
         "name": {"const": f["name"]},
         "arguments": f.get("parameters") or NO_PARAMETERS},
@@ -104,6 +112,38 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
             f"call: {json.dumps(open_)} body {json.dumps(close)}\n"
             f"body: %json {json.dumps(body)}\n")
     return OutputConstraint("lark", lark)
+
+
+def _key_value_calls(functions: list[dict], parallel: bool) -> OutputConstraint:
+    """glm45's calls: `<tool_call>NAME` then one `<arg_key>K</arg_key>\n<arg_value>V
+    </arg_value>` line per parameter, in the schema's order (the required ones always, the
+    others optionally); a string V is text without "<" (one of its enum where it has one,
+    within its minLength / maxLength), any other V the JSON its schema allows."""
+    opening, closing = TOOL_CALL_MARKERS["glm45"]
+    q = json.dumps  # a Lark string literal
+    names = " | ".join(f"f{i}" for i in range(len(functions)))
+    rules = ["start: call" + (" (" + q("\n") + " call)*" if parallel else ""),
+             f"call: {q(opening)} ({names}) {q(closing)}",
+             "TEXT: /[^<]*/"]
+    for i, f in enumerate(functions):
+        schema = f.get("parameters") or NO_PARAMETERS
+        required = set(schema.get("required") or ())
+        parts = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            prop = prop if isinstance(prop, dict) else {}
+            if prop.get("type") == "string" and prop.get("enum"):
+                value = " | ".join(q(str(v)) for v in prop["enum"])
+            elif prop.get("type") == "string":  # its length bounds, where it sets them
+                low, high = int(prop.get("minLength", 0)), prop.get("maxLength")
+                value = ("TEXT" if not low and high is None
+                         else f"/[^<]{{{low},{'' if high is None else int(high)}}}/")
+            else:
+                value = "%json " + q({"x-guidance": JSON_LAYOUT, **prop})
+            key_line = q(ARG_KEY + key + ARG_KEY_END + "\n" + ARG_VALUE)
+            rules.append(f"f{i}_{j}: {key_line} ({value}) {q(ARG_VALUE_END + chr(10))}")
+            parts.append(f"f{i}_{j}" if key in required else f"f{i}_{j}?")
+        rules.append(f"f{i}: {q(f['name'] + chr(10))} {' '.join(parts)}".rstrip())
+    return OutputConstraint("lark", "\n".join(rules) + "\n")
 
 
 class Grammars:

@@ -6,6 +6,7 @@ and from protobuf at its edge.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,11 +52,14 @@ class ChatTurn:
     tool_calls: tuple[tuple[str, str, str], ...] = ()  # (id, name, arguments JSON), assistant
     tool_call_id: str = ""  # role "tool"
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, arguments_as_object: bool = False) -> dict:
+        """The message a chat template takes; arguments_as_object: each call's arguments as
+        the object its JSON text holds (templates that iterate them: GLM's)."""
         message: dict = {"role": self.role, "content": self.content}
         if self.tool_calls:
             message["tool_calls"] = [
-                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                {"id": i, "type": "function", "function": {
+                    "name": n, "arguments": json.loads(a) if arguments_as_object else a}}
                 for i, n, a in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id

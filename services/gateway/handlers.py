@@ -115,7 +115,8 @@ class _Run:
 
     def __post_init__(self) -> None:
         if self.spec.tools is not None and self.started.tool_call_format:
-            self.parser = ToolCallParser(self.started.tool_call_format, self.spec.tools.names)
+            self.parser = ToolCallParser(self.started.tool_call_format, self.spec.tools.names,
+                                         self.spec.tools.parameters())
 
     def finish_reason(self, finished: Finished) -> str:
         """The engine's reason, or "tool_calls" where the answer ended with calls made."""

@@ -4,6 +4,9 @@ engine says which in Started.tool_call_format).
 
     hermes   <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
              (Qwen2.5/Qwen3, the default model; one block per call)
+    glm45    <tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n
+             </tool_call>  (GLM-4.5/4.6/4.7: a value is text where the function's parameters
+             say string, else JSON, falling back to text)
 
 `ToolCallParser.feed(text)` takes the output as it streams and gives back what can be said
 already: content (text outside the blocks; a possible start of a block is held back) and each
@@ -19,7 +22,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.tool_calls import TOOL_CALL_MARKERS
+from services.common.tool_calls import (
+    ARG_KEY,
+    ARG_KEY_END,
+    ARG_VALUE,
+    ARG_VALUE_END,
+    TOOL_CALL_MARKERS,
+)
 from services.gateway.errors import InvalidRequest
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -34,6 +43,11 @@ class Tools:
     names: tuple[str, ...]
     choice: str  # "auto", "required", or the one function's name
     parallel: bool
+
+    def parameters(self) -> dict[str, dict]:
+        """Each function's parameters schema ({} where it declares none)."""
+        return {t["function"]["name"]: t["function"].get("parameters") or {}
+                for t in json.loads(self.tools_json)}
 
 
 @dataclass(frozen=True)
@@ -139,12 +153,17 @@ class ToolCallParser:
     docstring). Content is trimmed as one string would be: leading whitespace dropped, trailing
     whitespace held until more content follows."""
 
-    def __init__(self, fmt: str, names: tuple[str, ...]) -> None:
+    def __init__(self, fmt: str, names: tuple[str, ...],
+                 parameters: dict[str, dict] | None = None) -> None:
+        """parameters: each function's parameters schema (glm45 reads a value as text where
+        it says string)."""
         if fmt not in TOOL_CALL_MARKERS:
             raise ValueError(f"tool-call format {fmt!r} is not one of "
                              f"{', '.join(TOOL_CALL_MARKERS)}")
         self.open, self.close = TOOL_CALL_MARKERS[fmt]
+        self.format = fmt
         self.names = set(names)
+        self.parameters = parameters or {}
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._in_call = False
@@ -188,6 +207,8 @@ class ToolCallParser:
         return self._trim(rest, last=True)
 
     def _call(self, body: str) -> ToolCall | None:
+        if self.format == "glm45":
+            return self._key_value_call(body)
         try:
             value = json.loads(body)
         except ValueError:
@@ -204,6 +225,26 @@ class ToolCallParser:
             arguments = json.dumps(arguments)
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], arguments)
 
+    def _key_value_call(self, body: str) -> ToolCall | None:
+        """glm45: the name up to the first line's end (or the first key), then key/value
+        pairs; anything else between them makes the block not a call."""
+        head, key, tail = body.partition(ARG_KEY)
+        name, rest = head.strip(), key + tail
+        if name not in self.names:
+            return None
+        properties = self.parameters.get(name, {}).get("properties") or {}
+        arguments: dict[str, Any] = {}
+        at = 0
+        for m in _KEY_VALUE.finditer(rest):
+            if rest[at:m.start()].strip():
+                return None
+            key, raw = m.group(1).strip(), m.group(2)
+            arguments[key] = _glm_value(raw, properties.get(key))
+            at = m.end()
+        if rest[at:].strip():
+            return None
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))
+
     def _trim(self, text: str, last: bool = False) -> str:
         if not self._said:
             text = text.lstrip()
@@ -217,6 +258,21 @@ class ToolCallParser:
         self._space = "" if last else text[len(body):]
         self._said = True
         return out
+
+
+_KEY_VALUE = re.compile(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) + r"\s*"
+                        + re.escape(ARG_VALUE) + r"(.*?)" + re.escape(ARG_VALUE_END), re.DOTALL)
+
+
+def _glm_value(raw: str, schema: Any) -> Any:
+    """A glm45 value: the text itself where the parameter is a string (GLM's template writes
+    strings as they are), else its JSON, else the text."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
 
 
 def _partial_suffix(text: str, marker: str) -> int:

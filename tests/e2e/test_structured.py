@@ -225,3 +225,54 @@ async def test_auto_parses_a_tool_call_shaped_answer_and_takes_the_results_back(
             model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
             temperature=0)
         assert plain.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def glm_cluster(tmp_path_factory):
+    """The default model behind GLM-4.5's tool-call template (<arg_key>/<arg_value> lines)."""
+    from tests.engine.conftest import glm45_model_dir
+
+    tmp = tmp_path_factory.mktemp("glm")
+    model = glm45_model_dir(tmp / "glm45")
+    c = start_cluster(tmp, "--model", str(model), "--max-inflight", "8", "--max-queue", "64")
+    yield c
+    assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+
+
+async def test_glm_s_tool_syntax_gives_valid_calls_whole_streamed_and_in_the_history(
+        glm_cluster):
+    """With GLM-4.5's template the calls are written and parsed in GLM's own syntax: required
+    and named choices are valid calls, streamed deltas add up to the same call, and a
+    conversation carrying the call and its result renders (the template iterates the
+    arguments as an object)."""
+    async with openai.AsyncOpenAI(base_url=glm_cluster.base_url, api_key="x",
+                                  max_retries=0) as client:
+        kwargs = dict(model="glm45", messages=ASK, tools=TOOLS, max_tokens=120,
+                      parallel_tool_calls=False)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            **kwargs, tool_choice=choice, temperature=1.0, seed=seed)
+            for seed in range(4) for choice in ("required", named)))
+        for reply in replies:
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            _valid_call(call)
+        assert {r.choices[0].message.tool_calls[0].function.name
+                for r in replies[1::2]} == {"get_weather"}
+        whole = (await client.chat.completions.create(**kwargs, tool_choice="required",
+                                                      temperature=0)).choices[0]
+        streamed = {"name": "", "arguments": ""}
+        async for chunk in await client.chat.completions.create(
+                **kwargs, tool_choice="required", temperature=0, stream=True):
+            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                streamed["name"] += delta_call.function.name or ""
+                streamed["arguments"] += delta_call.function.arguments or ""
+        (call,) = whole.message.tool_calls
+        assert (streamed["name"], json.loads(streamed["arguments"])) == (
+            call.function.name, json.loads(call.function.arguments))
+        follow_up = await client.chat.completions.create(
+            model="glm45", tools=TOOLS, max_tokens=8, temperature=0, messages=[
+                *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+        assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -4,6 +4,7 @@ by transformers (the reference) or by Strata's demo writer, all on the CPU."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,37 @@ def cpu():
     if kernels.find_compiler() is None:
         pytest.skip(NO_COMPILER)
     return kernels.CpuKernels(kernels.build())
+
+
+# GLM-4.5's tool rendering (its published chat template's tools section, calls and results;
+# the reasoning parts left out): calls as <tool_call>NAME + <arg_key>/<arg_value> lines, the
+# history's arguments iterated as an object
+GLM45_TEMPLATE = (
+    "[gMASK]<sop>{%- if tools -%}<|system|>\n# Tools\n\nYou may call one or more functions to "
+    "assist with the user query.\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>\n{% for tool in tools %}{{ tool | tojson("
+    "ensure_ascii=False) }}\n{% endfor %}</tools>\n\nFor each function call, output the function "
+    "name and arguments within the following XML format:\n<tool_call>{function-name}\n"
+    "<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n...\n</tool_call>"
+    "{%- endif -%}\n{%- for m in messages %}{%- if m.role == 'user' -%}<|user|>\n"
+    "{{ m.content }}{%- elif m.role == 'assistant' -%}\n<|assistant|>\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for tc in m.tool_calls %}{%- if tc.function %}"
+    "{%- set tc = tc.function %}{%- endif %}{{ '\\n<tool_call>' + tc.name }}\n"
+    "{% set _args = tc.arguments %}{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>\n"
+    "{% endfor %}</tool_call>{% endfor %}{% endif %}{%- elif m.role == 'tool' -%}"
+    "<|observation|>\n<tool_response>\n{{ m.content }}\n</tool_response>{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}")
+
+
+def glm45_model_dir(path: Path) -> Path:
+    """The shipped default model with GLM-4.5's tool-call template in place of its own."""
+    import shutil
+
+    from services.models import default_model_dir
+
+    shutil.copytree(default_model_dir(), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = GLM45_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

@@ -213,3 +213,63 @@ def test_speculative_drafts_are_cut_to_the_grammar_and_change_nothing(engine):
     for text, reason, _ in drafted:
         if reason == "stop":
             jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.fixture(scope="module")
+def glm_engine(tmp_path_factory):
+    from tests.engine.conftest import glm45_model_dir
+
+    runner = ModelRunner(glm45_model_dir(tmp_path_factory.mktemp("glm") / "glm45"),
+                         cache_slots=512, reserved_bytes=0)
+    eng = Engine(runner)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+GLM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "ping"}}]
+
+
+@pytest.mark.parametrize(("choice", "seed"), [("required", 1), ("required", 2),
+                                              ("get_weather", 3), ("ping", 4)])
+def test_glm45_tool_choice_gives_a_call_in_glm_s_own_syntax(glm_engine, choice, seed):
+    """A GLM-4.5 template: the required / named call is written as GLM writes calls
+    (<arg_key>/<arg_value> lines), parses, and its arguments validate; the history's calls
+    reach the template as objects (it iterates them)."""
+    from services.engine.requests import ChatTurn, ToolSpec
+    from services.gateway.tools import ToolCallParser
+
+    done, events = threading.Event(), []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, Finished):
+            done.set()
+    history = (ChatTurn("user", "weather in Oslo?"),
+               ChatTurn("assistant", "", (("c1", "get_weather",
+                                            json.dumps({"city": "Oslo", "days": 2})),)),
+               ChatTurn("tool", "sunny", tool_call_id="c1"), ChatTurn("user", "and Paris?"))
+    glm_engine.submit(EngineRequest("t", GenerateParams(max_tokens=120, sampling=SamplingConfig(
+        temperature=1.0, seed=seed)), messages=history,
+        tools=ToolSpec(json.dumps(GLM_TOOLS), choice, parallel=False)), sink)
+    text, reason, _ = result(done, events)
+    assert events[0].tool_call_format == "glm45" and reason == "stop", text
+    parser = ToolCallParser("glm45", ("get_weather", "ping"),
+                            {t["function"]["name"]: t["function"].get("parameters") or {}
+                             for t in GLM_TOOLS})
+    content, calls = parser.feed(text)
+    assert content == "" and parser.finish() == "" and len(calls) == 1, text
+    call = calls[0]
+    assert choice == "required" or call.name == choice
+    schema = {t["function"]["name"]: t["function"].get("parameters") for t in GLM_TOOLS}
+    arguments = json.loads(call.arguments)
+    if schema[call.name] is None:
+        assert arguments == {}
+    else:
+        jsonschema.validate(arguments, schema[call.name])

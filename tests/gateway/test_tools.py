@@ -118,3 +118,56 @@ def test_streamed_in_any_pieces_it_is_the_same_as_whole(before, after, cuts, two
     assert "".join(content) == expected_content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == expected_calls
     assert len({c.id for c in calls}) == len(calls)
+
+
+# -- GLM-4.5's syntax (glm45): <tool_call>NAME then <arg_key>/<arg_value> lines -------------------
+GLM_PARAMETERS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"},
+    "code": {"type": "string"}}}}
+GLM_CALL = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n"
+            '<arg_value>{"metric": true}</arg_value>\n<arg_key>code</arg_key>\n'
+            "<arg_value>42</arg_value>\n</tool_call>")
+
+
+def glm_whole(text: str) -> tuple[str, list]:
+    parser = ToolCallParser("glm45", ("get_weather", "add"), GLM_PARAMETERS)
+    content, _ = parser.feed(text)
+    return content + parser.finish(), [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+
+def test_glm45_calls_take_their_types_from_the_parameters():
+    """A string parameter keeps its text as written (GLM's template writes strings raw: "42"
+    stays a string), any other is JSON; no arguments is {}; a stray line, an unknown function
+    or an unclosed block stays content."""
+    want = {"city": "Paris", "days": 3, "opts": {"metric": True}, "code": "42"}
+    assert glm_whole(GLM_CALL) == ("", [("get_weather", want)])
+    assert glm_whole("Checking.\n" + GLM_CALL + "\n<tool_call>add\n</tool_call>") == (
+        "Checking.", [("get_weather", want), ("add", {})])
+    stray = GLM_CALL.replace("<arg_key>days", "oops\n<arg_key>days")
+    assert glm_whole(stray) == (stray, [])
+    unknown = GLM_CALL.replace("get_weather", "rm_rf")
+    assert glm_whole(unknown) == (unknown, [])
+    assert glm_whole("<tool_call>add\n<arg_key>a") == ("<tool_call>add\n<arg_key>a", [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 9), max_size=40))
+def test_glm45_streamed_in_any_pieces_is_the_same_as_whole(cuts):
+    text = "Sure. " + GLM_CALL + "\n" + GLM_CALL
+    parser = ToolCallParser("glm45", ("get_weather",), GLM_PARAMETERS)
+    calls, at = [], 0
+    for cut in [*cuts, len(text)]:
+        calls += parser.feed(text[at:at + cut])[1]
+        at += cut
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == glm_whole(text)[1]
+
+
+def test_the_template_says_which_syntax():
+    from services.common.tool_calls import template_tool_call_format
+    from tests.engine.conftest import GLM45_TEMPLATE
+
+    assert template_tool_call_format(GLM45_TEMPLATE) == "glm45"
+    assert template_tool_call_format('{{ "<tool_call>\\n" + call | tojson }}') == "hermes"
+    assert template_tool_call_format("{{ messages }}") == ""

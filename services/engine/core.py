@@ -30,7 +30,7 @@ import torch
 
 from services.common.counters import CacheCounters, PhaseCounters
 from services.common.settings import available_cores
-from services.common.tool_calls import ARGUMENTS_AS_OBJECT
+from services.common.tool_calls import ARGUMENTS_AS_OBJECT, CHANNELED
 from services.engine import kernels
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
@@ -92,7 +92,11 @@ class _Live:
         eos = () if params.ignore_eos else tuple(tokenizer.eos_token_ids)
         self.end_ids = frozenset((*eos, *params.stop_token_ids))  # ids that end the sequence
         self.sampler = Sampler(params.sampling, handle.prompt_ids, self.end_ids, guide)
-        self.text = TextStream(tokenizer, params.stop)
+        # A channeled chat answer (gpt-oss's harmony) keeps its special tokens: the gateway
+        # splits the answer, the reasoning and the calls by them
+        channeled = (handle.request.messages is not None
+                     and getattr(tokenizer, "tool_call_format", "") in CHANNELED)
+        self.text = TextStream(tokenizer, params.stop, skip_special=not channeled)
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
         self.generated = 0
@@ -249,8 +253,9 @@ class Engine:
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
                        arrived_at=handle.submitted_at, payload=live)
-        sink(Started(len(prompt_ids), self.context_window,
-                     self.runner.tokenizer.tool_call_format if request.tools else ""))
+        fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
+        sink(Started(len(prompt_ids), self.context_window, fmt if request.tools or (
+            request.messages is not None and fmt in CHANNELED) else ""))
         with self._wakeup:
             self._intake.append(seq)
             self._wakeup.notify()

@@ -10,8 +10,10 @@ class TextStream:
     and any tail that could be the start of a stop string.
     """
 
-    def __init__(self, tokenizer: object, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: object, stop: tuple[str, ...], skip_special: bool = True):
+        """skip_special: special tokens are not text (False: they are, as written)."""
         self._tokenizer = tokenizer
+        self._skip_special = skip_special
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
         self._text = ""
@@ -20,7 +22,8 @@ class TextStream:
     def push(self, token_id: int) -> tuple[str, bool]:
         """Returns (text now safe to send, whether a stop string ended the output)."""
         self._ids.append(token_id)
-        self._text = self._tokenizer.decode(self._ids)  # type: ignore[attr-defined]
+        self._text = self._tokenizer.decode(  # type: ignore[attr-defined]
+            self._ids, skip_special_tokens=self._skip_special)
         for stop in self._stop:
             found = self._text.find(stop, max(0, self._emitted - len(stop) + 1))
             if found != -1:

@@ -101,6 +101,8 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
         functions = [f for f in functions if f["name"] == choice]
     if fmt == "glm45":
         return _key_value_calls(functions, parallel)
+    if fmt == "harmony":
+        return _harmony_call(functions)
     opening, closing = TOOL_CALL_MARKERS[fmt]
     open_, close, between = f"{opening}\n", f"\n{closing}", "\n"
     calls = [{"type": "object", "properties": {
@@ -144,6 +146,22 @@ def _key_value_calls(functions: list[dict], parallel: bool) -> OutputConstraint:
             parts.append(f"f{i}_{j}" if key in required else f"f{i}_{j}?")
         rules.append(f"f{i}: {q(f['name'] + chr(10))} {' '.join(parts)}".rstrip())
     return OutputConstraint("lark", "\n".join(rules) + "\n")
+
+
+def _harmony_call(functions: list[dict]) -> OutputConstraint:
+    """harmony's call (gpt-oss): its reasoning first if it wants (an analysis message), then a
+    commentary message to one of the functions whose body is JSON its parameters allow. One
+    call: gpt-oss ends its turn at a call (<|call|>) and takes the result in the next."""
+    q = json.dumps
+    calls = [f"call{i}: <|channel|> {q('commentary to=functions.' + f['name'] + ' ')} "
+             f"<|constrain|> \"json\" <|message|> "
+             f"%json {q({'x-guidance': JSON_LAYOUT, **(f.get('parameters') or NO_PARAMETERS)})}"
+             for i, f in enumerate(functions)]
+    names = " | ".join(f"call{i}" for i in range(len(functions)))
+    return OutputConstraint("lark", "\n".join([
+        f"start: analysis? ({names})",
+        'analysis: <|channel|> "analysis" <|message|> /[^<]*/ <|end|> <|start|> "assistant"',
+        *calls]) + "\n")
 
 
 class Grammars:

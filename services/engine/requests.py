@@ -129,7 +129,9 @@ class RequestStats(ByPhase, _DraftFigures):
 class Started:
     prompt_tokens: int
     context_window: int
-    tool_call_format: str = ""  # how the output writes tool calls, when the request has tools
+    # how the output writes tool calls, when the request has tools (a channeled format's, for
+    # every chat request: the gateway splits its answer)
+    tool_call_format: str = ""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from services.common.genai_metrics import GenAIMetrics
+from services.common.tool_calls import CHANNELED
 from services.gateway import sse
 from services.gateway.admission import Rejected, estimate_prompt_tokens
 from services.gateway.engine_client import Delta, Finished, GenerateCall, Started, TokenLogprob
@@ -34,6 +35,7 @@ from services.gateway.errors import (
     ModelNotFound,
     http_error,
 )
+from services.gateway.harmony import HarmonyParser
 from services.gateway.middleware import log_failure
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, Renderer, usage
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
@@ -111,12 +113,16 @@ class _Run:
     first_token_at: float | None = None
     num_deltas: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    parser: ToolCallParser | None = None  # a chat request with tools: its calls, parsed out
+    # a chat request with tools: its calls, parsed out; with a channeled (harmony) model, every
+    # chat answer: its reasoning and calls split from the answer
+    parser: ToolCallParser | HarmonyParser | None = None
 
     def __post_init__(self) -> None:
-        if self.spec.tools is not None and self.started.tool_call_format:
-            self.parser = ToolCallParser(self.started.tool_call_format, self.spec.tools.names,
-                                         self.spec.tools.parameters())
+        fmt, tools = self.started.tool_call_format, self.spec.tools
+        if fmt in CHANNELED:
+            self.parser = HarmonyParser(tools.names if tools is not None else ())
+        elif tools is not None and fmt:
+            self.parser = ToolCallParser(fmt, tools.names, tools.parameters())
 
     def finish_reason(self, finished: Finished) -> str:
         """The engine's reason, or "tool_calls" where the answer ended with calls made."""
@@ -285,8 +291,8 @@ def _logprobs(run: _Run, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]
 
 
 async def _collect(run: _Run) -> tuple[str, Finished]:
-    """One choice's text (less its tool calls, which the run's parser keeps) and its Finished
-    event (non-streaming)."""
+    """One choice's text (less its tool calls and reasoning, which the run's parser keeps) and
+    its Finished event (non-streaming)."""
     parts: list[str] = []
     async for event in run.call.events():
         if isinstance(event, Delta):
@@ -312,7 +318,8 @@ async def _complete(runs: list[_Run]) -> web.Response:
         [(text, run.finish_reason(f), _logprobs(run, run.logprobs))
          for run, (text, f) in zip(runs, results, strict=True)],
         _usage(runs, finished), figures,
-        tool_calls=[run.parser.calls if run.parser else [] for run in runs])
+        tool_calls=[run.parser.calls if run.parser else [] for run in runs],
+        reasoning=[run.parser.take_reasoning() if run.parser else "" for run in runs])
     return web.json_response(body, headers=figures.headers())
 
 
@@ -393,6 +400,8 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
                         run.on_delta(event)
                         text, calls = (event.text, []) if run.parser is None \
                             else run.parser.feed(event.text)
+                        if run.parser is not None and (thought := run.parser.take_reasoning()):
+                            out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
                         if text or event.logprobs or run.parser is None:
                             out.append(sse.event(renderer.chunk(
                                 text=text, logprobs=_logprobs(run, event.logprobs), index=i)))
@@ -404,8 +413,12 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
                         if event.reason == "abort":
                             raise EngineAborted(event.error, run.call.engine)
                         finished[i] = event
-                        if run.parser is not None and (rest := run.parser.finish()):
-                            out.append(sse.event(renderer.chunk(text=rest, index=i)))
+                        if run.parser is not None:
+                            rest = run.parser.finish()
+                            if thought := run.parser.take_reasoning():
+                                out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
+                            if rest:
+                                out.append(sse.event(renderer.chunk(text=rest, index=i)))
                         out.append(sse.event(renderer.chunk(
                             finish_reason=run.finish_reason(event), figures=run.figures(event),
                             index=i)))

@@ -79,12 +79,14 @@ class Renderer:
         return self.full_many([(text, finish_reason, logprobs)], usage_, figures)
 
     def full_many(self, choices: Sequence[tuple[str, str, Logprobs]], usage_: dict[str, int],
-                  figures: Figures, tool_calls: Sequence[Sequence[ToolCall]] = ()
-                  ) -> dict[str, Any]:
+                  figures: Figures, tool_calls: Sequence[Sequence[ToolCall]] = (),
+                  reasoning: Sequence[str] = ()) -> dict[str, Any]:
         """One body for n choices: (text, finish reason, logprobs) each, index in order (and
-        each choice's tool calls, for a chat request with tools)."""
+        each choice's tool calls, for a chat request with tools, and its reasoning, for a
+        model that answers with it apart)."""
         out = [{**self._full_choice(text, finish_reason,
-                                    tool_calls[index] if tool_calls else ()),
+                                    tool_calls[index] if tool_calls else (),
+                                    reasoning[index] if reasoning else ""),
                 "index": index, "logprobs": self._logprobs(logprobs, index)}
                for index, (text, finish_reason, logprobs) in enumerate(choices)]
         return {**self._base(self.object_full), "choices": out, "usage": usage_,
@@ -92,9 +94,12 @@ class Renderer:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None,
               first: bool = False, figures: Figures | None = None,
-              logprobs: Logprobs = None, index: int = 0) -> dict[str, Any]:
+              logprobs: Logprobs = None, index: int = 0,
+              reasoning: str | None = None) -> dict[str, Any]:
         choice = {**self._chunk_choice(text, finish_reason, first), "index": index,
                   "logprobs": self._logprobs(logprobs, index) if logprobs else None}
+        if reasoning is not None:  # vLLM's and DeepSeek's field for a reasoning model's thoughts
+            choice["delta"]["reasoning_content"] = reasoning
         body = {**self._base(self.object_chunk), "choices": [choice]}
         if figures is not None:
             body["strata"] = figures.as_dict()
@@ -112,7 +117,7 @@ class Renderer:
                 "strata": figures.as_dict()}
 
     def _full_choice(self, text: str, finish_reason: str,
-                     tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+                     tool_calls: Sequence[ToolCall] = (), reasoning: str = "") -> dict[str, Any]:
         raise NotImplementedError
 
     def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
@@ -129,11 +134,13 @@ class ChatRenderer(Renderer):
     object_chunk = "chat.completion.chunk"
 
     def _full_choice(self, text: str, finish_reason: str,
-                     tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+                     tool_calls: Sequence[ToolCall] = (), reasoning: str = "") -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message = {"role": "assistant", "content": text or None,
                        "tool_calls": [c.as_dict() for c in tool_calls]}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         return {"index": 0, "message": message, "finish_reason": finish_reason}
 
     def _logprobs(self, logprobs: Logprobs, index: int = 0) -> dict[str, Any] | None:
@@ -163,7 +170,7 @@ class CompletionRenderer(Renderer):
         self._text_offset: dict[int, int] = {}  # choice -> characters its logprobs described
 
     def _full_choice(self, text: str, finish_reason: str,
-                     tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+                     tool_calls: Sequence[ToolCall] = (), reasoning: str = "") -> dict[str, Any]:
         return {"index": 0, "text": text, "finish_reason": finish_reason}
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,

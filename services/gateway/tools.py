@@ -179,7 +179,7 @@ class ToolCallParser:
             if not self._in_call:
                 start = self._buffer.find(self.open)
                 if start < 0:
-                    keep = _partial_suffix(self._buffer, self.open)
+                    keep = partial_suffix(self._buffer, self.open)
                     content.append(self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
@@ -199,6 +199,10 @@ class ToolCallParser:
                     calls.append(call)
                     self.calls.append(call)
         return self._trim("".join(content)), calls
+
+    def take_reasoning(self) -> str:
+        """Reasoning parsed since the last call: none in these syntaxes (harmony.py's has)."""
+        return ""
 
     def finish(self) -> str:
         """What was held back (an unclosed block is content)."""
@@ -275,7 +279,7 @@ def _glm_value(raw: str, schema: Any) -> Any:
         return raw
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest suffix of text that is a proper prefix of marker."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -276,3 +276,45 @@ async def test_glm_s_tool_syntax_gives_valid_calls_whole_streamed_and_in_the_his
                 *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
         assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.fixture(scope="module")
+def harmony_cluster(tmp_path_factory):
+    """A tiny random gpt-oss checkpoint with harmony's special tokens and chat template."""
+    from tests.engine.conftest import harmony_model_dir
+
+    tmp = tmp_path_factory.mktemp("harmony")
+    model = harmony_model_dir(tmp / "gpt-oss-tiny")
+    c = start_cluster(tmp, "--model", str(model), "--max-inflight", "8", "--max-queue", "64")
+    yield c
+    assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+
+
+async def test_harmony_answers_split_reasoning_answer_and_calls(harmony_cluster):
+    """gpt-oss's harmony through the gateway: the analysis channel comes back as
+    reasoning_content and the final channel as content, whole and streamed (the same text);
+    a required tool choice is a tool call whose arguments validate."""
+    shaped = ('start: <|channel|> "analysis" <|message|> /[a-z]{3,8}/ <|end|> <|start|> '
+              '"assistant" <|channel|> "final" <|message|> /[a-z]{3,8}/\n')
+    async with openai.AsyncOpenAI(base_url=harmony_cluster.base_url, api_key="x",
+                                  max_retries=0) as client:
+        kwargs = dict(model="gpt-oss-tiny", messages=ASK, max_tokens=60, temperature=0,
+                      extra_body={"guided_grammar": shaped})
+        message = (await client.chat.completions.create(**kwargs)).choices[0].message
+        assert re.fullmatch("[a-z]{3,8}", message.content), message
+        reasoning = message.model_extra["reasoning_content"]
+        assert re.fullmatch("[a-z]{3,8}", reasoning), message
+        content, thought = "", ""
+        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+            if chunk.choices:
+                content += chunk.choices[0].delta.content or ""
+                thought += (chunk.choices[0].delta.model_extra or {}).get(
+                    "reasoning_content") or ""
+        assert (content, thought) == (message.content, reasoning)
+        reply = await client.chat.completions.create(
+            model="gpt-oss-tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+            max_tokens=160, temperature=1.0, seed=3, parallel_tool_calls=False)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        _valid_call(call)

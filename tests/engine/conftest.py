@@ -153,3 +153,43 @@ def glm45_model_dir(path: Path) -> Path:
     config["chat_template"] = GLM45_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+HARMONY_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                    "<|call|>", "<|constrain|>")
+# gpt-oss's harmony rendering, compacted (its published template also writes a system message
+# with the date and reasoning effort): tools as a developer message's TypeScript namespace,
+# history calls as commentary messages to functions.NAME, results as messages from them
+HARMONY_TEMPLATE = (
+    "{%- if tools -%}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace "
+    "functions {\n{% for t in tools %}type {{ t.function.name }} = (_: {{ (t.function.parameters "
+    "or {}) | tojson }}) => any;\n{% endfor %}} // namespace functions<|end|>{%- endif -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}<|start|>user<|message|>{{ m.content }}"
+    "<|end|>{%- elif m.role == 'assistant' and m.tool_calls -%}{%- for tc in m.tool_calls -%}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ tc.function.name }} <|constrain|>"
+    "json<|message|>{{ tc.function.arguments }}<|call|>{%- endfor -%}"
+    "{%- elif m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{%- elif m.role == 'tool' -%}<|start|>functions to=assistant"
+    "<|channel|>commentary<|message|>{{ m.content }}<|end|>{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+def harmony_model_dir(path: Path) -> Path:
+    """A tiny random gpt-oss checkpoint whose byte tokenizer has harmony's special tokens
+    (ids 259-265, inside its 300-row vocabulary), its chat template and stop tokens."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tests.engine.test_model_families import make_family_checkpoint
+
+    path, _ = make_family_checkpoint(path, "gpt_oss", seed=6, max_position_embeddings=1024)
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in HARMONY_SPECIALS])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(chat_template=HARMONY_TEMPLATE, eos_token="<|return|>")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    stops = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return path

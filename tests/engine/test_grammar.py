@@ -273,3 +273,72 @@ def test_glm45_tool_choice_gives_a_call_in_glm_s_own_syntax(glm_engine, choice, 
         assert arguments == {}
     else:
         jsonschema.validate(arguments, schema[call.name])
+
+
+@pytest.fixture(scope="module")
+def harmony_engine(tmp_path_factory):
+    from tests.engine.conftest import harmony_model_dir
+
+    runner = ModelRunner(harmony_model_dir(tmp_path_factory.mktemp("harmony") / "gpt-oss"),
+                         cache_slots=10**9, reserved_bytes=0)
+    eng = Engine(runner)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def chat(engine, messages, constraint=None, tools=None, **params) -> tuple[list, str]:
+    done, events = threading.Event(), []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, Finished):
+            done.set()
+    sampling = SamplingConfig(temperature=params.pop("temperature", 0.0),
+                              seed=params.pop("seed", None),
+                              logit_bias=params.pop("logit_bias", ()))
+    engine.submit(EngineRequest("h", GenerateParams(sampling=sampling, constraint=constraint,
+                                                    **params), messages=messages,
+                                tools=tools), sink)
+    text, reason, _ = result(done, events)
+    return events, text
+
+
+def test_a_harmony_chat_answer_keeps_its_channel_tokens_for_the_gateway(harmony_engine):
+    """gpt-oss's harmony: a chat answer's text keeps the special tokens that mark its
+    messages (the gateway splits reasoning from answer by them), said so in Started; a raw
+    completion's text does not."""
+    from services.gateway.harmony import HarmonyParser
+
+    shaped = OutputConstraint("lark", 'start: <|channel|> "analysis" <|message|> /[a-z]{1,8}/ '
+                              '<|end|> <|start|> "assistant" <|channel|> "final" <|message|> '
+                              '/[a-z]{1,8}/\n')
+    events, text = chat(harmony_engine, (("user", "hi"),), shaped, max_tokens=40)
+    assert events[0].tool_call_format == "harmony"
+    assert text.startswith("<|channel|>analysis<|message|>") and "<|channel|>final" in text
+    parser = HarmonyParser()
+    content = parser.feed(text)[0] + parser.finish()
+    reasoning = parser.take_reasoning()
+    assert re.fullmatch("[a-z]{1,8}", content) and re.fullmatch("[a-z]{1,8}", reasoning)
+    done, raw = submit(harmony_engine, "hi", shaped, max_tokens=40)
+    raw_text, _, _ = result(done, raw)
+    assert raw[0].tool_call_format == "" and "<|" not in raw_text
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_required_harmony_call_is_a_commentary_message_to_the_function(harmony_engine,
+                                                                         choice):
+    from services.engine.requests import ToolSpec
+    from services.gateway.harmony import HarmonyParser
+
+    events, text = chat(harmony_engine, (("user", "weather?"),),
+                        tools=ToolSpec(json.dumps(GLM_TOOLS), choice, parallel=False),
+                        max_tokens=120, temperature=1.0, seed=5)
+    assert events[-1].reason == "stop", text
+    parser = HarmonyParser(("get_weather", "ping"))
+    parser.feed(text)
+    parser.finish()
+    (call,) = parser.calls
+    assert choice == "required" or call.name == choice
+    schema = {t["function"]["name"]: t["function"].get("parameters") for t in GLM_TOOLS}
+    jsonschema.validate(json.loads(call.arguments), schema[call.name] or {})

@@ -30,7 +30,7 @@ import torch
 
 from services.common.counters import CacheCounters, PhaseCounters
 from services.common.settings import available_cores
-from services.common.tool_calls import ARGUMENTS_AS_OBJECT, CHANNELED
+from services.common.tool_calls import ARGUMENTS_AS_OBJECT, CHANNELED, KEEPS_SPECIAL
 from services.engine import kernels
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
@@ -92,11 +92,12 @@ class _Live:
         eos = () if params.ignore_eos else tuple(tokenizer.eos_token_ids)
         self.end_ids = frozenset((*eos, *params.stop_token_ids))  # ids that end the sequence
         self.sampler = Sampler(params.sampling, handle.prompt_ids, self.end_ids, guide)
-        # A channeled chat answer (gpt-oss's harmony) keeps its special tokens: the gateway
-        # splits the answer, the reasoning and the calls by them
-        channeled = (handle.request.messages is not None
-                     and getattr(tokenizer, "tool_call_format", "") in CHANNELED)
-        self.text = TextStream(tokenizer, params.stop, skip_special=not channeled)
+        # A chat answer in a syntax marked by special tokens keeps them (gpt-oss's channels
+        # always, Kimi's and DeepSeek's call markers with tools): the gateway splits by them
+        fmt, chat = getattr(tokenizer, "tool_call_format", ""), handle.request.messages
+        keep = chat is not None and (fmt in CHANNELED or (
+            fmt in KEEPS_SPECIAL and handle.request.tools is not None))
+        self.text = TextStream(tokenizer, params.stop, skip_special=not keep)
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
         self.generated = 0

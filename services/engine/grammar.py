@@ -34,6 +34,9 @@ from services.common.tool_calls import (
     ARG_KEY_END,
     ARG_VALUE,
     ARG_VALUE_END,
+    DS_SEP,
+    KIMI_ARGUMENTS,
+    SECTION_MARKERS,
     TOOL_CALL_MARKERS,
 )
 
@@ -103,6 +106,8 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
         return _key_value_calls(functions, parallel)
     if fmt == "harmony":
         return _harmony_call(functions)
+    if fmt in SECTION_MARKERS:
+        return _marked_calls(fmt, functions, parallel)
     opening, closing = TOOL_CALL_MARKERS[fmt]
     open_, close, between = f"{opening}\n", f"\n{closing}", "\n"
     calls = [{"type": "object", "properties": {
@@ -146,6 +151,34 @@ def _key_value_calls(functions: list[dict], parallel: bool) -> OutputConstraint:
             parts.append(f"f{i}_{j}" if key in required else f"f{i}_{j}?")
         rules.append(f"f{i}: {q(f['name'] + chr(10))} {' '.join(parts)}".rstrip())
     return OutputConstraint("lark", "\n".join(rules) + "\n")
+
+
+def _marked_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputConstraint:
+    """DeepSeek's and Kimi's calls: the section markers around one call (several, with
+    parallel calls), each between its call markers, its name and JSON arguments in the
+    format's layout. Kimi's markers are special tokens (Lark's <|...|>), DeepSeek's text."""
+    def q(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False)
+
+    def mark(text: str) -> str:
+        return text if fmt == "kimi_k2" else q(text)
+    (begin, end), (opening, closing) = SECTION_MARKERS[fmt], TOOL_CALL_MARKERS[fmt]
+    rules = []
+    for i, f in enumerate(functions):
+        arguments = "%json " + q({"x-guidance": JSON_LAYOUT,
+                                  **(f.get("parameters") or NO_PARAMETERS)})
+        if fmt == "deepseek_v3":
+            body = (f"{q('function')} {mark(DS_SEP)} {q(f['name'] + chr(10) + '```json' + chr(10))}"
+                    f" {arguments} {q(chr(10) + '```')}")
+        elif fmt == "deepseek_v31":
+            body = f"{q(f['name'])} {mark(DS_SEP)} {arguments}"
+        else:
+            body = f"{q('functions.' + f['name'] + ':')} /[0-9]/ {mark(KIMI_ARGUMENTS)} {arguments}"
+        rules.append(f"call{i}: {mark(opening)} {body} {mark(closing)}")
+    calls = " | ".join(f"call{i}" for i in range(len(functions)))
+    return OutputConstraint("lark", "\n".join([
+        f"start: {mark(begin)} call{' call*' if parallel else ''} {mark(end)}",
+        f"call: {calls}", *rules]) + "\n")
 
 
 def _harmony_call(functions: list[dict]) -> OutputConstraint:

@@ -7,6 +7,8 @@ engine says which in Started.tool_call_format).
     glm45    <tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n
              </tool_call>  (GLM-4.5/4.6/4.7: a value is text where the function's parameters
              say string, else JSON, falling back to text)
+    deepseek_v3, deepseek_v31, kimi_k2: each call between its own markers, the turn's calls
+             between section markers, which are not content (common/tool_calls.py)
 
 `ToolCallParser.feed(text)` takes the output as it streams and gives back what can be said
 already: content (text outside the blocks; a possible start of a block is held back) and each
@@ -27,6 +29,9 @@ from services.common.tool_calls import (
     ARG_KEY_END,
     ARG_VALUE,
     ARG_VALUE_END,
+    DS_SEP,
+    KIMI_ARGUMENTS,
+    SECTION_MARKERS,
     TOOL_CALL_MARKERS,
 )
 from services.gateway.errors import InvalidRequest
@@ -161,6 +166,7 @@ class ToolCallParser:
             raise ValueError(f"tool-call format {fmt!r} is not one of "
                              f"{', '.join(TOOL_CALL_MARKERS)}")
         self.open, self.close = TOOL_CALL_MARKERS[fmt]
+        self.section = SECTION_MARKERS.get(fmt, ())  # dropped from the content
         self.format = fmt
         self.names = set(names)
         self.parameters = parameters or {}
@@ -179,7 +185,7 @@ class ToolCallParser:
             if not self._in_call:
                 start = self._buffer.find(self.open)
                 if start < 0:
-                    keep = partial_suffix(self._buffer, self.open)
+                    keep = max(partial_suffix(self._buffer, m) for m in (self.open, *self.section))
                     content.append(self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
@@ -198,7 +204,7 @@ class ToolCallParser:
                 else:
                     calls.append(call)
                     self.calls.append(call)
-        return self._trim("".join(content)), calls
+        return self._trim(self._unsectioned("".join(content))), calls
 
     def take_reasoning(self) -> str:
         """Reasoning parsed since the last call: none in these syntaxes (harmony.py's has)."""
@@ -208,11 +214,18 @@ class ToolCallParser:
         """What was held back (an unclosed block is content)."""
         rest = (self.open if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
-        return self._trim(rest, last=True)
+        return self._trim(self._unsectioned(rest), last=True)
+
+    def _unsectioned(self, text: str) -> str:
+        for marker in self.section:
+            text = text.replace(marker, "")
+        return text
 
     def _call(self, body: str) -> ToolCall | None:
         if self.format == "glm45":
             return self._key_value_call(body)
+        if self.format in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
+            return self._marked_call(body)
         try:
             value = json.loads(body)
         except ValueError:
@@ -228,6 +241,34 @@ class ToolCallParser:
         else:
             arguments = json.dumps(arguments)
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], arguments)
+
+    def _marked_call(self, body: str) -> ToolCall | None:
+        """DeepSeek's `[function<sep>]NAME[\\n```json\\n]ARGS[\\n```]` and Kimi's
+        `functions.NAME:I<argument_begin>ARGS`: the name, then JSON arguments."""
+        if self.format == "kimi_k2":
+            head, sep, arguments = body.partition(KIMI_ARGUMENTS)
+            name = head.strip().removeprefix("functions.").rpartition(":")[0]
+        else:
+            head, sep, arguments = body.partition(DS_SEP)
+            name = head.strip()
+            if self.format == "deepseek_v3":  # the type before the separator, then the name
+                name, _, arguments = arguments.partition("\n")
+                name = name.strip()
+                fence = re.fullmatch(r"\s*```(?:json)?\s*\n(.*?)\n?\s*```\s*", arguments, re.S)
+                arguments = fence.group(1) if fence else arguments
+                sep = sep if head.strip() == "function" else ""
+        if not sep or name not in self.names:
+            return None
+        try:
+            value = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        index = len(self.calls)
+        call_id = (f"functions.{name}:{index}" if self.format == "kimi_k2"  # Kimi's own ids
+                   else f"call_{uuid.uuid4().hex[:24]}")
+        return ToolCall(call_id, name, json.dumps(value))
 
     def _key_value_call(self, body: str) -> ToolCall | None:
         """glm45: the name up to the first line's end (or the first key), then key/value

@@ -142,17 +142,43 @@ GLM45_TEMPLATE = (
     "{%- endfor -%}{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}")
 
 
-def glm45_model_dir(path: Path) -> Path:
-    """The shipped default model with GLM-4.5's tool-call template in place of its own."""
+def templated_model_dir(path: Path, template: str) -> Path:
+    """The shipped default model with another chat template (another tool-call syntax)."""
     import shutil
 
     from services.models import default_model_dir
 
     shutil.copytree(default_model_dir(), path)
     config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = GLM45_TEMPLATE
+    config["chat_template"] = template
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+def glm45_model_dir(path: Path) -> Path:
+    return templated_model_dir(path, GLM45_TEMPLATE)
+
+
+def _ds_template(call: str) -> str:
+    """DeepSeek's tool rendering (its templates' tools section, calls and outputs), with one
+    call's body spelled as the version writes it."""
+    return (
+        "{%- if tools -%}## Tools\n{% for t in tools %}### {{ t.function.name }}\n"
+        "{{ (t.function.parameters or {}) | tojson }}\n{% endfor %}{%- endif -%}"
+        "{%- for m in messages -%}{%- if m.role == 'user' -%}<｜User｜>{{ m.content }}"
+        "{%- elif m.role == 'assistant' and m.tool_calls -%}<｜Assistant｜><｜tool▁calls▁begin｜>"
+        "{%- for tc in m.tool_calls -%}<｜tool▁call▁begin｜>" + call + "<｜tool▁call▁end｜>"
+        "{%- endfor -%}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{%- elif m.role == 'assistant' -%}"
+        "<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{%- elif m.role == 'tool' -%}"
+        "<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<｜Assistant｜>{%- endif -%}")
+
+
+DS_V3_TEMPLATE = _ds_template(  # V3-0324 / R1-0528: the type, the name, a ```json fence
+    "{{ tc.type }}<｜tool▁sep｜>{{ tc.function.name }}\n```json\n{{ tc.function.arguments }}"
+    "\n```")
+DS_V31_TEMPLATE = _ds_template(  # V3.1: the name, then the arguments
+    "{{ tc.function.name }}<｜tool▁sep｜>{{ tc.function.arguments }}")
 
 
 HARMONY_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
@@ -174,22 +200,52 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 
 
-def harmony_model_dir(path: Path) -> Path:
-    """A tiny random gpt-oss checkpoint whose byte tokenizer has harmony's special tokens
-    (ids 259-265, inside its 300-row vocabulary), its chat template and stop tokens."""
+def special_tokens_model_dir(path: Path, family: str, specials: tuple[str, ...],
+                             template: str, stops: tuple[str, ...]) -> Path:
+    """A tiny random checkpoint of `family` whose byte tokenizer also has `specials` as special
+    tokens (ids from 259, inside its 300-row vocabulary), with `template` and `stops`."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
     from tests.engine.test_model_families import make_family_checkpoint
 
-    path, _ = make_family_checkpoint(path, "gpt_oss", seed=6, max_position_embeddings=1024)
+    path, _ = make_family_checkpoint(path, family, seed=6, max_position_embeddings=1024)
     tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in HARMONY_SPECIALS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(path / "tokenizer.json"))
     config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(chat_template=HARMONY_TEMPLATE, eos_token="<|return|>")
+    config.update(chat_template=template, eos_token=stops[0])
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    stops = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.token_to_id(t) for t in stops]}))
     return path
+
+
+def harmony_model_dir(path: Path) -> Path:
+    """A tiny random gpt-oss checkpoint with harmony's special tokens, template and stops."""
+    return special_tokens_model_dir(path, "gpt_oss", HARMONY_SPECIALS, HARMONY_TEMPLATE,
+                                    ("<|return|>", "<|call|>"))
+
+
+KIMI_SPECIALS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                 "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+# Kimi-K2's tool rendering, compacted: tools declared as JSON, a call's id functions.NAME:I
+KIMI_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>"
+    "{%- endif -%}{%- for m in messages -%}{%- if m.role == 'user' -%}<|im_user|>user"
+    "<|im_middle|>{{ m.content }}<|im_end|>{%- elif m.role == 'assistant' -%}<|im_assistant|>"
+    "assistant<|im_middle|>{{ m.content or '' }}{%- if m.tool_calls -%}"
+    "<|tool_calls_section_begin|>{%- for tc in m.tool_calls -%}<|tool_call_begin|>{{ tc.id }}"
+    "<|tool_call_argument_begin|>{{ tc.function.arguments }}<|tool_call_end|>{%- endfor -%}"
+    "<|tool_calls_section_end|>{%- endif -%}<|im_end|>{%- elif m.role == 'tool' -%}"
+    "<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}\n{{ m.content }}<|im_end|>"
+    "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant"
+    "<|im_middle|>{%- endif -%}")
+
+
+def kimi_model_dir(path: Path) -> Path:
+    """A tiny random DeepSeek-V3-architecture checkpoint (Kimi-K2's) with Kimi's tool tokens,
+    template and stop."""
+    return special_tokens_model_dir(path, "deepseek_v3", KIMI_SPECIALS, KIMI_TEMPLATE,
+                                    ("<|im_end|>",))

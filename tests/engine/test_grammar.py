@@ -216,15 +216,27 @@ def test_speculative_drafts_are_cut_to_the_grammar_and_change_nothing(engine):
 
 
 @pytest.fixture(scope="module")
-def glm_engine(tmp_path_factory):
-    from tests.engine.conftest import glm45_model_dir
+def syntax_engines(tmp_path_factory):
+    """An engine per tool-call syntax, made when first asked for: the default model behind
+    GLM-4.5's or DeepSeek's template; a tiny random model with Kimi's special tokens."""
+    from tests.engine import conftest
 
-    runner = ModelRunner(glm45_model_dir(tmp_path_factory.mktemp("glm") / "glm45"),
-                         cache_slots=512, reserved_bytes=0)
-    eng = Engine(runner)
-    eng.start()
-    yield eng
-    eng.stop()
+    makers = {"glm45": lambda p: conftest.glm45_model_dir(p),
+              "deepseek_v3": lambda p: conftest.templated_model_dir(p, conftest.DS_V3_TEMPLATE),
+              "deepseek_v31": lambda p: conftest.templated_model_dir(p,
+                                                                     conftest.DS_V31_TEMPLATE),
+              "kimi_k2": lambda p: conftest.kimi_model_dir(p)}
+    engines: dict[str, Engine] = {}
+
+    def get(fmt: str) -> Engine:
+        if fmt not in engines:
+            model = makers[fmt](tmp_path_factory.mktemp(fmt) / fmt)
+            engines[fmt] = Engine(ModelRunner(model, cache_slots=10**9, reserved_bytes=0))
+            engines[fmt].start()
+        return engines[fmt]
+    yield get
+    for engine in engines.values():
+        engine.stop()
 
 
 GLM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -232,16 +244,20 @@ GLM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameter
         "city": {"type": "string", "maxLength": 16},
         "unit": {"type": "string", "enum": ["c", "f"]},
         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"]}}},
+    "required": ["city", "days"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "ping"}}]
 
 
-@pytest.mark.parametrize(("choice", "seed"), [("required", 1), ("required", 2),
-                                              ("get_weather", 3), ("ping", 4)])
-def test_glm45_tool_choice_gives_a_call_in_glm_s_own_syntax(glm_engine, choice, seed):
-    """A GLM-4.5 template: the required / named call is written as GLM writes calls
-    (<arg_key>/<arg_value> lines), parses, and its arguments validate; the history's calls
-    reach the template as objects (it iterates them)."""
+@pytest.mark.parametrize(("fmt", "choice", "seed"), [
+    ("glm45", "required", 1), ("glm45", "required", 2), ("glm45", "get_weather", 3),
+    ("glm45", "ping", 4), ("deepseek_v3", "required", 1), ("deepseek_v3", "get_weather", 2),
+    ("deepseek_v31", "required", 3), ("deepseek_v31", "ping", 4), ("kimi_k2", "required", 5),
+    ("kimi_k2", "get_weather", 6)])
+def test_a_required_call_is_written_in_the_template_s_own_syntax(syntax_engines, fmt, choice,
+                                                                  seed):
+    """Each template's syntax: the required / named call is written as that family writes
+    calls, parses, and its arguments validate; the history's calls reach the template as it
+    takes them (GLM's iterates the arguments as an object; Kimi's replays the call ids)."""
     from services.engine.requests import ChatTurn, ToolSpec
     from services.gateway.tools import ToolCallParser
 
@@ -252,15 +268,16 @@ def test_glm45_tool_choice_gives_a_call_in_glm_s_own_syntax(glm_engine, choice, 
         if isinstance(event, Finished):
             done.set()
     history = (ChatTurn("user", "weather in Oslo?"),
-               ChatTurn("assistant", "", (("c1", "get_weather",
+               ChatTurn("assistant", "", (("functions.get_weather:0", "get_weather",
                                             json.dumps({"city": "Oslo", "days": 2})),)),
-               ChatTurn("tool", "sunny", tool_call_id="c1"), ChatTurn("user", "and Paris?"))
-    glm_engine.submit(EngineRequest("t", GenerateParams(max_tokens=120, sampling=SamplingConfig(
-        temperature=1.0, seed=seed)), messages=history,
+               ChatTurn("tool", "sunny", tool_call_id="functions.get_weather:0"),
+               ChatTurn("user", "and Paris?"))
+    syntax_engines(fmt).submit(EngineRequest("t", GenerateParams(
+        max_tokens=160, sampling=SamplingConfig(temperature=1.0, seed=seed)), messages=history,
         tools=ToolSpec(json.dumps(GLM_TOOLS), choice, parallel=False)), sink)
     text, reason, _ = result(done, events)
-    assert events[0].tool_call_format == "glm45" and reason == "stop", text
-    parser = ToolCallParser("glm45", ("get_weather", "ping"),
+    assert events[0].tool_call_format == fmt and reason == "stop", text
+    parser = ToolCallParser(fmt, ("get_weather", "ping"),
                             {t["function"]["name"]: t["function"].get("parameters") or {}
                              for t in GLM_TOOLS})
     content, calls = parser.feed(text)

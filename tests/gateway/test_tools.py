@@ -171,3 +171,61 @@ def test_the_template_says_which_syntax():
     assert template_tool_call_format(GLM45_TEMPLATE) == "glm45"
     assert template_tool_call_format('{{ "<tool_call>\\n" + call | tojson }}') == "hermes"
     assert template_tool_call_format("{{ messages }}") == ""
+
+
+# -- DeepSeek's and Kimi's: calls between their markers, a section around a turn's calls -------
+DS_V3_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+              '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function'
+              '<｜tool▁sep｜>add\n```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS_V31_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+               '<｜tool▁call▁end｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜>'
+               "<｜tool▁calls▁end｜>")
+KIMI_CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+             '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+             'functions.add:1<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>'
+             "<|tool_calls_section_end|>")
+MARKED = {"deepseek_v3": DS_V3_CALL, "deepseek_v31": DS_V31_CALL, "kimi_k2": KIMI_CALL}
+
+
+def marked_whole(fmt: str, text: str) -> tuple[str, list]:
+    parser = ToolCallParser(fmt, ("get_weather", "add"))
+    content, _ = parser.feed(text)
+    return content + parser.finish(), [(c.id, c.name, json.loads(c.arguments))
+                                       for c in parser.calls]
+
+
+@pytest.mark.parametrize("fmt", list(MARKED))
+def test_deepseek_and_kimi_calls_are_parsed_and_their_sections_are_not_content(fmt):
+    content, calls = marked_whole(fmt, "Let me check. " + MARKED[fmt])
+    assert content == "Let me check."
+    assert [(name, args) for _, name, args in calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    if fmt == "kimi_k2":  # Kimi's ids name the call (its template replays them)
+        assert [i for i, _, _ in calls] == ["functions.get_weather:0", "functions.add:1"]
+    unknown = MARKED[fmt].replace("get_weather", "rm_rf")
+    assert len(marked_whole(fmt, unknown)[1]) == 1  # the call to a function not offered: text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(list(MARKED)), st.lists(st.integers(1, 7), max_size=50))
+def test_deepseek_and_kimi_streamed_in_any_pieces_are_the_same_as_whole(fmt, cuts):
+    text = "Sure. " + MARKED[fmt]
+    parser = ToolCallParser(fmt, ("get_weather", "add"))
+    content, at = [], 0
+    for cut in [*cuts, len(text)]:
+        content.append(parser.feed(text[at:at + cut])[0])
+        at += cut
+    content.append(parser.finish())
+    want_content, want_calls = marked_whole(fmt, text)
+    assert "".join(content) == want_content
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
+        (n, a) for _, n, a in want_calls]
+
+
+def test_deepseek_and_kimi_templates_say_their_syntax():
+    from services.common.tool_calls import template_tool_call_format
+    from tests.engine.conftest import DS_V3_TEMPLATE, DS_V31_TEMPLATE, KIMI_TEMPLATE
+
+    assert [template_tool_call_format(t) for t in (DS_V3_TEMPLATE, DS_V31_TEMPLATE,
+                                                   KIMI_TEMPLATE)] == [
+        "deepseek_v3", "deepseek_v31", "kimi_k2"]

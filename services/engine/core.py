@@ -30,7 +30,12 @@ import torch
 
 from services.common.counters import CacheCounters, PhaseCounters
 from services.common.settings import available_cores
-from services.common.tool_calls import ARGUMENTS_AS_OBJECT, CHANNELED, KEEPS_SPECIAL
+from services.common.tool_calls import (
+    ARGUMENTS_AS_OBJECT,
+    CHANNELED,
+    KEEPS_SPECIAL,
+    TOOL_CALL_MARKERS,
+)
 from services.engine import kernels
 from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
@@ -98,6 +103,10 @@ class _Live:
         keep = chat is not None and (fmt in CHANNELED or (
             fmt in KEEPS_SPECIAL and handle.request.tools is not None))
         self.text = TextStream(tokenizer, params.stop, skip_special=not keep)
+        # parallel_tool_calls false: the answer ends where its first call's block closes
+        tools = handle.request.tools
+        self.one_call_end = (TOOL_CALL_MARKERS[fmt][1] if tools is not None and not
+                             tools.parallel and fmt in TOOL_CALL_MARKERS else "")
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
         self.generated = 0
@@ -481,6 +490,9 @@ class Engine:
         live.emit(new_text, token_id, self._logprobs(logits, token_id, params.top_logprobs)
                   if params.logprobs else None)
         if hit_stop:
+            self._finish(seq, "stop")
+        elif live.one_call_end and live.text.seen(live.one_call_end):
+            live.emit(live.text.flush())  # parallel_tool_calls false: no second call
             self._finish(seq, "stop")
         elif live.sampler.guide is not None and live.sampler.guide.done:
             live.emit(live.text.flush())  # the grammar is complete: nothing more may follow

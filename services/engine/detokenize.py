@@ -36,6 +36,10 @@ class TextStream:
         self._emitted = max(safe, self._emitted)
         return out, False
 
+    def seen(self, text: str) -> bool:
+        """Whether the output so far contains `text` (sent or held back)."""
+        return text in self._text
+
     def flush(self) -> str:
         out = self._text[self._emitted:]
         self._emitted = len(self._text)

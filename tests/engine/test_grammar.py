@@ -359,3 +359,26 @@ def test_a_required_harmony_call_is_a_commentary_message_to_the_function(harmony
     assert choice == "required" or call.name == choice
     schema = {t["function"]["name"]: t["function"].get("parameters") for t in GLM_TOOLS}
     jsonschema.validate(json.loads(call.arguments), schema[call.name] or {})
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_parallel_tool_calls_false_ends_the_answer_at_its_first_call(engine, parallel):
+    """tool_choice auto with parallel_tool_calls false: a model about to write a second call
+    (held to two by a grammar here) is stopped where the first closes; with it true, both."""
+    from services.engine.requests import ToolSpec
+
+    call = '"<tool_call>\\n{\\"name\\": \\"ping\\", \\"arguments\\": {}}\\n</tool_call>"'
+    two = OutputConstraint("lark", f'start: {call} "\\n" {call}\n')
+    done, events = threading.Event(), []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, Finished):
+            done.set()
+    engine.submit(EngineRequest("p", GenerateParams(max_tokens=80, constraint=two),
+                                messages=(("user", "ping twice"),),
+                                tools=ToolSpec(json.dumps(TOOLS), "auto", parallel=parallel)),
+                  sink)
+    text, reason, _ = result(done, events)
+    assert reason == "stop" and text.count("</tool_call>") == (2 if parallel else 1), text
+    assert text.endswith("</tool_call>")

@@ -4,6 +4,8 @@ and builds grammars for it) and the gateway (which parses calls out of the text)
     hermes        <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>   (Qwen2.5/Qwen3)
     glm45         <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>
                   (GLM-4.5/4.6/4.7: a string V as written, any other value as JSON)
+    qwen3_xml     <tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n...</function>\n
+                  </tool_call>   (Qwen3-Coder, Qwen3.5: V as glm45's)
     deepseek_v3   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n
                   {...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>   (DeepSeek-V3-0324, R1-0528)
     deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
@@ -27,6 +29,7 @@ KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
 # format -> (the marker that opens a call, the one that closes it)
 TOOL_CALL_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"),
                      "glm45": ("<tool_call>", "</tool_call>"),
+                     "qwen3_xml": ("<tool_call>", "</tool_call>"),
                      "deepseek_v3": DS_CALL, "deepseek_v31": DS_CALL, "kimi_k2": KIMI_CALL}
 # format -> (the marker before a turn's calls, the one after them): not text of the answer
 SECTION_MARKERS = {"deepseek_v3": DS_CALLS, "deepseek_v31": DS_CALLS, "kimi_k2": KIMI_CALLS}
@@ -40,13 +43,13 @@ CHANNELED = frozenset({"harmony"})
 KEEPS_SPECIAL = CHANNELED | {"deepseek_v3", "deepseek_v31", "kimi_k2"}
 # formats whose chat template iterates a call's arguments (`arguments.items()`): the history's
 # calls reach it with their arguments as an object, not as JSON text
-ARGUMENTS_AS_OBJECT = frozenset({"glm45"})
+ARGUMENTS_AS_OBJECT = frozenset({"glm45", "qwen3_xml"})
 
 
 def template_tool_call_format(chat_template: str | None) -> str:
-    """The syntax a chat template teaches its model; "" when none Strata parses. GLM's
-    templates open calls with <tool_call> too: its key tags tell them apart; DeepSeek-V3's
-    wraps the arguments in a ```json fence, V3.1's does not."""
+    """The syntax a chat template teaches its model; "" when none Strata parses. GLM's and
+    Qwen3.5's templates open calls with <tool_call> too: their argument tags tell them apart;
+    DeepSeek-V3's wraps the arguments in a ```json fence, V3.1's does not."""
     if not chat_template:
         return ""
     if "<|channel|>" in chat_template:
@@ -57,4 +60,6 @@ def template_tool_call_format(chat_template: str | None) -> str:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if "<tool_call>" not in chat_template:
         return ""
+    if "<function=" in chat_template:
+        return "qwen3_xml"
     return "glm45" if ARG_KEY in chat_template else "hermes"

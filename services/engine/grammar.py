@@ -102,8 +102,8 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
     functions = [t["function"] for t in json.loads(tools_json)]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice]
-    if fmt == "glm45":
-        return _key_value_calls(functions, parallel)
+    if fmt in KEY_VALUE_LAYOUTS:
+        return _key_value_calls(fmt, functions, parallel)
     if fmt == "harmony":
         return _harmony_call(functions)
     if fmt in SECTION_MARKERS:
@@ -121,12 +121,22 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
     return OutputConstraint("lark", lark)
 
 
-def _key_value_calls(functions: list[dict], parallel: bool) -> OutputConstraint:
-    """glm45's calls: `<tool_call>NAME` then one `<arg_key>K</arg_key>\n<arg_value>V
-    </arg_value>` line per parameter, in the schema's order (the required ones always, the
-    others optionally); a string V is text without "<" (one of its enum where it has one,
-    within its minLength / maxLength), any other V the JSON its schema allows."""
-    opening, closing = TOOL_CALL_MARKERS["glm45"]
+# glm45 / qwen3_xml: a call's text around its name, and around each argument's key and value
+KEY_VALUE_LAYOUTS = {
+    "glm45": ("{name}\n", "", f"{ARG_KEY}{{key}}{ARG_KEY_END}\n{ARG_VALUE}",
+              f"{ARG_VALUE_END}\n"),
+    "qwen3_xml": ("\n<function={name}>\n", "</function>\n", "<parameter={key}>\n",
+                  "\n</parameter>\n"),
+}
+
+
+def _key_value_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputConstraint:
+    """glm45's and qwen3_xml's calls: the name, then one key/value block per parameter, in the
+    schema's order (the required ones always, the others optionally); a string value is text
+    without "<" (one of its enum where it has one, within its minLength / maxLength), any other
+    value the JSON its schema allows."""
+    opening, closing = TOOL_CALL_MARKERS[fmt]
+    name_text, after, key_text, value_end = KEY_VALUE_LAYOUTS[fmt]
     q = json.dumps  # a Lark string literal
     names = " | ".join(f"f{i}" for i in range(len(functions)))
     rules = ["start: call" + (" (" + q("\n") + " call)*" if parallel else ""),
@@ -146,10 +156,10 @@ def _key_value_calls(functions: list[dict], parallel: bool) -> OutputConstraint:
                          else f"/[^<]{{{low},{'' if high is None else int(high)}}}/")
             else:
                 value = "%json " + q({"x-guidance": JSON_LAYOUT, **prop})
-            key_line = q(ARG_KEY + key + ARG_KEY_END + "\n" + ARG_VALUE)
-            rules.append(f"f{i}_{j}: {key_line} ({value}) {q(ARG_VALUE_END + chr(10))}")
+            rules.append(f"f{i}_{j}: {q(key_text.format(key=key))} ({value}) {q(value_end)}")
             parts.append(f"f{i}_{j}" if key in required else f"f{i}_{j}?")
-        rules.append(f"f{i}: {q(f['name'] + chr(10))} {' '.join(parts)}".rstrip())
+        tail = f" {q(after)}" if after else ""
+        rules.append(f"f{i}: {q(name_text.format(name=f['name']))} {' '.join(parts)}{tail}")
     return OutputConstraint("lark", "\n".join(rules) + "\n")
 
 

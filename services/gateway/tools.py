@@ -224,6 +224,8 @@ class ToolCallParser:
     def _call(self, body: str) -> ToolCall | None:
         if self.format == "glm45":
             return self._key_value_call(body)
+        if self.format == "qwen3_xml":
+            return self._xml_call(body)
         if self.format in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
             return self._marked_call(body)
         try:
@@ -270,6 +272,25 @@ class ToolCallParser:
                    else f"call_{uuid.uuid4().hex[:24]}")
         return ToolCall(call_id, name, json.dumps(value))
 
+    def _xml_call(self, body: str) -> ToolCall | None:
+        """qwen3_xml: <function=NAME> and its <parameter=K> blocks, nothing else around."""
+        m = _XML_FUNCTION.fullmatch(body)
+        if m is None or m.group(1).strip() not in self.names:
+            return None
+        name, rest = m.group(1).strip(), m.group(2)
+        properties = self.parameters.get(name, {}).get("properties") or {}
+        arguments: dict[str, Any] = {}
+        at = 0
+        for p in _XML_PARAMETER.finditer(rest):
+            if rest[at:p.start()].strip():
+                return None
+            key = p.group(1).strip()
+            arguments[key] = _typed_value(p.group(2), properties.get(key))
+            at = p.end()
+        if rest[at:].strip():
+            return None
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))
+
     def _key_value_call(self, body: str) -> ToolCall | None:
         """glm45: the name up to the first line's end (or the first key), then key/value
         pairs; anything else between them makes the block not a call."""
@@ -284,7 +305,7 @@ class ToolCallParser:
             if rest[at:m.start()].strip():
                 return None
             key, raw = m.group(1).strip(), m.group(2)
-            arguments[key] = _glm_value(raw, properties.get(key))
+            arguments[key] = _typed_value(raw, properties.get(key))
             at = m.end()
         if rest[at:].strip():
             return None
@@ -309,9 +330,13 @@ _KEY_VALUE = re.compile(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) +
                         + re.escape(ARG_VALUE) + r"(.*?)" + re.escape(ARG_VALUE_END), re.DOTALL)
 
 
-def _glm_value(raw: str, schema: Any) -> Any:
-    """A glm45 value: the text itself where the parameter is a string (GLM's template writes
-    strings as they are), else its JSON, else the text."""
+_XML_FUNCTION = re.compile(r"\s*<function=([^>]+)>(.*?)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _typed_value(raw: str, schema: Any) -> Any:
+    """A glm45 / qwen3_xml value: the text itself where the parameter is a string (their
+    templates write strings as they are), else its JSON, else the text."""
     if isinstance(schema, dict) and schema.get("type") == "string":
         return raw
     try:

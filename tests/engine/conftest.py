@@ -159,6 +159,27 @@ def glm45_model_dir(path: Path) -> Path:
     return templated_model_dir(path, GLM45_TEMPLATE)
 
 
+# Qwen3-Coder's / Qwen3.5's tool rendering (their published templates' calls, compacted):
+# <function=NAME> with one <parameter=K> block per argument, iterated as an object
+QWEN3_XML_TEMPLATE = (
+    "{%- if tools -%}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\n<tool_call>\n<function=example_function_name>\n"
+    "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
+    "<|im_end|>\n{%- endif -%}{%- for message in messages -%}{%- if message.role == 'assistant'"
+    " and message.tool_calls -%}<|im_start|>assistant\n{%- for tool_call in message.tool_calls"
+    " -%}{%- if tool_call.function is defined -%}{%- set tool_call = tool_call.function -%}"
+    "{%- endif -%}{{- '<tool_call>\n<function=' + tool_call.name + '>\n' -}}"
+    "{%- for args_name, args_value in tool_call.arguments|items -%}"
+    "{{- '<parameter=' + args_name + '>\n' -}}{%- set args_value = args_value | tojson | safe "
+    "if args_value is mapping or (args_value is sequence and args_value is not string) else "
+    "args_value | string -%}{{- args_value -}}{{- '\n</parameter>\n' -}}{%- endfor -%}"
+    "{{- '</function>\n</tool_call>' -}}{%- endfor -%}<|im_end|>\n"
+    "{%- elif message.role == 'tool' -%}<|im_start|>user\n<tool_response>\n{{ message.content }}"
+    "\n</tool_response><|im_end|>\n{%- else -%}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
 def _ds_template(call: str) -> str:
     """DeepSeek's tool rendering (its templates' tools section, calls and outputs), with one
     call's body spelled as the version writes it."""

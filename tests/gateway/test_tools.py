@@ -164,11 +164,27 @@ def test_glm45_streamed_in_any_pieces_is_the_same_as_whole(cuts):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == glm_whole(text)[1]
 
 
+def test_qwen3_xml_calls_take_their_types_from_the_parameters():
+    """Qwen3.5's <function=NAME> / <parameter=K> blocks: typed as glm45's values are."""
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"metric\": true}\n"
+            "</parameter>\n<parameter=code>\n42\n</parameter>\n</function>\n</tool_call>")
+    parser = ToolCallParser("qwen3_xml", ("get_weather",), GLM_PARAMETERS)
+    content, _ = parser.feed("Checking. " + call)
+    assert content + parser.finish() == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "opts": {"metric": True}, "code": "42"})]
+    parser = ToolCallParser("qwen3_xml", ("get_weather",), GLM_PARAMETERS)
+    stray = call.replace("<parameter=days>", "junk\n<parameter=days>")
+    assert parser.feed(stray)[0] + parser.finish() == stray and not parser.calls
+
+
 def test_the_template_says_which_syntax():
     from services.common.tool_calls import template_tool_call_format
-    from tests.engine.conftest import GLM45_TEMPLATE
+    from tests.engine.conftest import GLM45_TEMPLATE, QWEN3_XML_TEMPLATE
 
     assert template_tool_call_format(GLM45_TEMPLATE) == "glm45"
+    assert template_tool_call_format(QWEN3_XML_TEMPLATE) == "qwen3_xml"
     assert template_tool_call_format('{{ "<tool_call>\\n" + call | tojson }}') == "hermes"
     assert template_tool_call_format("{{ messages }}") == ""
 

@@ -70,6 +70,7 @@ def test_a_killed_child_is_restarted_after_the_backoff_and_the_others_untouched(
         assert engine.state == Supervised.RUNNING and engine.restarts == 1
         c.tend(other, now=102.5)
         assert other.child.pid == other_pid and other.child.exit_code() is None
+        wait_up(engine.child)  # the restarted child has written its first line (a slow host)
     finally:
         c.stop()
     out = capsys.readouterr().out

@@ -31,6 +31,8 @@ TOOL_CALL_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"),
                      "glm45": ("<tool_call>", "</tool_call>"),
                      "qwen3_xml": ("<tool_call>", "</tool_call>"),
                      "deepseek_v3": DS_CALL, "deepseek_v31": DS_CALL, "kimi_k2": KIMI_CALL}
+# every syntax a template may teach (harmony's calls are messages, not marked blocks)
+TOOL_CALL_SYNTAXES = frozenset({*TOOL_CALL_MARKERS, "harmony"})
 # format -> (the marker before a turn's calls, the one after them): not text of the answer
 SECTION_MARKERS = {"deepseek_v3": DS_CALLS, "deepseek_v31": DS_CALLS, "kimi_k2": KIMI_CALLS}
 # glm45's key/value tags

@@ -35,6 +35,7 @@ from services.common.tool_calls import (
     CHANNELED,
     KEEPS_SPECIAL,
     TOOL_CALL_MARKERS,
+    TOOL_CALL_SYNTAXES,
 )
 from services.engine import kernels
 from services.engine.block_manager import BlockManager
@@ -303,9 +304,10 @@ class Engine:
     def _tokenize(self, request: EngineRequest) -> list[int]:
         tokenizer = self.runner.tokenizer
         if request.tools is not None and not tokenizer.tool_call_format:  # type: ignore[attr-defined]
-            raise InvalidRequest("tools: this model's chat template teaches no tool-call syntax "
-                                 "Strata parses (<tool_call> blocks); send the request without "
-                                 "tools")
+            raise InvalidRequest(
+                "tools: this model's chat template teaches no tool-call syntax Strata parses "
+                f"(it knows {', '.join(sorted(TOOL_CALL_SYNTAXES))}); send the request "
+                "without tools")
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequest("messages must not be empty")

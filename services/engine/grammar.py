@@ -121,25 +121,30 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
     return OutputConstraint("lark", lark)
 
 
-# glm45 / qwen3_xml: a call's text around its name, and around each argument's key and value
+# glm45 / qwen3_xml / minimax_m2: a call's text around its name, and around each argument's
+# key and value
 KEY_VALUE_LAYOUTS = {
     "glm45": ("{name}\n", "", f"{ARG_KEY}{{key}}{ARG_KEY_END}\n{ARG_VALUE}",
               f"{ARG_VALUE_END}\n"),
     "qwen3_xml": ("\n<function={name}>\n", "</function>\n", "<parameter={key}>\n",
                   "\n</parameter>\n"),
+    "minimax_m2": ('{name}">\n', "", '<parameter name="{key}">', "</parameter>\n"),
 }
 
 
 def _key_value_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputConstraint:
-    """glm45's and qwen3_xml's calls: the name, then one key/value block per parameter, in the
-    schema's order (the required ones always, the others optionally); a string value is text
+    """glm45's, qwen3_xml's and minimax_m2's calls: the name, then one key/value block per
+    parameter, in the schema's order (the required ones always, the others optionally); a string value is text
     without "<" (one of its enum where it has one, within its minLength / maxLength), any other
     value the JSON its schema allows."""
     opening, closing = TOOL_CALL_MARKERS[fmt]
     name_text, after, key_text, value_end = KEY_VALUE_LAYOUTS[fmt]
     q = json.dumps  # a Lark string literal
     names = " | ".join(f"f{i}" for i in range(len(functions)))
-    rules = ["start: call" + (" (" + q("\n") + " call)*" if parallel else ""),
+    begin, end = SECTION_MARKERS.get(fmt, ("", ""))  # minimax_m2: its calls in one section
+    calls = "call" + (" (" + q("\n") + " call)*" if parallel else "")
+    rules = [f"start: {q(begin + chr(10))} {calls} {q(chr(10) + end)}" if begin
+             else f"start: {calls}",
              f"call: {q(opening)} ({names}) {q(closing)}",
              "TEXT: /[^<]*/"]
     for i, f in enumerate(functions):

@@ -7,8 +7,8 @@ engine says which in Started.tool_call_format).
     glm45    <tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n
              </tool_call>  (GLM-4.5/4.6/4.7: a value is text where the function's parameters
              say string, else JSON, falling back to text)
-    deepseek_v3, deepseek_v31, kimi_k2: each call between its own markers, the turn's calls
-             between section markers, which are not content (common/tool_calls.py)
+    deepseek_v3, deepseek_v31, kimi_k2, minimax_m2: each call between its own markers, the
+             turn's calls between section markers, which are not content (common/tool_calls.py)
 
 `ToolCallParser.feed(text)` takes the output as it streams and gives back what can be said
 already: content (text outside the blocks; a possible start of a block is held back) and each
@@ -226,6 +226,8 @@ class ToolCallParser:
             return self._key_value_call(body)
         if self.format == "qwen3_xml":
             return self._xml_call(body)
+        if self.format == "minimax_m2":
+            return self._invoke_call(body)
         if self.format in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
             return self._marked_call(body)
         try:
@@ -291,6 +293,25 @@ class ToolCallParser:
             return None
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))
 
+    def _invoke_call(self, body: str) -> ToolCall | None:
+        """minimax_m2: the rest of `<invoke name="NAME">`, then <parameter name="K"> blocks."""
+        name, quote, rest = body.partition('">')
+        name = name.strip()
+        if not quote or name not in self.names:
+            return None
+        properties = self.parameters.get(name, {}).get("properties") or {}
+        arguments: dict[str, Any] = {}
+        at = 0
+        for p in _INVOKE_PARAMETER.finditer(rest):
+            if rest[at:p.start()].strip():
+                return None
+            key = p.group(1).strip()
+            arguments[key] = _typed_value(p.group(2), properties.get(key))
+            at = p.end()
+        if rest[at:].strip():
+            return None
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))
+
     def _key_value_call(self, body: str) -> ToolCall | None:
         """glm45: the name up to the first line's end (or the first key), then key/value
         pairs; anything else between them makes the block not a call."""
@@ -332,6 +353,7 @@ _KEY_VALUE = re.compile(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) +
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>]+)>(.*?)</function>\s*", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_INVOKE_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
 
 
 def _typed_value(raw: str, schema: Any) -> Any:

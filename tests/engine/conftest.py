@@ -180,6 +180,21 @@ QWEN3_XML_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
 
 
+# MiniMax-M2's tool rendering (its published template's calls, compacted): one
+# <minimax:tool_call> block holding an <invoke name=...> per call, arguments iterated
+MINIMAX_TEMPLATE = (
+    "{%- if tools -%}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\n<|im_end|>\n{%- endif -%}{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}<|im_start|>assistant\n"
+    "<minimax:tool_call>\n{%- for tc in m.tool_calls %}\n<invoke name=\"{{ tc.function.name }}\">"
+    "\n{% for k, v in tc.function.arguments.items() %}<parameter name=\"{{ k }}\">"
+    "{{ v | tojson if v is not string else v }}</parameter>\n{% endfor %}</invoke>"
+    "{%- endfor %}\n</minimax:tool_call><|im_end|>\n{%- elif m.role == 'tool' -%}"
+    "<|im_start|>user\n<response>{{ m.content }}</response><|im_end|>\n{%- else -%}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
 def _ds_template(call: str) -> str:
     """DeepSeek's tool rendering (its templates' tools section, calls and outputs), with one
     call's body spelled as the version writes it."""

@@ -224,6 +224,8 @@ def syntax_engines(tmp_path_factory):
     makers = {"glm45": lambda p: conftest.glm45_model_dir(p),
               "qwen3_xml": lambda p: conftest.templated_model_dir(p,
                                                                   conftest.QWEN3_XML_TEMPLATE),
+              "minimax_m2": lambda p: conftest.templated_model_dir(p,
+                                                                   conftest.MINIMAX_TEMPLATE),
               "deepseek_v3": lambda p: conftest.templated_model_dir(p, conftest.DS_V3_TEMPLATE),
               "deepseek_v31": lambda p: conftest.templated_model_dir(p,
                                                                      conftest.DS_V31_TEMPLATE),
@@ -253,7 +255,8 @@ GLM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameter
 @pytest.mark.parametrize(("fmt", "choice", "seed"), [
     ("glm45", "required", 1), ("glm45", "required", 2), ("glm45", "get_weather", 3),
     ("glm45", "ping", 4), ("qwen3_xml", "required", 1), ("qwen3_xml", "get_weather", 2),
-    ("qwen3_xml", "ping", 3), ("deepseek_v3", "required", 1), ("deepseek_v3", "get_weather", 2),
+    ("qwen3_xml", "ping", 3), ("minimax_m2", "required", 1), ("minimax_m2", "get_weather", 2),
+    ("deepseek_v3", "required", 1), ("deepseek_v3", "get_weather", 2),
     ("deepseek_v31", "required", 3), ("deepseek_v31", "ping", 4), ("kimi_k2", "required", 5),
     ("kimi_k2", "get_weather", 6)])
 def test_a_required_call_is_written_in_the_template_s_own_syntax(syntax_engines, fmt, choice,

@@ -200,7 +200,11 @@ KIMI_CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weath
              '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
              'functions.add:1<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>'
              "<|tool_calls_section_end|>")
-MARKED = {"deepseek_v3": DS_V3_CALL, "deepseek_v31": DS_V31_CALL, "kimi_k2": KIMI_CALL}
+MINIMAX_CALL = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+                '</parameter>\n</invoke>\n<invoke name="add">\n<parameter name="a">1</parameter>'
+                "\n</invoke>\n</minimax:tool_call>")
+MARKED = {"deepseek_v3": DS_V3_CALL, "deepseek_v31": DS_V31_CALL, "kimi_k2": KIMI_CALL,
+          "minimax_m2": MINIMAX_CALL}
 
 
 def marked_whole(fmt: str, text: str) -> tuple[str, list]:
@@ -240,8 +244,13 @@ def test_deepseek_and_kimi_streamed_in_any_pieces_are_the_same_as_whole(fmt, cut
 
 def test_deepseek_and_kimi_templates_say_their_syntax():
     from services.common.tool_calls import template_tool_call_format
-    from tests.engine.conftest import DS_V3_TEMPLATE, DS_V31_TEMPLATE, KIMI_TEMPLATE
+    from tests.engine.conftest import (
+        DS_V3_TEMPLATE,
+        DS_V31_TEMPLATE,
+        KIMI_TEMPLATE,
+        MINIMAX_TEMPLATE,
+    )
 
     assert [template_tool_call_format(t) for t in (DS_V3_TEMPLATE, DS_V31_TEMPLATE,
-                                                   KIMI_TEMPLATE)] == [
-        "deepseek_v3", "deepseek_v31", "kimi_k2"]
+                                                   KIMI_TEMPLATE, MINIMAX_TEMPLATE)] == [
+        "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2"]

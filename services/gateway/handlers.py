@@ -414,11 +414,15 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
                             raise EngineAborted(event.error, run.call.engine)
                         finished[i] = event
                         if run.parser is not None:
-                            rest = run.parser.finish()
+                            before = len(run.parser.calls)
+                            rest = run.parser.finish()  # may close a call (harmony's last)
                             if thought := run.parser.take_reasoning():
                                 out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
                             if rest:
                                 out.append(sse.event(renderer.chunk(text=rest, index=i)))
+                            out.extend(sse.event(renderer.tool_call_chunk(call, before + k,
+                                                                          index=i))
+                                       for k, call in enumerate(run.parser.calls[before:]))
                         out.append(sse.event(renderer.chunk(
                             finish_reason=run.finish_reason(event), figures=run.figures(event),
                             index=i)))

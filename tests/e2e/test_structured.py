@@ -311,10 +311,19 @@ async def test_harmony_answers_split_reasoning_answer_and_calls(harmony_cluster)
                 thought += (chunk.choices[0].delta.model_extra or {}).get(
                     "reasoning_content") or ""
         assert (content, thought) == (message.content, reasoning)
-        reply = await client.chat.completions.create(
-            model="gpt-oss-tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-            max_tokens=160, temperature=1.0, seed=3, parallel_tool_calls=False)
-        choice = reply.choices[0]
+        kwargs = dict(model="gpt-oss-tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                      max_tokens=160, temperature=1.0, seed=3, parallel_tool_calls=False)
+        choice = (await client.chat.completions.create(**kwargs)).choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls
         _valid_call(call)
+        # streamed: the call, which the stop token <|call|> closes, comes as a delta too
+        streamed, finish = {"name": "", "arguments": ""}, None
+        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                streamed["name"] += delta_call.function.name or ""
+                streamed["arguments"] += delta_call.function.arguments or ""
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        assert finish == "tool_calls" and (streamed["name"], json.loads(streamed["arguments"])) == (
+            call.function.name, json.loads(call.function.arguments))

@@ -160,8 +160,8 @@ class ToolCallParser:
 
     def __init__(self, fmt: str, names: tuple[str, ...],
                  parameters: dict[str, dict] | None = None) -> None:
-        """parameters: each function's parameters schema (glm45 reads a value as text where
-        it says string)."""
+        """parameters: each function's parameters schema (the key/value syntaxes, glm45,
+        qwen3_xml and minimax_m2, read a value as text where it says string)."""
         if fmt not in TOOL_CALL_MARKERS:
             raise ValueError(f"tool-call format {fmt!r} is not one of "
                              f"{', '.join(TOOL_CALL_MARKERS)}")

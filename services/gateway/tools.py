@@ -277,56 +277,33 @@ class ToolCallParser:
     def _xml_call(self, body: str) -> ToolCall | None:
         """qwen3_xml: <function=NAME> and its <parameter=K> blocks, nothing else around."""
         m = _XML_FUNCTION.fullmatch(body)
-        if m is None or m.group(1).strip() not in self.names:
-            return None
-        name, rest = m.group(1).strip(), m.group(2)
-        properties = self.parameters.get(name, {}).get("properties") or {}
-        arguments: dict[str, Any] = {}
-        at = 0
-        for p in _XML_PARAMETER.finditer(rest):
-            if rest[at:p.start()].strip():
-                return None
-            key = p.group(1).strip()
-            arguments[key] = _typed_value(p.group(2), properties.get(key))
-            at = p.end()
-        if rest[at:].strip():
-            return None
-        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))
+        return None if m is None else self._pairs_call(m.group(1), m.group(2), _XML_PARAMETER)
 
     def _invoke_call(self, body: str) -> ToolCall | None:
         """minimax_m2: the rest of `<invoke name="NAME">`, then <parameter name="K"> blocks."""
         name, quote, rest = body.partition('">')
-        name = name.strip()
-        if not quote or name not in self.names:
-            return None
-        properties = self.parameters.get(name, {}).get("properties") or {}
-        arguments: dict[str, Any] = {}
-        at = 0
-        for p in _INVOKE_PARAMETER.finditer(rest):
-            if rest[at:p.start()].strip():
-                return None
-            key = p.group(1).strip()
-            arguments[key] = _typed_value(p.group(2), properties.get(key))
-            at = p.end()
-        if rest[at:].strip():
-            return None
-        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))
+        return self._pairs_call(name, rest, _INVOKE_PARAMETER) if quote else None
 
     def _key_value_call(self, body: str) -> ToolCall | None:
         """glm45: the name up to the first line's end (or the first key), then key/value
-        pairs; anything else between them makes the block not a call."""
+        pairs."""
         head, key, tail = body.partition(ARG_KEY)
-        name, rest = head.strip(), key + tail
+        return self._pairs_call(head, key + tail, _KEY_VALUE)
+
+    def _pairs_call(self, name: str, rest: str, pairs: re.Pattern[str]) -> ToolCall | None:
+        """A key/value syntax's call: `rest` nothing but `pairs` (groups: key, value text),
+        each value typed by the function's parameters; None where anything else is there."""
+        name = name.strip()
         if name not in self.names:
             return None
         properties = self.parameters.get(name, {}).get("properties") or {}
         arguments: dict[str, Any] = {}
         at = 0
-        for m in _KEY_VALUE.finditer(rest):
+        for m in pairs.finditer(rest):
             if rest[at:m.start()].strip():
                 return None
-            key, raw = m.group(1).strip(), m.group(2)
-            arguments[key] = _typed_value(raw, properties.get(key))
+            key = m.group(1).strip()
+            arguments[key] = _typed_value(m.group(2), properties.get(key))
             at = m.end()
         if rest[at:].strip():
             return None

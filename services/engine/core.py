@@ -103,11 +103,11 @@ class _Live:
         fmt, chat = getattr(tokenizer, "tool_call_format", ""), handle.request.messages
         keep = chat is not None and (fmt in CHANNELED or (
             fmt in KEEPS_SPECIAL and handle.request.tools is not None))
-        self.text = TextStream(tokenizer, params.stop, skip_special=not keep)
         # parallel_tool_calls false: the answer ends where its first call's block closes
         tools = handle.request.tools
-        self.one_call_end = (TOOL_CALL_MARKERS[fmt][1] if tools is not None and not
-                             tools.parallel and fmt in TOOL_CALL_MARKERS else "")
+        one_call = tools is not None and not tools.parallel and fmt in TOOL_CALL_MARKERS
+        self.text = TextStream(tokenizer, params.stop, skip_special=not keep,
+                               end_after=(TOOL_CALL_MARKERS[fmt][1],) if one_call else ())
         room = context_window - len(handle.prompt_ids)
         self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
         self.generated = 0
@@ -476,7 +476,8 @@ class Engine:
         self._take(seq, live.sampler.sample(logits), logits)
 
     def _take(self, seq: SeqState, token_id: int, logits: torch.Tensor) -> bool:
-        """Emit one token's text; finish on EOS, a stop string or the limit (returns False),
+        """Emit one token's text; finish on EOS, a stop string (or the end of a call the request
+        allows only one of) or the limit (returns False),
         else append it to the sequence (True). logits [V]: its distribution, for logprobs."""
         live: _Live = seq.payload
         params = live.handle.request.params
@@ -492,9 +493,6 @@ class Engine:
         live.emit(new_text, token_id, self._logprobs(logits, token_id, params.top_logprobs)
                   if params.logprobs else None)
         if hit_stop:
-            self._finish(seq, "stop")
-        elif live.one_call_end and live.text.seen(live.one_call_end):
-            live.emit(live.text.flush())  # parallel_tool_calls false: no second call
             self._finish(seq, "stop")
         elif live.sampler.guide is not None and live.sampler.guide.done:
             live.emit(live.text.flush())  # the grammar is complete: nothing more may follow

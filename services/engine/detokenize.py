@@ -7,14 +7,17 @@ class TextStream:
     """Incremental detokenizer with stop strings.
 
     Holds back text that may still change: an incomplete UTF-8 sequence (decodes to U+FFFD)
-    and any tail that could be the start of a stop string.
+    and any tail that could be the start of a stop string. A stop string ends the output
+    before itself; an `end_after` string ends it after itself (it is sent).
     """
 
-    def __init__(self, tokenizer: object, stop: tuple[str, ...], skip_special: bool = True):
+    def __init__(self, tokenizer: object, stop: tuple[str, ...], skip_special: bool = True,
+                 end_after: tuple[str, ...] = ()):
         """skip_special: special tokens are not text (False: they are, as written)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._stop = tuple(s for s in stop if s)
+        self._end_after = tuple(s for s in end_after if s)
         self._ids: list[int] = []
         self._text = ""
         self._emitted = 0  # chars of _text already sent
@@ -30,15 +33,17 @@ class TextStream:
                 out = self._text[self._emitted:found]
                 self._emitted = len(self._text)
                 return out, True
+        for end in self._end_after:
+            found = self._text.find(end, max(0, self._emitted - len(end) + 1))
+            if found != -1:
+                out = self._text[self._emitted:found + len(end)]
+                self._emitted = len(self._text)
+                return out, True
         safe = len(self._text.rstrip("\ufffd"))
         safe -= self._stop_prefix_len(self._text[:safe])
         out = self._text[self._emitted:max(safe, self._emitted)]
         self._emitted = max(safe, self._emitted)
         return out, False
-
-    def seen(self, text: str) -> bool:
-        """Whether the output so far contains `text` (sent or held back)."""
-        return text in self._text
 
     def flush(self) -> str:
         out = self._text[self._emitted:]

@@ -13,8 +13,9 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def run(text: str, stop: tuple[str, ...]) -> tuple[list[str], bool]:
-    stream = TextStream(ByteTokenizer(), stop)
+def run(text: str, stop: tuple[str, ...], end_after: tuple[str, ...] = ()
+        ) -> tuple[list[str], bool]:
+    stream = TextStream(ByteTokenizer(), stop, end_after=end_after)
     pieces = []
     for token in ByteTokenizer().encode(text):
         piece, stopped = stream.push(token)
@@ -34,6 +35,13 @@ def test_text_is_reassembled_exactly():
 def test_stop_string_ends_output_before_it():
     pieces, stopped = run("answer: 42\nEND more", ("\nEND",))
     assert stopped and "".join(pieces) == "answer: 42"
+
+
+def test_an_end_after_string_ends_output_after_it():
+    pieces, stopped = run("<call>{}</call>\n<call>{}</call>", (), ("</call>",))
+    assert stopped and "".join(pieces) == "<call>{}</call>"
+    pieces, stopped = run("no end here </cal", (), ("</call>",))
+    assert not stopped and "".join(pieces) == "no end here </cal"
 
 
 def test_text_that_only_looks_like_a_stop_prefix_is_released():

@@ -159,6 +159,25 @@ def _valid_call(call) -> None:
     assert call.type == "function" and call.id.startswith("call_")
 
 
+async def _streamed_calls(client: openai.AsyncOpenAI, **kwargs) -> tuple[str | None, list]:
+    """A streamed chat answer's finish reason and its calls [(name, arguments)], each call's
+    deltas joined."""
+    calls: dict[int, dict] = {}
+    finish = None
+    async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            call = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
+            call["name"] += delta_call.function.name or ""
+            call["arguments"] += delta_call.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return finish, [(c["name"], json.loads(c["arguments"])) for c in calls.values()]
+
+
+def _calls(message) -> list:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
 async def test_required_and_named_tool_choices_always_give_a_valid_call(cluster8, figures):
     async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
                                   max_retries=0) as client:
@@ -188,18 +207,9 @@ async def test_streamed_tool_call_deltas_add_up_to_the_same_call(cluster8):
         kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                       max_tokens=120, temperature=0, parallel_tool_calls=False)
         whole = (await client.chat.completions.create(**kwargs)).choices[0]
-        calls: dict[int, dict] = {}
-        finish = None
-        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
-            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-                call = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
-                call["name"] += delta_call.function.name or ""
-                call["arguments"] += delta_call.function.arguments or ""
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
+        finish, calls = await _streamed_calls(client, **kwargs)
     assert finish == whole.finish_reason == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert calls == _calls(whole.message)
 
 
 async def test_auto_parses_a_tool_call_shaped_answer_and_takes_the_results_back(cluster8):
@@ -227,16 +237,21 @@ async def test_auto_parses_a_tool_call_shaped_answer_and_takes_the_results_back(
         assert plain.choices[0].message.tool_calls is None
 
 
+def _model_cluster(tmp_path_factory, name: str, make):
+    """`strata up` on the checkpoint make(directory) writes, served as `name`."""
+    tmp = tmp_path_factory.mktemp(name)
+    model = make(tmp / name)
+    c = start_cluster(tmp, "--model", str(model), "--max-inflight", "8", "--max-queue", "64")
+    yield c
+    assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+
+
 @pytest.fixture(scope="module")
 def glm_cluster(tmp_path_factory):
     """The default model behind GLM-4.5's tool-call template (<arg_key>/<arg_value> lines)."""
     from tests.engine.conftest import glm45_model_dir
 
-    tmp = tmp_path_factory.mktemp("glm")
-    model = glm45_model_dir(tmp / "glm45")
-    c = start_cluster(tmp, "--model", str(model), "--max-inflight", "8", "--max-queue", "64")
-    yield c
-    assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+    yield from _model_cluster(tmp_path_factory, "glm45", glm45_model_dir)
 
 
 async def test_glm_s_tool_syntax_gives_valid_calls_whole_streamed_and_in_the_history(
@@ -262,15 +277,10 @@ async def test_glm_s_tool_syntax_gives_valid_calls_whole_streamed_and_in_the_his
                 for r in replies[1::2]} == {"get_weather"}
         whole = (await client.chat.completions.create(**kwargs, tool_choice="required",
                                                       temperature=0)).choices[0]
-        streamed = {"name": "", "arguments": ""}
-        async for chunk in await client.chat.completions.create(
-                **kwargs, tool_choice="required", temperature=0, stream=True):
-            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-                streamed["name"] += delta_call.function.name or ""
-                streamed["arguments"] += delta_call.function.arguments or ""
+        _, streamed = await _streamed_calls(client, **kwargs, tool_choice="required",
+                                            temperature=0)
         (call,) = whole.message.tool_calls
-        assert (streamed["name"], json.loads(streamed["arguments"])) == (
-            call.function.name, json.loads(call.function.arguments))
+        assert streamed == _calls(whole.message)
         follow_up = await client.chat.completions.create(
             model="glm45", tools=TOOLS, max_tokens=8, temperature=0, messages=[
                 *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -283,11 +293,7 @@ def harmony_cluster(tmp_path_factory):
     """A tiny random gpt-oss checkpoint with harmony's special tokens and chat template."""
     from tests.engine.conftest import harmony_model_dir
 
-    tmp = tmp_path_factory.mktemp("harmony")
-    model = harmony_model_dir(tmp / "gpt-oss-tiny")
-    c = start_cluster(tmp, "--model", str(model), "--max-inflight", "8", "--max-queue", "64")
-    yield c
-    assert stop_cluster(c) == 0, c.output.read_text()[-3000:]
+    yield from _model_cluster(tmp_path_factory, "gpt-oss-tiny", harmony_model_dir)
 
 
 async def test_harmony_answers_split_reasoning_answer_and_calls(harmony_cluster):
@@ -318,12 +324,5 @@ async def test_harmony_answers_split_reasoning_answer_and_calls(harmony_cluster)
         (call,) = choice.message.tool_calls
         _valid_call(call)
         # streamed: the call, which the stop token <|call|> closes, comes as a delta too
-        streamed, finish = {"name": "", "arguments": ""}, None
-        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
-            for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-                streamed["name"] += delta_call.function.name or ""
-                streamed["arguments"] += delta_call.function.arguments or ""
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-        assert finish == "tool_calls" and (streamed["name"], json.loads(streamed["arguments"])) == (
-            call.function.name, json.loads(call.function.arguments))
+        finish, streamed = await _streamed_calls(client, **kwargs)
+        assert finish == "tool_calls" and streamed == _calls(choice.message)

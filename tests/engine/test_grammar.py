@@ -42,8 +42,8 @@ def engine():
     eng.stop()
 
 
-def submit(engine: Engine, prompt: str, constraint: OutputConstraint | None = None,
-           **params) -> tuple[threading.Event, list]:
+def submit(engine: Engine, prompt: str | None, constraint: OutputConstraint | None = None,
+           messages=None, tools=None, **params) -> tuple[threading.Event, list]:
     done, events = threading.Event(), []
 
     def sink(event):
@@ -54,8 +54,16 @@ def submit(engine: Engine, prompt: str, constraint: OutputConstraint | None = No
                               seed=params.pop("seed", None),
                               logit_bias=params.pop("logit_bias", ()))
     engine.submit(EngineRequest("r", GenerateParams(sampling=sampling, constraint=constraint,
-                                                    **params), prompt=prompt), sink)
+                                                    **params), prompt=prompt,
+                                messages=messages, tools=tools), sink)
     return done, events
+
+
+def chat(engine, messages, constraint=None, tools=None, **params) -> tuple[list, str]:
+    """A chat request's events and text."""
+    done, events = submit(engine, None, constraint, messages, tools, **params)
+    text, _, _ = result(done, events)
+    return events, text
 
 
 def result(done: threading.Event, events: list) -> tuple[str, str, int]:
@@ -267,22 +275,15 @@ def test_a_required_call_is_written_in_the_template_s_own_syntax(syntax_engines,
     from services.engine.requests import ChatTurn, ToolSpec
     from services.gateway.tools import ToolCallParser
 
-    done, events = threading.Event(), []
-
-    def sink(event):
-        events.append(event)
-        if isinstance(event, Finished):
-            done.set()
     history = (ChatTurn("user", "weather in Oslo?"),
                ChatTurn("assistant", "", (("functions.get_weather:0", "get_weather",
                                             json.dumps({"city": "Oslo", "days": 2})),)),
                ChatTurn("tool", "sunny", tool_call_id="functions.get_weather:0"),
                ChatTurn("user", "and Paris?"))
-    syntax_engines(fmt).submit(EngineRequest("t", GenerateParams(
-        max_tokens=160, sampling=SamplingConfig(temperature=1.0, seed=seed)), messages=history,
-        tools=ToolSpec(json.dumps(GLM_TOOLS), choice, parallel=False)), sink)
-    text, reason, _ = result(done, events)
-    assert events[0].tool_call_format == fmt and reason == "stop", text
+    events, text = chat(syntax_engines(fmt), history,
+                        tools=ToolSpec(json.dumps(GLM_TOOLS), choice, parallel=False),
+                        max_tokens=160, temperature=1.0, seed=seed)
+    assert events[0].tool_call_format == fmt and events[-1].reason == "stop", text
     parser = ToolCallParser(fmt, ("get_weather", "ping"),
                             {t["function"]["name"]: t["function"].get("parameters") or {}
                              for t in GLM_TOOLS})
@@ -308,23 +309,6 @@ def harmony_engine(tmp_path_factory):
     eng.start()
     yield eng
     eng.stop()
-
-
-def chat(engine, messages, constraint=None, tools=None, **params) -> tuple[list, str]:
-    done, events = threading.Event(), []
-
-    def sink(event):
-        events.append(event)
-        if isinstance(event, Finished):
-            done.set()
-    sampling = SamplingConfig(temperature=params.pop("temperature", 0.0),
-                              seed=params.pop("seed", None),
-                              logit_bias=params.pop("logit_bias", ()))
-    engine.submit(EngineRequest("h", GenerateParams(sampling=sampling, constraint=constraint,
-                                                    **params), messages=messages,
-                                tools=tools), sink)
-    text, reason, _ = result(done, events)
-    return events, text
 
 
 def test_a_harmony_chat_answer_keeps_its_channel_tokens_for_the_gateway(harmony_engine):
@@ -375,16 +359,7 @@ def test_parallel_tool_calls_false_ends_the_answer_at_its_first_call(engine, par
 
     call = '"<tool_call>\\n{\\"name\\": \\"ping\\", \\"arguments\\": {}}\\n</tool_call>"'
     two = OutputConstraint("lark", f'start: {call} "\\n" {call}\n')
-    done, events = threading.Event(), []
-
-    def sink(event):
-        events.append(event)
-        if isinstance(event, Finished):
-            done.set()
-    engine.submit(EngineRequest("p", GenerateParams(max_tokens=80, constraint=two),
-                                messages=(("user", "ping twice"),),
-                                tools=ToolSpec(json.dumps(TOOLS), "auto", parallel=parallel)),
-                  sink)
-    text, reason, _ = result(done, events)
-    assert reason == "stop" and text.count("</tool_call>") == (2 if parallel else 1), text
+    events, text = chat(engine, (("user", "ping twice"),), two,
+                        ToolSpec(json.dumps(TOOLS), "auto", parallel=parallel), max_tokens=80)
+    assert events[-1].reason == "stop" and text.count("</tool_call>") == (2 if parallel else 1), text
     assert text.endswith("</tool_call>")

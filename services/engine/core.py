@@ -100,11 +100,11 @@ class _Live:
         self.sampler = Sampler(params.sampling, handle.prompt_ids, self.end_ids, guide)
         # A chat answer in a syntax marked by special tokens keeps them (gpt-oss's channels
         # always, Kimi's and DeepSeek's call markers with tools): the gateway splits by them
-        fmt, chat = getattr(tokenizer, "tool_call_format", ""), handle.request.messages
-        keep = chat is not None and (fmt in CHANNELED or (
-            fmt in KEEPS_SPECIAL and handle.request.tools is not None))
+        fmt, request = getattr(tokenizer, "tool_call_format", ""), handle.request
+        tools = request.tools
+        keep = request.messages is not None and (fmt in CHANNELED or (
+            fmt in KEEPS_SPECIAL and tools is not None))
         # parallel_tool_calls false: the answer ends where its first call's block closes
-        tools = handle.request.tools
         one_call = tools is not None and not tools.parallel and fmt in TOOL_CALL_MARKERS
         self.text = TextStream(tokenizer, params.stop, skip_special=not keep,
                                end_after=(TOOL_CALL_MARKERS[fmt][1],) if one_call else ())

@@ -34,7 +34,7 @@ def draft_memory_bytes(
         from services.engine.spec.checkpoint_mtp import checkpoint_mtp_bytes, has_checkpoint_mtp
         from services.engine.spec.mtp import mtp_head_bytes
 
-        if has_checkpoint_mtp(model_dir):  # its own MTP layer (Qwen3-Next, Qwen3.5)
+        if has_checkpoint_mtp(model_dir):  # its own MTP layer (checkpoint_mtp.py's families)
             return checkpoint_mtp_bytes(model_dir, device=device)
 
         return mtp_head_bytes(model_dir)  # ValueError: no head

@@ -132,6 +132,11 @@ def checkpoint_mtp_bytes(model_dir: str | Path, dtype: torch.dtype = torch.float
     c, reader, layout = _open(model_dir)
     if layout is None:
         raise ValueError(f"{Path(model_dir).name} has no multi-token-prediction layer")
+    return _mtp_bytes(c, reader, layout, dtype, device)
+
+
+def _mtp_bytes(c: ModelConfig, reader: Any, layout: MtpLayout, dtype: torch.dtype,
+               device: str) -> int:
     own = {layout.fc, layout.enorm, layout.hnorm, layout.norm, layout.head}
     names = [n for n in reader.names
              if (n in own or (n.startswith(layout.layer)
@@ -190,8 +195,7 @@ class CheckpointMtp(DraftSource):
         self.kv = PagedKVCache.for_model(mc, blocks, 16, main.dtype, be.device)
         self.kv.claim(self)
         self.blocks = BlockManager(blocks, 16, enable_prefix_reuse=False)
-        self.memory_bytes = checkpoint_mtp_bytes(runner.model_dir, runner.weight_dtype,
-                                                 str(be.device))
+        self.memory_bytes = _mtp_bytes(c, stored, layout, runner.weight_dtype, str(be.device))
         self._seqs: dict[int, _Seq] = {}
         runner.hidden_sink = self.record
 

@@ -363,3 +363,22 @@ def test_parallel_tool_calls_false_ends_the_answer_at_its_first_call(engine, par
                         ToolSpec(json.dumps(TOOLS), "auto", parallel=parallel), max_tokens=80)
     assert events[-1].reason == "stop" and text.count("</tool_call>") == (2 if parallel else 1), text
     assert text.endswith("</tool_call>")
+
+
+def test_tools_for_a_template_without_a_call_syntax_are_refused_naming_those_known(
+        tmp_path):
+    """A chat template that teaches no tool-call syntax: a request with tools is refused by
+    name (the syntaxes Strata parses listed), before anything runs."""
+    from services.engine.requests import ToolSpec
+    from tests.engine.conftest import templated_model_dir
+
+    plain = ("{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+             "{%- endfor -%}<|im_start|>assistant\n")
+    runner = ModelRunner(templated_model_dir(tmp_path / "plain", plain), cache_slots=0,
+                         reserved_bytes=0)
+    engine = Engine(runner)
+    with pytest.raises(InvalidRequest, match="teaches no tool-call syntax.*glm45.*harmony"):
+        engine.submit(EngineRequest("n", GenerateParams(max_tokens=4),
+                                    messages=(("user", "hi"),),
+                                    tools=ToolSpec(json.dumps(TOOLS), "auto", parallel=True)),
+                      lambda event: None)

@@ -1,14 +1,20 @@
 """Two builds of the CPU kernels on the routed-expert kernel, interleaved in one process.
 
-    python scripts/kernel_ab.py OLD.c NEW.c [--types Q8_0,Q4_K] [--experts 32] [--routed 8]
+    python scripts/kernel_ab.py OLD.c NEW.c [D F] [--types Q8_0,Q4_K,F32] [--experts 32]
+                                [--routed 8] [--rows 1 4] [--layers 1] [--linear N]
     git show HEAD:services/engine/kernels/cpu_kernels.c > /tmp/old.c   # e.g. HEAD vs the tree
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c
+    python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c 512 256 \
+        --types F32 --experts 64 --rows 1 8 --layers 8 --linear 32000   # the bench preset
 
 Compiles each source with the engine's flags (both must have this checkout's ABI_VERSION),
-loads both libraries, and times `strata_moe` on random blocks of each GGUF type (Qwen3-30B-A3B's
-expert shape by default), the two builds alternating within every round so that drift in the
-host's memory bandwidth hits both alike. Prints the best round's GB/s of each and whether their
-outputs are bit-identical. Threads: torch's (OMP_NUM_THREADS).
+loads both libraries, and times `strata_moe` on random experts of each type (GGUF block types,
+or F32 / BF16 dense blobs; Qwen3-30B-A3B's expert shape by default) for each row count, the two
+builds alternating within every round so that drift in the host's memory bandwidth hits both
+alike. `--layers L` cycles the calls over L layers' experts (L x E blobs: more than the caches
+hold, as in a decode step); `--linear N` also times `strata_linear` of D inputs to N fp32
+outputs (an lm_head). Prints the best round's GB/s of each and whether their outputs are
+bit-identical. Threads: torch's (OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -27,7 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_micro import block_experts  # noqa: E402  (this directory: the same random experts)
 
 from services.engine import kernels  # noqa: E402
-from services.engine.cache.layout import num_splits  # noqa: E402
+from services.engine.cache.layout import ExpertLayout, num_splits  # noqa: E402
+
+DENSE = {"F32": "fp32", "BF16": "bf16"}  # dense blob types: strata_moe's `weights`
+
+
+def experts(t: str, E: int, D: int, F: int, rng: np.random.Generator) -> torch.Tensor:
+    """[E, blob]: E random expert blobs of type t (a GGUF block type, F32 or BF16)."""
+    if t not in DENSE:
+        return block_experts(t, E, D, F, rng)
+    dtype = torch.float32 if t == "F32" else torch.bfloat16
+    return (torch.randn(E, ExpertLayout(D, F).numel) * 0.05).to(dtype)
 
 
 def main() -> None:
@@ -41,6 +57,9 @@ def main() -> None:
     p.add_argument("--routed", type=int, default=8)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="tokens per call")
+    p.add_argument("--layers", type=int, default=1, help="sets of experts the calls cycle over")
+    p.add_argument("--linear", type=int, default=0, help="also time a D x N fp32 linear")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     libs = {}
@@ -52,30 +71,47 @@ def main() -> None:
     D, F, E, K = a.D, a.F, a.experts, a.routed
     rng = np.random.default_rng(0)
     types = a.types.split(",")
-    blobs = {t: block_experts(t, E, D, F, rng) for t in types}
-    for T in (1, 4):
+    blobs = {t: [experts(t, E, D, F, rng) for _ in range(a.layers)] for t in types}
+    lm_head = torch.randn(1, D, a.linear) * 0.05 if a.linear else None
+    for T in a.rows:
         x = torch.randn(T, D)
         top_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
         top_w = torch.rand(T, K)
         routed = len(set(top_idx.flatten().tolist()))
         times: dict[tuple[str, str], list[float]] = {}
         outputs: dict[tuple[str, str], torch.Tensor] = {}
+        gbs: dict[str, float] = {}
         for _ in range(a.rounds):
-            for t, b in blobs.items():
-                addr = np.array([blob.data_ptr() for blob in b], dtype=np.int64)
-                args = (x, top_idx, top_w, addr, F, num_splits(D))
+            for t, layers in blobs.items():
+                weights = DENSE.get(t, "blocks")
+                kind = {} if t in DENSE else {"block_types": (t,) * 3}
+                addrs = [np.array([blob.data_ptr() for blob in b], dtype=np.int64)
+                         for b in layers]
+                gbs[t] = routed * layers[0][0].numel() * layers[0].element_size() / 1e9
                 for name, cpu in libs.items():
-                    outputs[t, name] = cpu.moe(*args, weights="blocks", block_types=(t,) * 3)
+                    outputs[t, name] = cpu.moe(x, top_idx, top_w, addrs[0], F, num_splits(D),
+                                               weights=weights, **kind)
+                    t0 = time.perf_counter()
+                    for c in range(a.calls):
+                        cpu.moe(x, top_idx, top_w, addrs[c % a.layers], F, num_splits(D),
+                                weights=weights, **kind)
+                    times.setdefault((t, name), []).append((time.perf_counter() - t0) / a.calls)
+            if lm_head is not None:
+                gbs["linear"] = lm_head.numel() * 4 / 1e9
+                for name, cpu in libs.items():
+                    outputs["linear", name] = cpu.linear(x, lm_head)
                     t0 = time.perf_counter()
                     for _ in range(a.calls):
-                        cpu.moe(*args, weights="blocks", block_types=(t,) * 3)
-                    times.setdefault((t, name), []).append((time.perf_counter() - t0) / a.calls)
-        for t in types:
-            gb = routed * blobs[t][0].numel() / 1e9
+                        cpu.linear(x, lm_head)
+                    times.setdefault(("linear", name), []).append(
+                        (time.perf_counter() - t0) / a.calls)
+        for t, gb in gbs.items():
             old, new = min(times[t, "old"]), min(times[t, "new"])
             same = torch.equal(outputs[t, "old"], outputs[t, "new"])
-            print(f"T={T} {t}: old {gb / old:.1f} GB/s, new {gb / new:.1f} GB/s, new/old "
-                  f"{old / new:.2f}x, outputs {'identical' if same else 'DIFFER'}")
+            what = f"linear {D} x {a.linear}" if t == "linear" else f"{t} ({routed} experts)"
+            print(f"T={T} {what}: old {gb / old:.1f} GB/s ({old * 1e3:.2f} ms), new "
+                  f"{gb / new:.1f} GB/s ({new * 1e3:.2f} ms), new/old {old / new:.2f}x, "
+                  f"outputs {'identical' if same else 'DIFFER'}")
 
 
 if __name__ == "__main__":

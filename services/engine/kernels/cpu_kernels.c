@@ -158,12 +158,10 @@ static inline __attribute__((always_inline)) void reg_pass(const float *const *x
                                                            int64_t c, float *const *ys)
 {
     vw acc[TOK_TILE][NV_MAX];
-    for (int t = 0; t < NT; t++)
+    for (int t = 0; t < NT; t++) /* vector loads and stores of ys (a memcpy goes through the
+                                  * stack in halves: a failed store forward per vector) */
         for (int q = 0; q < NV; q++)
-            if (k0 == 0)
-                acc[t][q] = (vw){0};
-            else
-                memcpy(&acc[t][q], ys[t] + c + VL * q, sizeof(vw));
+            acc[t][q] = k0 == 0 ? (vw){0} : *(const vw *)(ys[t] + c + VL * q);
     for (int64_t i = k0; i < k1; i++) {
         if (pf) { /* a prefetch never faults: past the end of W is harmless */
             const char *ahead = welem(W, (i + K_CHUNK) * ld + c, wt);
@@ -181,7 +179,8 @@ static inline __attribute__((always_inline)) void reg_pass(const float *const *x
         }
     }
     for (int t = 0; t < NT; t++)
-        memcpy(ys[t] + c, acc[t], (size_t)NV * sizeof(vw));
+        for (int q = 0; q < NV; q++)
+            *(vw *)(ys[t] + c + VL * q) = acc[t][q];
 }
 
 /* Columns [0, n) for the inputs [k0, k1) in passes of VL NV; the rest in passes of

@@ -1006,8 +1006,9 @@ void strata_linear_blocks(const float *x, int64_t T, int64_t K, int64_t ldx, con
 }
 
 /* Columns per unit of linear_units for T rows: units of equal width (multiples of COL_BLOCK),
- * as wide as the chunked accumulators allow (T x width <= ACC_FLOATS: a decode row reads long
- * contiguous runs of each W row) while every thread of the team still gets a unit. */
+ * as wide as the chunked accumulators allow (T x width <= ACC_FLOATS, so that product chunks
+ * the inputs: a decode row reads long contiguous runs of each W row) while every thread of the
+ * team still gets a unit. */
 static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
 {
 #ifdef _OPENMP
@@ -1015,7 +1016,8 @@ static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
 #else
     const int64_t threads = 1;
 #endif
-    const int64_t cap = T > 0 && ACC_FLOATS / T > COL_BLOCK ? ACC_FLOATS / T : COL_BLOCK;
+    const int64_t fit = T > 0 ? ACC_FLOATS / T / COL_BLOCK * COL_BLOCK : ACC_FLOATS;
+    const int64_t cap = fit > COL_BLOCK ? fit : COL_BLOCK; /* a multiple of COL_BLOCK */
     int64_t per_split = (threads + S - 1) / S;  /* units per column block for every thread */
     if (per_split < (n + cap - 1) / cap)
         per_split = (n + cap - 1) / cap;

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -299,6 +300,9 @@ def test_release_thread_pool_frees_the_calling_threads_openmp_workers():
             torch.ones(1 << 22).sum()  # a parallel region: this thread's pool gets a worker
             seen.append(set(os.listdir("/proc/self/task")) - before)
             seen.append(kernels.release_thread_pool())
+            deadline = time.monotonic() + 5.0  # the workers exit on their own, soon after
+            while seen[0] & set(os.listdir("/proc/self/task")) and time.monotonic() < deadline:
+                time.sleep(0.01)
             seen.append(set(os.listdir("/proc/self/task")))
         finally:
             torch.set_num_threads(threads)

@@ -60,6 +60,9 @@
 #define BLOCK_TILE 8      /* rows sharing one unpacking of a block-type block (tile_blocks):
                              at 512 rows 1.37x (Q4_K) / 1.13x (Q6_K) over 4, Q8_0 even */
 #define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
+#define UNITS_PER_THREAD 4 /* strata_linear's units per thread at least, taken as threads come
+                              free: a thread the scheduler lends to another process for a while
+                              (the gateway, on a small host) holds up only its current unit */
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
 #define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
@@ -1008,7 +1011,7 @@ void strata_linear_blocks(const float *x, int64_t T, int64_t K, int64_t ldx, con
 /* Columns per unit of linear_units for T rows: units of equal width (multiples of COL_BLOCK),
  * as wide as the chunked accumulators allow (T x width <= ACC_FLOATS, so that product chunks
  * the inputs: a decode row reads long contiguous runs of each W row) while every thread of the
- * team still gets a unit. */
+ * team still gets UNITS_PER_THREAD units. */
 static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
 {
 #ifdef _OPENMP
@@ -1018,7 +1021,7 @@ static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
 #endif
     const int64_t fit = T > 0 ? ACC_FLOATS / T / COL_BLOCK * COL_BLOCK : ACC_FLOATS;
     const int64_t cap = fit > COL_BLOCK ? fit : COL_BLOCK; /* a multiple of COL_BLOCK */
-    int64_t per_split = (threads + S - 1) / S;  /* units per column block for every thread */
+    int64_t per_split = (UNITS_PER_THREAD * threads + S - 1) / S; /* units per column block */
     if (per_split < (n + cap - 1) / cap)
         per_split = (n + cap - 1) / cap;
     const int64_t width = (n + per_split - 1) / per_split;
@@ -1031,7 +1034,7 @@ static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, cons
                          int wt, int64_t S, int64_t n, float *y, int64_t ldy)
 {
     const int64_t width = unit_columns(T, S, n), chunks = (n + width - 1) / width;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < S * chunks; u++) {
         const int64_t s = u / chunks, c = (u % chunks) * width;
         const int64_t w = n - c < width ? n - c : width;

@@ -2,6 +2,7 @@
 
     python scripts/kernel_ab.py OLD.c NEW.c [D F] [--types Q8_0,Q4_K,F32] [--experts 32]
                                 [--routed 8] [--rows 1 4] [--layers 1] [--linear N]
+                                [--attention HEAD_DIM]
     git show HEAD:services/engine/kernels/cpu_kernels.c > /tmp/old.c   # e.g. HEAD vs the tree
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c 512 256 \
@@ -13,7 +14,8 @@ or F32 / BF16 dense blobs; Qwen3-30B-A3B's expert shape by default) for each row
 builds alternating within every round so that drift in the host's memory bandwidth hits both
 alike. `--layers L` cycles the calls over L layers' experts (L x E blobs: more than the caches
 hold, as in a decode step); `--linear N` also times `strata_linear` of D inputs to N fp32
-outputs (an lm_head). Prints the best round's GB/s of each and whether their outputs are
+outputs (an lm_head); `--attention HEAD_DIM` also times `strata_decode_attention` (4 heads over
+2 KV heads, each row 100-300 positions deep). Prints the best round's GB/s of each and whether their outputs are
 bit-identical. Threads: torch's (OMP_NUM_THREADS).
 """
 
@@ -60,6 +62,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="tokens per call")
     p.add_argument("--layers", type=int, default=1, help="sets of experts the calls cycle over")
     p.add_argument("--linear", type=int, default=0, help="also time a D x N fp32 linear")
+    p.add_argument("--attention", type=int, default=0, help="also time decode attention at "
+                   "this head dim")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     libs = {}
@@ -105,10 +109,27 @@ def main() -> None:
                         cpu.linear(x, lm_head)
                     times.setdefault(("linear", name), []).append(
                         (time.perf_counter() - t0) / a.calls)
+            if a.attention:
+                Hd, blocks, P = a.attention, 64, 16
+                q = torch.randn(T, 4, Hd)
+                k_pool, v_pool = torch.randn(2, blocks, P, 2, Hd)
+                tables = torch.stack([torch.randperm(blocks)[:20] for _ in range(T)])
+                lengths = torch.randint(100, 300, (T,), generator=torch.Generator().manual_seed(T))
+                gbs["attention"] = 2 * int(lengths.sum()) * 2 * Hd * 4 / 1e9  # K and V read
+                for name, cpu in libs.items():
+                    args = (q, k_pool, v_pool, tables, lengths, 320)
+                    outputs["attention", name] = cpu.decode_attention(*args)
+                    t0 = time.perf_counter()
+                    for _ in range(a.calls):
+                        cpu.decode_attention(*args)
+                    times.setdefault(("attention", name), []).append(
+                        (time.perf_counter() - t0) / a.calls)
         for t, gb in gbs.items():
             old, new = min(times[t, "old"]), min(times[t, "new"])
             same = torch.equal(outputs[t, "old"], outputs[t, "new"])
-            what = f"linear {D} x {a.linear}" if t == "linear" else f"{t} ({routed} experts)"
+            what = {"linear": f"linear {D} x {a.linear}",
+                    "attention": f"decode attention, head dim {a.attention}"}.get(
+                        t, f"{t} ({routed} experts)")
             print(f"T={T} {what}: old {gb / old:.1f} GB/s ({old * 1e3:.2f} ms), new "
                   f"{gb / new:.1f} GB/s ({new * 1e3:.2f} ms), new/old {old / new:.2f}x, "
                   f"outputs {'identical' if same else 'DIFFER'}")

@@ -15,8 +15,8 @@ builds alternating within every round so that drift in the host's memory bandwid
 alike. `--layers L` cycles the calls over L layers' experts (L x E blobs: more than the caches
 hold, as in a decode step); `--linear N` also times `strata_linear` of D inputs to N fp32
 outputs (an lm_head); `--attention HEAD_DIM` also times `strata_decode_attention` (4 heads over
-2 KV heads, each row 100-300 positions deep). Prints the best round's GB/s of each and whether their outputs are
-bit-identical. Threads: torch's (OMP_NUM_THREADS).
+2 KV heads, each row 100-300 positions deep). Prints the best round's GB/s of each and whether
+their outputs are bit-identical. Threads: torch's (OMP_NUM_THREADS).
 """
 
 from __future__ import annotations

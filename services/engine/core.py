@@ -477,8 +477,8 @@ class Engine:
 
     def _take(self, seq: SeqState, token_id: int, logits: torch.Tensor) -> bool:
         """Emit one token's text; finish on EOS, a stop string (or the end of a call the request
-        allows only one of) or the limit (returns False),
-        else append it to the sequence (True). logits [V]: its distribution, for logprobs."""
+        allows only one of) or the limit (returns False), else append it to the sequence
+        (True). logits [V]: its distribution, for logprobs."""
         live: _Live = seq.payload
         params = live.handle.request.params
         if live.first_token_at is None:

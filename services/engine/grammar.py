@@ -134,9 +134,9 @@ KEY_VALUE_LAYOUTS = {
 
 def _key_value_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputConstraint:
     """glm45's, qwen3_xml's and minimax_m2's calls: the name, then one key/value block per
-    parameter, in the schema's order (the required ones always, the others optionally); a string value is text
-    without "<" (one of its enum where it has one, within its minLength / maxLength), any other
-    value the JSON its schema allows."""
+    parameter, in the schema's order (the required ones always, the others optionally); a
+    string value is text without "<" (one of its enum where it has one, within its minLength /
+    maxLength), any other value the JSON its schema allows."""
     opening, closing = TOOL_CALL_MARKERS[fmt]
     name_text, after, key_text, value_end = KEY_VALUE_LAYOUTS[fmt]
     q = json.dumps  # a Lark string literal

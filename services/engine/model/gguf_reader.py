@@ -349,7 +349,8 @@ class GGUFCheckpoint:
         elif rope_dims is not None and int(rope_dims) != raw["head_dim"]:  # partial RoPE (GLM)
             raw["partial_rotary_factor"] = int(rope_dims) / raw["head_dim"]
         if self.arch == "glm4moe":  # DeepSeek-V3's routing: sigmoid, bias, scale, groups
-            raw.update(self._grouped_moe(), use_qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
+            raw.update(self._grouped_moe(),
+                       use_qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
         if self.arch in ("glm4moe", "minimax-m2") and int(a("expert_gating_func", 2)) != 2:
             raise CheckpointError(f"{self.path.name}: {self.arch} with expert_gating_func "
                                   f"{a('expert_gating_func')} (Strata reads sigmoid, 2)")
@@ -370,8 +371,8 @@ class GGUFCheckpoint:
         rope = int(a("rope.dimension_count"))
         moe = self._grouped_moe()
         raw.update(
-            moe, model_type="deepseek_v3" if int(a("expert_gating_func", 1)) == 2
-            else "deepseek_v2",
+            moe,
+            model_type="deepseek_v3" if int(a("expert_gating_func", 1)) == 2 else "deepseek_v2",
             n_routed_experts=num_experts, kv_lora_rank=int(a("attention.kv_lora_rank")),
             q_lora_rank=int(a("attention.q_lora_rank", 0) or 0) or None,
             qk_rope_head_dim=rope, qk_nope_head_dim=int(a("attention.key_length_mla")) - rope,
@@ -381,7 +382,6 @@ class GGUFCheckpoint:
         if "rope_scaling" in raw and log_mul:
             mscale = float(f"{log_mul / 0.1:.6g}")  # a float32's digits (0.707, not 0.70699996)
             raw["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
-
 
     def _grouped_moe(self) -> dict[str, Any]:
         """glm4moe's and deepseek2's MoE keys as DeepSeek's config fields: leading dense

@@ -76,7 +76,6 @@
 
 int strata_abi_version(void) { return ABI_VERSION; }
 
-typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats, unaligned ok */
 
 /* The products' register tiles: a pass keeps NT x NV accumulators of VL floats in vector
  * registers for NT rows (NV_NT vectors each), plus a vector of weights per column vector.
@@ -1052,18 +1051,20 @@ void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void
 
 typedef float v4 __attribute__((vector_size(16)));
 
-/* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16, lanes then summed
- * pairwise (lane i += lane i + w for w = 8, 4, 2, 1, in vector registers: through memory it
- * cost more than the products at a head's 32 or 64), then the tail in order. */
+/* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16 (two 8-lane halves:
+ * a 16-float vector type lives on the stack where the CPU has no 16-lane registers), lanes
+ * then summed pairwise (lane i += lane i + w for w = 8, 4, 2, 1, in vector registers: through
+ * memory it cost more than the products at a head's 32 or 64), then the tail in order. */
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
                                                        int64_t n)
 {
     const int64_t n16 = n - n % 16;
-    v16 acc = {0};
-    for (int64_t j = 0; j < n16; j += 16)
-        acc += *(const v16 *)(a + j) * *(const v16 *)(b + j);
-    const vf8 w8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf8 lo = {0}, hi = {0};
+    for (int64_t j = 0; j < n16; j += 16) {
+        lo = fma8(*(const vf8 *)(a + j), *(const vf8 *)(b + j), lo);
+        hi = fma8(*(const vf8 *)(a + j + 8), *(const vf8 *)(b + j + 8), hi);
+    }
+    const vf8 w8 = lo + hi;
     const v4 w4 = __builtin_shufflevector(w8, w8, 0, 1, 2, 3) +
                   __builtin_shufflevector(w8, w8, 4, 5, 6, 7);
     float sum = (w4[0] + w4[2]) + (w4[1] + w4[3]);
@@ -1132,6 +1133,31 @@ void strata_qk_norm_rope(float *qkv, int64_t T, int64_t ldx, int64_t H, int64_t 
     qk_heads(qkv, T, ldx, H, G, Hd, q_norm, k_norm, eps, cos_table, sin_table, positions);
 }
 
+/* o[0 .. 8 NV) = sum over positions first .. len - 1, in order, of (s[p] / sum) v_p[0 .. 8 NV),
+ * the accumulators in registers (through memory each position's FMAs waited for the previous
+ * one's stores). v_p: position p's row at block table[p / P], row p % P of per_block floats,
+ * rows `stride` apart; v points at the row's first column wanted. NV is a constant at each
+ * call. */
+static inline __attribute__((always_inline)) void weigh_values(
+    const float *s, float sum, const float *v, const int64_t *table, int64_t P,
+    int64_t per_block, int64_t stride, int64_t first, int64_t len, const int NV, float *o)
+{
+    vf8 acc[4] = {{0}, {0}, {0}, {0}};
+    for (int64_t p0 = first - first % P; p0 < len; p0 += P) {
+        const float *vb = v + table[p0 / P] * per_block;
+        for (int64_t p = p0 > first ? p0 : first; p < p0 + P && p < len; p++) {
+            const vf8 pw = (vf8){0} + s[p] / sum;
+            const float *vp = vb + (p - p0) * stride;
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; c++)
+                acc[c] = fma8(pw, *(const vf8 *)(vp + 8 * c), acc[c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; c++)
+        *(vf8 *)(o + 8 * c) = acc[c];
+}
+
 /* Decode attention over the paged KV cache: R rows, one query token each, causal over the
  * n[r] positions its sequence has (its own included), or only its last `window` of them
  * (window > 0: a sliding-window layer). q [R][ldq] holds H heads of Hd; query head h reads KV
@@ -1145,7 +1171,7 @@ static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, in
                            int64_t n_max, float scale, const float *sinks, int64_t window,
                            float *out, float *work)
 {
-    const int64_t per_block = P * G * Hd, group = H / G;
+    const int64_t stride = G * Hd, per_block = P * stride, group = H / G;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < R * H; u++) {
         const int64_t r = u / H, h = u % H, g = h / group, len = n[r];
@@ -1154,10 +1180,12 @@ static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, in
         const float *restrict qh = q + r * ldq + h * Hd;
         float *restrict s = work + u * n_max;
         float m = sinks ? sinks[h] : -INFINITY;
-        for (int64_t p = first; p < len; p++) {
-            const float *kp = k + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
-            s[p] = dot(qh, kp, Hd) * scale;
-            m = s[p] > m ? s[p] : m;
+        for (int64_t p0 = first - first % P; p0 < len; p0 += P) { /* block by block */
+            const float *kb = k + table[p0 / P] * per_block + g * Hd;
+            for (int64_t p = p0 > first ? p0 : first; p < p0 + P && p < len; p++) {
+                s[p] = dot(qh, kb + (p - p0) * stride, Hd) * scale;
+                m = s[p] > m ? s[p] : m;
+            }
         }
         float sum = sinks ? expf(sinks[h] - m) : 0.0f;
         for (int64_t p = first; p < len; p++) {
@@ -1165,12 +1193,17 @@ static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, in
             sum += s[p];
         }
         float *restrict o = out + u * Hd;
-        memset(o, 0, (size_t)Hd * sizeof(float));
-        for (int64_t p = first; p < len; p++) {
-            const float *restrict vp = v + table[p / P] * per_block + (p % P) * G * Hd + g * Hd;
-            const float pw = s[p] / sum;
-            for (int64_t j = 0; j < Hd; j++)
-                o[j] += pw * vp[j];
+        const float *vg = v + g * Hd;
+        int64_t j = 0;
+        for (; j + 32 <= Hd; j += 32)
+            weigh_values(s, sum, vg + j, table, P, per_block, stride, first, len, 4, o + j);
+        for (; j + 8 <= Hd; j += 8)
+            weigh_values(s, sum, vg + j, table, P, per_block, stride, first, len, 1, o + j);
+        for (; j < Hd; j++) {
+            float oj = 0.0f;
+            for (int64_t p = first; p < len; p++)
+                oj = fmaf(s[p] / sum, vg[table[p / P] * per_block + (p % P) * stride + j], oj);
+            o[j] = oj;
         }
     }
 }

@@ -2,7 +2,7 @@
 
     python scripts/kernel_ab.py OLD.c NEW.c [D F] [--types Q8_0,Q4_K,F32] [--experts 32]
                                 [--routed 8] [--rows 1 4] [--layers 1] [--linear N]
-                                [--attention HEAD_DIM]
+                                [--attention HEAD_DIM [--heads H G] [--positions N]]
     git show HEAD:services/engine/kernels/cpu_kernels.c > /tmp/old.c   # e.g. HEAD vs the tree
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c 512 256 \
@@ -14,9 +14,10 @@ or F32 / BF16 dense blobs; Qwen3-30B-A3B's expert shape by default) for each row
 builds alternating within every round so that drift in the host's memory bandwidth hits both
 alike. `--layers L` cycles the calls over L layers' experts (L x E blobs: more than the caches
 hold, as in a decode step); `--linear N` also times `strata_linear` of D inputs to N fp32
-outputs (an lm_head); `--attention HEAD_DIM` also times `strata_decode_attention` (4 heads over
-2 KV heads, each row 100-300 positions deep). Prints the best round's GB/s of each and whether
-their outputs are bit-identical. Threads: torch's (OMP_NUM_THREADS).
+outputs (an lm_head); `--attention HEAD_DIM` also times `strata_decode_attention` (`--heads H
+G` query and KV heads, 4 and 2 by default; each row a third of `--positions` to all of it deep).
+Prints the best round's GB/s of each and whether their outputs are bit-identical. Threads:
+torch's (OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def main() -> None:
     p.add_argument("--linear", type=int, default=0, help="also time a D x N fp32 linear")
     p.add_argument("--attention", type=int, default=0, help="also time decode attention at "
                    "this head dim")
+    p.add_argument("--heads", type=int, nargs=2, default=[4, 2], metavar=("H", "G"),
+                   help="decode attention's query and KV heads")
+    p.add_argument("--positions", type=int, default=300, help="decode attention's deepest row "
+                   "(each row a third of it to all of it)")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     libs = {}
@@ -110,14 +115,16 @@ def main() -> None:
                     times.setdefault(("linear", name), []).append(
                         (time.perf_counter() - t0) / a.calls)
             if a.attention:
-                Hd, blocks, P = a.attention, 64, 16
-                q = torch.randn(T, 4, Hd)
-                k_pool, v_pool = torch.randn(2, blocks, P, 2, Hd)
-                tables = torch.stack([torch.randperm(blocks)[:20] for _ in range(T)])
-                lengths = torch.randint(100, 300, (T,), generator=torch.Generator().manual_seed(T))
-                gbs["attention"] = 2 * int(lengths.sum()) * 2 * Hd * 4 / 1e9  # K and V read
+                (H, G), Hd, P, n = a.heads, a.attention, 16, a.positions
+                per_row = -(-n // P)
+                blocks = max(64, T * per_row)
+                q = torch.randn(T, H, Hd)
+                k_pool, v_pool = torch.randn(2, blocks, P, G, Hd)
+                tables = torch.stack([torch.randperm(blocks)[:per_row] for _ in range(T)])
+                lengths = torch.randint(n // 3, n, (T,), generator=torch.Generator().manual_seed(T))
+                gbs["attention"] = int(lengths.sum()) * G * 2 * Hd * 4 / 1e9  # K and V read
                 for name, cpu in libs.items():
-                    args = (q, k_pool, v_pool, tables, lengths, 320)
+                    args = (q, k_pool, v_pool, tables, lengths, per_row * P)
                     outputs["attention", name] = cpu.decode_attention(*args)
                     t0 = time.perf_counter()
                     for _ in range(a.calls):

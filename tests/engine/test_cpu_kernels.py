@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.engine import kernels
 from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
@@ -117,22 +116,34 @@ def test_rms_norm_and_qk_norm_rope_match_torch(cpu):
     assert torch.equal(got_v, want_v)
 
 
-def test_decode_attention_reads_scattered_blocks_like_sdpa(cpu):
+@pytest.mark.parametrize("H, G, Hd, window, with_sinks", [
+    (4, 2, 16, 0, False),
+    (8, 1, 44, 0, True),  # one KV head: a row's query heads shared among the threads; a tail
+    (16, 2, 64, 6, False),  # eight heads read each KV row; a sliding window
+])
+def test_decode_attention_reads_scattered_blocks_like_sdpa(cpu, H, G, Hd, window, with_sinks):
     g = torch.Generator().manual_seed(5)
-    blocks, P, H, G, Hd = 12, 4, 4, 2, 16
+    blocks, P = 12, 4
     k_pool, v_pool = (torch.randn(blocks, P, G, Hd, generator=g) for _ in range(2))
     tables = torch.tensor([[7, 2, 9, 0], [3, 0, 0, 0], [11, 5, 1, 4]])
     lengths = torch.tensor([10, 3, 16])
     q = torch.randn(3, H, Hd, generator=g)
-    out = cpu.decode_attention(q, k_pool, v_pool, tables, lengths, 16)
+    sinks = torch.randn(H, generator=g) if with_sinks else None
+    out = cpu.decode_attention(q, k_pool, v_pool, tables, lengths, 16, sinks, window)
     for r in range(3):
         n = int(lengths[r])
-        k = k_pool[tables[r]].reshape(-1, G, Hd)[:n].transpose(0, 1)  # [G, n, Hd]
-        v = v_pool[tables[r]].reshape(-1, G, Hd)[:n].transpose(0, 1)
-        want = F.scaled_dot_product_attention(q[r][:, None], k, v, enable_gqa=True)[:, 0]
-        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+        first = max(0, n - window) if window else 0
+        k = k_pool[tables[r]].reshape(-1, G, Hd)[first:n]  # [n', G, Hd]
+        v = v_pool[tables[r]].reshape(-1, G, Hd)[first:n]
+        for h in range(H):
+            kv = h // (H // G)
+            scores = k[:, kv] @ q[r, h] * Hd**-0.5  # [n']
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h:h + 1]])
+            probs = torch.softmax(scores, dim=0)[:len(k)]
+            torch.testing.assert_close(out[r, h], probs @ v[:, kv], rtol=1e-5, atol=1e-5)
     alone = cpu.decode_attention(q[1:2].clone(), k_pool, v_pool, tables[1:2].clone(),
-                                 lengths[1:2].clone(), 3)
+                                 lengths[1:2].clone(), 3, sinks, window)
     assert torch.equal(alone[0], out[1])
 
 

@@ -1133,25 +1133,24 @@ void strata_qk_norm_rope(float *qkv, int64_t T, int64_t ldx, int64_t H, int64_t 
     qk_heads(qkv, T, ldx, H, G, Hd, q_norm, k_norm, eps, cos_table, sin_table, positions);
 }
 
-/* o[0 .. 8 NV) = sum over positions first .. len - 1, in order, of (s[p] / sum) v_p[0 .. 8 NV),
- * the accumulators in registers (through memory each position's FMAs waited for the previous
- * one's stores). v_p: position p's row at block table[p / P], row p % P of per_block floats,
- * rows `stride` apart; v points at the row's first column wanted. NV is a constant at each
- * call. */
+/* o[0 .. 8 NV) += sum over positions lo .. hi - 1 of one block, in order, of (s[p] / sum) v_p,
+ * the accumulators in registers across the block (accumulated in memory, each position's FMAs
+ * waited for the previous one's stores). v_p = vb + (p - p0) * stride. NV is a constant at
+ * each call. */
 static inline __attribute__((always_inline)) void weigh_values(
-    const float *s, float sum, const float *v, const int64_t *table, int64_t P,
-    int64_t per_block, int64_t stride, int64_t first, int64_t len, const int NV, float *o)
+    const float *s, float sum, const float *vb, int64_t stride, int64_t p0, int64_t lo,
+    int64_t hi, const int NV, float *o)
 {
-    vf8 acc[4] = {{0}, {0}, {0}, {0}};
-    for (int64_t p0 = first - first % P; p0 < len; p0 += P) {
-        const float *vb = v + table[p0 / P] * per_block;
-        for (int64_t p = p0 > first ? p0 : first; p < p0 + P && p < len; p++) {
-            const vf8 pw = (vf8){0} + s[p] / sum;
-            const float *vp = vb + (p - p0) * stride;
+    vf8 acc[4];
 #pragma GCC unroll 4
-            for (int c = 0; c < NV; c++)
-                acc[c] = fma8(pw, *(const vf8 *)(vp + 8 * c), acc[c]);
-        }
+    for (int c = 0; c < NV; c++)
+        acc[c] = *(const vf8 *)(o + 8 * c);
+    for (int64_t p = lo; p < hi; p++) {
+        const vf8 pw = (vf8){0} + s[p] / sum;
+        const float *vp = vb + (p - p0) * stride;
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; c++)
+            acc[c] = fma8(pw, *(const vf8 *)(vp + 8 * c), acc[c]);
     }
 #pragma GCC unroll 4
     for (int c = 0; c < NV; c++)
@@ -1164,7 +1163,10 @@ static inline __attribute__((always_inline)) void weigh_values(
  * head h / (H/G). Position p of row r is at block tables[r][p / P], offset p % P of the pools
  * k, v [blocks][P][G][Hd]. sinks (or NULL): a logit per query head that joins the softmax's
  * denominator with no value (gpt-oss's attention sinks). out [R][H][Hd]. work: R * H * n_max
- * floats. */
+ * floats.
+ * A unit is a row's KV head and the query heads that read it (or a share of them, when there
+ * are fewer units than threads): block by block, each K and V row is read once for them all.
+ * Every head's arithmetic is the same whatever the split (positions in order). */
 static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, int64_t G,
                            int64_t Hd, const float *k, const float *v, int64_t P,
                            const int64_t *tables, int64_t table_stride, const int64_t *n,
@@ -1172,38 +1174,54 @@ static void attention_rows(const float *q, int64_t R, int64_t ldq, int64_t H, in
                            float *out, float *work)
 {
     const int64_t stride = G * Hd, per_block = P * stride, group = H / G;
+    int64_t heads = group; /* query heads per unit */
+    while (heads % 2 == 0 && R * G * (group / heads) < omp_get_num_threads())
+        heads /= 2;
+    const int64_t shares = group / heads;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < R * H; u++) {
-        const int64_t r = u / H, h = u % H, g = h / group, len = n[r];
-        const int64_t first = window > 0 && len > window ? len - window : 0;
+    for (int64_t u = 0; u < R * G * shares; u++) {
+        const int64_t r = u / (G * shares), g = u / shares % G, h0 = g * group + u % shares * heads;
+        const int64_t len = n[r], first = window > 0 && len > window ? len - window : 0;
         const int64_t *table = tables + r * table_stride;
-        const float *restrict qh = q + r * ldq + h * Hd;
-        float *restrict s = work + u * n_max;
-        float m = sinks ? sinks[h] : -INFINITY;
+        float m[heads], sum[heads];
+        for (int64_t i = 0; i < heads; i++)
+            m[i] = sinks ? sinks[h0 + i] : -INFINITY;
         for (int64_t p0 = first - first % P; p0 < len; p0 += P) { /* block by block */
             const float *kb = k + table[p0 / P] * per_block + g * Hd;
-            for (int64_t p = p0 > first ? p0 : first; p < p0 + P && p < len; p++) {
-                s[p] = dot(qh, kb + (p - p0) * stride, Hd) * scale;
-                m = s[p] > m ? s[p] : m;
+            const int64_t lo = p0 > first ? p0 : first, hi = p0 + P < len ? p0 + P : len;
+            for (int64_t i = 0; i < heads; i++) {
+                const float *restrict qh = q + r * ldq + (h0 + i) * Hd;
+                float *restrict s = work + (r * H + h0 + i) * n_max;
+                for (int64_t p = lo; p < hi; p++) {
+                    s[p] = dot(qh, kb + (p - p0) * stride, Hd) * scale;
+                    m[i] = s[p] > m[i] ? s[p] : m[i];
+                }
             }
         }
-        float sum = sinks ? expf(sinks[h] - m) : 0.0f;
-        for (int64_t p = first; p < len; p++) {
-            s[p] = expf(s[p] - m);
-            sum += s[p];
+        for (int64_t i = 0; i < heads; i++) {
+            float *restrict s = work + (r * H + h0 + i) * n_max;
+            sum[i] = sinks ? expf(sinks[h0 + i] - m[i]) : 0.0f;
+            for (int64_t p = first; p < len; p++) {
+                s[p] = expf(s[p] - m[i]);
+                sum[i] += s[p];
+            }
+            memset(out + (r * H + h0 + i) * Hd, 0, (size_t)Hd * sizeof(float));
         }
-        float *restrict o = out + u * Hd;
-        const float *vg = v + g * Hd;
-        int64_t j = 0;
-        for (; j + 32 <= Hd; j += 32)
-            weigh_values(s, sum, vg + j, table, P, per_block, stride, first, len, 4, o + j);
-        for (; j + 8 <= Hd; j += 8)
-            weigh_values(s, sum, vg + j, table, P, per_block, stride, first, len, 1, o + j);
-        for (; j < Hd; j++) {
-            float oj = 0.0f;
-            for (int64_t p = first; p < len; p++)
-                oj = fmaf(s[p] / sum, vg[table[p / P] * per_block + (p % P) * stride + j], oj);
-            o[j] = oj;
+        for (int64_t p0 = first - first % P; p0 < len; p0 += P) {
+            const float *vb = v + table[p0 / P] * per_block + g * Hd;
+            const int64_t lo = p0 > first ? p0 : first, hi = p0 + P < len ? p0 + P : len;
+            for (int64_t i = 0; i < heads; i++) {
+                const float *s = work + (r * H + h0 + i) * n_max;
+                float *restrict o = out + (r * H + h0 + i) * Hd;
+                int64_t j = 0;
+                for (; j + 32 <= Hd; j += 32)
+                    weigh_values(s, sum[i], vb + j, stride, p0, lo, hi, 4, o + j);
+                for (; j + 8 <= Hd; j += 8)
+                    weigh_values(s, sum[i], vb + j, stride, p0, lo, hi, 1, o + j);
+                for (; j < Hd; j++)
+                    for (int64_t p = lo; p < hi; p++)
+                        o[j] = fmaf(s[p] / sum[i], vb[(p - p0) * stride + j], o[j]);
+            }
         }
     }
 }

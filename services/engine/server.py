@@ -18,7 +18,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -122,17 +122,27 @@ def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:
         draft_lookups=s.draft_lookups)
 
 
-def event_to_proto(event: Event, engine_id: str) -> engine_pb2.GenerateEvent:
-    if isinstance(event, Started):
-        return engine_pb2.GenerateEvent(started=engine_pb2.Started(
-            prompt_tokens=event.prompt_tokens, context_window=event.context_window,
-            engine_id=engine_id, tool_call_format=event.tool_call_format))
-    if isinstance(event, Delta):
-        return engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(
-            text=event.text, token_ids=list(event.token_ids),
-            logprobs=[_logprob_to_proto(lp) for lp in event.logprobs]))
-    return engine_pb2.GenerateEvent(finished=engine_pb2.Finished(
-        reason=_FINISH[event.reason], stats=stats_to_proto(event.stats), error=event.error))
+def message_of(events: Sequence[Event], engine_id: str) -> engine_pb2.GenerateEvent:
+    """One message for what a wake-up of the event loop delivered to a call: its Started, its
+    tokens (the deltas joined: a reader that fell behind gets what piled up at once), its
+    Finished. The engine emits them in that order."""
+    message = engine_pb2.GenerateEvent()
+    deltas = [event for event in events if isinstance(event, Delta)]
+    for event in events:
+        if isinstance(event, Started):
+            message.started.CopyFrom(engine_pb2.Started(
+                prompt_tokens=event.prompt_tokens, context_window=event.context_window,
+                engine_id=engine_id, tool_call_format=event.tool_call_format))
+        elif isinstance(event, Finished):
+            message.finished.CopyFrom(engine_pb2.Finished(
+                reason=_FINISH[event.reason], stats=stats_to_proto(event.stats),
+                error=event.error))
+    if deltas:
+        delta = Delta.join(deltas)
+        message.delta.CopyFrom(engine_pb2.TokenDelta(
+            text=delta.text, token_ids=list(delta.token_ids),
+            logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs]))
+    return message
 
 
 def _logprob_to_proto(lp: TokenLogprob) -> engine_pb2.TokenLogprob:
@@ -200,11 +210,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     events += inbox.take_nowait()
                 if any(isinstance(e, Delta) for e in events):
                     sent_at = loop.time()
-                for event in coalesce(events):
-                    yield event_to_proto(event, self._status.engine_id)
+                yield message_of(events, self._status.engine_id)
+                for event in events:
                     if isinstance(event, Started):
                         call.prompt_tokens = event.prompt_tokens
-                    if isinstance(event, Finished):
+                    elif isinstance(event, Finished):
                         call.finished = event
                         return
         finally:
@@ -250,8 +260,10 @@ class Inbox:
 class Outbox:
     """Events from the engine to the event loop's inboxes. A step's events for every running
     request cross in one wake-up of the event loop, not one each: events the engine's loop
-    thread emits wait for the end of its step (`flush`, the engine's after_step); events from
-    any other thread (Started, shutdown's aborts) schedule their delivery at once."""
+    thread emits wait for the end of its step (`flush`, the engine's after_step), and so does a
+    request's Started once the loop thread is stepping (it goes out with the first tokens
+    instead of alone, in the middle of the step that computes them); events from any other
+    thread (shutdown's aborts) schedule their delivery at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -263,7 +275,8 @@ class Outbox:
     def put(self, inbox: Inbox, event: Event) -> None:  # any thread
         with self._lock:
             self._pending.append((inbox, event))
-            if self._scheduled or threading.get_ident() == self._stepping_thread:
+            if self._scheduled or threading.get_ident() == self._stepping_thread or (
+                    isinstance(event, Started) and self._stepping_thread is not None):
                 return
             self._scheduled = True
         self._loop.call_soon_threadsafe(self._deliver)
@@ -282,24 +295,6 @@ class Outbox:
             self._scheduled = False
         for inbox, event in pending:
             inbox.put(event)
-
-
-def coalesce(events: list[Event]) -> list[Event]:
-    """Consecutive deltas as one: a call whose reader fell behind the engine sends what piled
-    up in one message."""
-    out: list[Event] = []
-    run: list[Delta] = []
-    for event in events:
-        if isinstance(event, Delta):
-            run.append(event)
-            continue
-        if run:
-            out.append(Delta.join(run))
-            run = []
-        out.append(event)
-    if run:
-        out.append(Delta.join(run))
-    return out
 
 
 class _Call:

@@ -10,6 +10,7 @@ gone, error) cancels the RPC so the engine stops working on it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -122,18 +123,21 @@ def _stats(pb: engine_pb2.RequestStats) -> RequestStats:
         drafts_accepted=pb.drafts_accepted, draft_acceptance_rate=pb.draft_acceptance_rate)
 
 
-def _event(pb: engine_pb2.GenerateEvent) -> Event:
-    kind = pb.WhichOneof("event")
-    if kind == "started":
-        return Started(pb.started.prompt_tokens, pb.started.context_window, pb.started.engine_id,
-                       pb.started.tool_call_format)
-    if kind == "delta":
-        return Delta(pb.delta.text, len(pb.delta.token_ids),
-                     tuple(_logprob(lp) for lp in pb.delta.logprobs))
-    if kind == "finished":
-        return Finished(_FINISH_REASONS.get(pb.finished.reason, "abort"),
-                        _stats(pb.finished.stats), pb.finished.error)
-    raise EngineError("INTERNAL", f"unknown event kind {kind!r} from the engine", "?")
+def _events(pb: engine_pb2.GenerateEvent) -> list[Event]:
+    """A message's events in order: Started, the tokens, Finished (each where present)."""
+    events: list[Event] = []
+    if pb.HasField("started"):
+        events.append(Started(pb.started.prompt_tokens, pb.started.context_window,
+                              pb.started.engine_id, pb.started.tool_call_format))
+    if pb.HasField("delta"):
+        events.append(Delta(pb.delta.text, len(pb.delta.token_ids),
+                            tuple(_logprob(lp) for lp in pb.delta.logprobs)))
+    if pb.HasField("finished"):
+        events.append(Finished(_FINISH_REASONS.get(pb.finished.reason, "abort"),
+                               _stats(pb.finished.stats), pb.finished.error))
+    if not events:
+        raise EngineError("INTERNAL", "an empty event message from the engine", "?")
+    return events
 
 
 def _bytes(token: str, raw: bytes) -> bytes:
@@ -196,6 +200,7 @@ class GenerateCall:
         self.engine = engine
         self._pool = pool
         self.finished = False
+        self._unread: collections.deque[Event] = collections.deque()  # the last message's rest
 
     async def __aenter__(self) -> GenerateCall:
         return self
@@ -221,13 +226,15 @@ class GenerateCall:
 
     async def next_event(self) -> Event | None:
         """The next event, or None once the stream ends. gRPC errors raise EngineError."""
-        try:
-            message = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
-        if message is grpc.aio.EOF:
-            return None
-        event = _event(message)
+        if not self._unread:
+            try:
+                message = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise self._error(exc) from None
+            if message is grpc.aio.EOF:
+                return None
+            self._unread.extend(_events(message))
+        event = self._unread.popleft()
         if isinstance(event, Finished):
             self.finished = True
             self._pool.record_success(self.engine)

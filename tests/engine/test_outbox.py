@@ -1,4 +1,4 @@
-"""server.Outbox, Inbox and coalesce: how engine events cross from the loop thread to gRPC."""
+"""server.Outbox, Inbox and message_of: how engine events cross from the loop thread to gRPC."""
 
 from __future__ import annotations
 
@@ -6,16 +6,20 @@ import asyncio
 import threading
 
 from services.engine.requests import Delta, Finished, RequestStats, Started
-from services.engine.server import Inbox, Outbox, coalesce
+from services.engine.server import Inbox, Outbox, message_of
 
 
-def test_coalesce_joins_consecutive_deltas_only():
+def test_a_wake_ups_events_go_out_as_one_message():
     a, b, c = Delta("a", (1,)), Delta("b", (2, 3)), Delta("", ())
-    done = Finished("stop", RequestStats())
-    out = coalesce([Started(3, 64), a, b, c, done])
-    assert out[0] == Started(3, 64) and out[-1] is done and len(out) == 3
-    assert out[1] == Delta("ab", (1, 2, 3))
-    assert coalesce([a]) == [a] and coalesce([]) == []
+    done = Finished("length", RequestStats(completion_tokens=3))
+    message = message_of([Started(3, 64), a, b, c, done], "e1")
+    assert message.started.prompt_tokens == 3 and message.started.engine_id == "e1"
+    assert message.delta.text == "ab" and list(message.delta.token_ids) == [1, 2, 3]
+    assert message.finished.stats.completion_tokens == 3
+    alone = message_of([a], "e1")
+    assert alone.HasField("delta") and not alone.HasField("started")
+    assert not alone.HasField("finished")
+    assert not message_of([done], "e1").HasField("delta")
 
 
 async def test_engine_thread_events_wait_for_the_end_of_the_step():
@@ -57,3 +61,26 @@ async def test_events_from_other_threads_are_delivered_at_once():
     assert await asyncio.wait_for(inbox.take(), 5) == [Started(1, 8)]
     await asyncio.to_thread(outbox.put, inbox, Finished("abort", RequestStats()))  # shutdown
     assert (await asyncio.wait_for(inbox.take(), 5))[0].reason == "abort"
+
+
+async def test_a_started_waits_for_the_step_that_computes_its_first_tokens():
+    outbox = Outbox(asyncio.get_running_loop())
+    inbox = Inbox()
+    stepping, submitted = threading.Event(), threading.Event()
+
+    def loop_thread() -> None:
+        outbox.flush()  # an after_step: the engine's loop thread is stepping
+        stepping.set()
+        submitted.wait(5)
+        outbox.put(inbox, Delta("a", (5,)))  # the step's first token, then its after_step
+        outbox.flush()
+
+    thread = threading.Thread(target=loop_thread)
+    thread.start()
+    await asyncio.to_thread(stepping.wait, 5)
+    outbox.put(inbox, Started(1, 8))  # submit() runs on the event loop's thread
+    await asyncio.sleep(0.05)
+    assert inbox.take_nowait() == []  # not alone: it waits for the step
+    submitted.set()
+    await asyncio.to_thread(thread.join)
+    assert await asyncio.wait_for(inbox.take(), 5) == [Started(1, 8), Delta("a", (5,))]

@@ -1,10 +1,11 @@
 """In-process decode tok/s of the checkout on PYTHONPATH: one number, for comparing checkouts.
 
     PYTHONPATH=CHECKOUT python scripts/decode_rate.py MODEL [--batch B] [--gen-tokens G]
+                                                      [--prompt-tokens P]
 
 Loads MODEL with every pair cached (prefetch off, the C kernels on, 2 threads), warms up, then
-prints the median decode tok/s of three runs of B sequences (32-token prompts, G - 1 decode
-steps). Run it alternately on two checkouts, several times, so that the host's drift hits both:
+prints the median decode tok/s of three runs of B sequences (P-token prompts, 32 by default;
+G - 1 decode steps: with a long P, decode at that depth of context). Run it alternately on two checkouts, several times, so that the host's drift hits both:
 
     for r in 1 2 3; do for c in /tmp/old /work/main; do
         PYTHONPATH=$c python scripts/decode_rate.py /tmp/bench-bf16.gguf; done; done
@@ -27,12 +28,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--gen-tokens", type=int, default=65)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=32)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     runner = ModelRunner(a.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
                          prefetch=False, cpu_kernels="on")
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
-    batch_prompts = prompts(a.batch, 32)
+    batch_prompts = prompts(a.batch, a.prompt_tokens)
     run_strata(runner, batch_prompts, 8)  # warm-up
     rates = []
     for _ in range(3):

@@ -210,13 +210,13 @@ async def test_drift_gives_one_version_applied_while_a_request_is_in_flight(serv
     assert (s.status.plan_version, s.status.plan_source) == (1, "layer-order")
     baseline = token_ids([e async for e in s.stub.Generate(greedy())])
     call = s.stub.Generate(greedy())
-    first = await call.read()  # Started: the request is in the engine
+    first = await call.read()  # Started (with the first tokens): the request is in the engine
     assert first.HasField("started")
     await drift_to_v2(s)
     rest = []
     while (event := await call.read()) is not grpc.aio.EOF:
         rest.append(event)
-    assert token_ids(rest) == baseline  # greedy output unchanged by the swaps
+    assert token_ids([first, *rest]) == baseline  # greedy output unchanged by the swaps
     assert s.status.plan_source == "routing-counts"
     residency = s.runner.cache.residency
     pinned = [p for p in residency.resident_pairs if residency.lookup(p) < residency.num_pinned]

@@ -241,6 +241,7 @@ class Residency:
         self.num_slots = num_slots
         self.num_pinned = self.spec.num_pinned(num_slots)
         self.num_dynamic = num_slots - self.num_pinned
+        self._hit = [Outcome(slot, True, False) for slot in range(num_slots)]  # a hit's, a slot
         self.clock = 0
         self.evictions = 0
         self._plan: _PlanProgress | None = None  # a plan being applied (begin_plan)
@@ -300,7 +301,7 @@ class Residency:
         self._protected = set(pairs)
         outcomes: list[Outcome | None] = [None] * len(entries)
         misses = []
-        slot_of, pinned, touch = self._slot_of.get, self._pinned, self._order.touch
+        slot_of, pinned, touch, hit = self._slot_of.get, self._pinned, self._order.touch, self._hit
         clock = self.clock
         for i, pair in enumerate(pairs):  # (locals: this loop is every lookup's cost)
             slot = slot_of(pair)
@@ -310,7 +311,7 @@ class Residency:
                 continue
             if pair not in pinned:
                 touch(pair, clock)
-            outcomes[i] = Outcome(slot, True, False)
+            outcomes[i] = hit[slot]
         self.clock = clock
         for i, pair, now in misses:
             admit = not flags[i] or self.spec.admit_prefill

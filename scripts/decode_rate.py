@@ -5,7 +5,8 @@
 
 Loads MODEL with every pair cached (prefetch off, the C kernels on, 2 threads), warms up, then
 prints the median decode tok/s of three runs of B sequences (P-token prompts, 32 by default;
-G - 1 decode steps: with a long P, decode at that depth of context). Run it alternately on two checkouts, several times, so that the host's drift hits both:
+G - 1 decode steps: with a long P, decode at that depth of context). Run it alternately on two
+checkouts, several times, so that the host's drift hits both:
 
     for r in 1 2 3; do for c in /tmp/old /work/main; do
         PYTHONPATH=$c python scripts/decode_rate.py /tmp/bench-bf16.gguf; done; done

@@ -3,7 +3,7 @@
     PYTHONPATH=CHECKOUT python scripts/decode_rate.py MODEL [--batch B] [--gen-tokens G]
                                                       [--prompt-tokens P]
 
-Loads MODEL with every pair cached (prefetch off, the C kernels on, 2 threads), warms up, then
+Loads MODEL with every pair cached (the C kernels on, 2 threads), warms up, then
 prints the median decode tok/s of three runs of B sequences (P-token prompts, 32 by default;
 G - 1 decode steps: with a long P, decode at that depth of context). Run it alternately on two
 checkouts, several times, so that the host's drift hits both:
@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from services.bench.engine_bench import prompts, run_strata
-from services.engine.runner import ModelRunner
+from services.bench.quant_bench import load_runner
 
 
 def main() -> None:
@@ -32,9 +32,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    runner = ModelRunner(a.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
-                         prefetch=False, cpu_kernels="on")
-    runner.fill_cache(runner.layer_order_pairs(), source="layer order")
+    runner = load_runner(a.model, "auto", cpu_kernels="on")  # every pair cached
     batch_prompts = prompts(a.batch, a.prompt_tokens)
     run_strata(runner, batch_prompts, 8)  # warm-up
     rates = []

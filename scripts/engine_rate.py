@@ -3,7 +3,7 @@ N concurrent requests, of the checkout on PYTHONPATH: what HTTP serving is measu
 
     PYTHONPATH=CHECKOUT python scripts/engine_rate.py MODEL [--clients 1 8] [--max-tokens 128]
 
-Loads MODEL with every pair cached (prefetch off, the C kernels on, 2 threads) into an `Engine`,
+Loads MODEL with every pair cached (the C kernels on, 2 threads) into an `Engine`,
 then for each client count submits that many `ignore_eos` requests at once (distinct prompts)
 and prints the median over three rounds of completion tokens per second from submission to the
 last Finished (TTFT included). Unlike scripts/decode_rate.py (the runner alone), the loop's
@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from services.bench.quant_bench import load_runner
 from services.engine.core import Engine
 from services.engine.requests import Delta, EngineRequest, Finished, GenerateParams
-from services.engine.runner import ModelRunner
 
 
 def rate(engine: Engine, clients: int, max_tokens: int, tag: str) -> float:
@@ -53,9 +53,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    runner = ModelRunner(a.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
-                         prefetch=False, cpu_kernels="on")
-    runner.fill_cache(runner.layer_order_pairs(), source="layer order")
+    runner = load_runner(a.model, "auto", cpu_kernels="on")  # every pair cached
     engine = Engine(runner, max_running=max(16, *a.clients))
     engine.start()
     try:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from services.engine.model.checkpoint import load_model_config
 from services.engine.runner import ModelRunner
 
 
@@ -33,19 +34,13 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-
-    def load(slots: int | None) -> ModelRunner:
-        return ModelRunner(a.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
-                           prefetch=False, cpu_kernels="on", cache_slots=slots)
-
-    whole = load(None)  # a slot for every pair
-    pairs = len(whole.cache.host.pairs)
+    pairs = load_model_config(a.model).total_pairs
     for coverage in a.coverage:
+        runner = ModelRunner(a.model, device="cpu", device_memory_bytes=2**50, reserved_bytes=0,
+                             prefetch=False, cpu_kernels="on",
+                             cache_slots=max(1, round(coverage * pairs)))
         if coverage >= 1.0:
-            runner = whole
             runner.fill_cache(runner.layer_order_pairs(), source="layer order")
-        else:
-            runner = load(max(1, round(coverage * pairs)))
         cache = runner.cache
         experts, k = runner.config.num_experts, runner.config.experts_per_token
         layers = list(runner.model.moe_layers)

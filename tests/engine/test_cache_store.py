@@ -10,7 +10,7 @@ from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.formats import DenseFormat
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.layout import ExpertLayout, swiglu
-from services.engine.cache.policy import StaticResidency
+from services.engine.cache.policy import PolicySpec, Residency, StaticResidency
 from services.engine.cache.slot_pool import SlotPool
 from services.engine.model.checkpoint import CheckpointReader
 
@@ -112,6 +112,41 @@ def test_decode_routing_counts_leave_out_prompt_tokens(host):
     assert counts[1].tolist() == [3, 1, 1, 1, 0, 0, 0, 0]
     assert decode[1].tolist() == [1, 0, 0, 1, 0, 0, 0, 0] and decode.sum() == cache.decode.lookups
     assert cache.take_routing_counts().sum() == 0 and cache.decode_routing_counts.sum() == 0
+
+
+def test_a_cache_holding_every_pair_counts_its_hits_in_bulk(host):
+    """Every pair resident: a step's lookups (route() a layer at a time, or a table step's
+    finish_table_step) are counted as a cache that must look each one up counts them, and
+    the policy's order is left alone (nothing can be evicted)."""
+    pairs = [(layer, e) for layer in range(3) for e in range(8)]
+    rng = np.random.default_rng(3)
+    caches = []
+    for held in (pairs, pairs[:-1]):  # the second looks up one by one: (2, 7) is never routed
+        pool = SlotPool(len(pairs), host, torch.device("cpu"),
+                        Residency(len(pairs), PolicySpec("crf", pinned_fraction=0.25)))
+        pool.fill(held)
+        caches.append(ExpertCache(host, pool, num_layers=3, num_experts=8))
+    bulk, one_by_one = caches
+    keys = dict(bulk.residency._order._key)
+    for step in range(6):
+        rows = np.arange(4) < 2 if step % 2 else np.zeros(4, dtype=bool)  # prompt rows or none
+        top = rng.permuted(np.tile(np.arange(7), (3, 4, 1)), axis=2)[:, :, :2]  # [L, T, K]
+        for cache in caches:
+            cache.begin_step(4, prefill=rows)
+            if step < 3:
+                for layer in range(3):
+                    cache.route(layer, top[layer], np.bincount(top[layer].ravel(), minlength=8))
+            else:
+                cache.finish_table_step([0, 1, 2], top)
+            assert cache.step_token_hits.tolist() == [6] * 4
+    assert bulk.decode == one_by_one.decode and bulk.prefill == one_by_one.prefill
+    assert bulk.decode.hits == bulk.decode.lookups > 0 and bulk.prefill.lookups > 0
+    assert np.array_equal(bulk.routing_counts, one_by_one.routing_counts)
+    assert np.array_equal(bulk.decode_routing_counts, one_by_one.decode_routing_counts)
+    assert (bulk.distinct_pairs_routed, bulk.layer_steps) == (
+        one_by_one.distinct_pairs_routed, one_by_one.layer_steps)
+    assert bulk.residency.clock == one_by_one.residency.clock > 0
+    assert bulk.residency._order._key == keys != one_by_one.residency._order._key
 
 
 def test_static_residency_is_pure_and_deduplicates():

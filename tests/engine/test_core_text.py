@@ -52,3 +52,37 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released():
 def test_first_of_several_stop_strings_wins():
     pieces, stopped = run("xx STOP yy END", ("END", "STOP"))
     assert stopped and "".join(pieces) == "xx "
+
+
+class SentencePieceLike:
+    """Words as tokens, "▁" for a space, the leading space of a decode dropped (as
+    sentencepiece's decoder does): a token's text depends on whether it comes first."""
+
+    def __init__(self) -> None:
+        self.vocab = ["▁the", "▁cat", "s", "▁sat", ".", "▁é", "t", "é"]
+        self.windows: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.windows.append(len(ids))
+        return "".join(self.vocab[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
+def test_a_token_decodes_in_a_short_window_with_its_neighbour():
+    tok = SentencePieceLike()
+    ids = [i % len(tok.vocab) for i in range(3000)]
+    stream = TextStream(tok, ())
+    text = "".join(stream.push(i)[0] for i in ids) + stream.flush()
+    assert text == SentencePieceLike().decode(ids)  # the spaces between words kept
+    assert max(tok.windows) <= 2, "each token decodes a window, not the whole output"
+
+
+def test_random_bytes_reassemble_as_one_decode():
+    """Byte tokens in any order (invalid UTF-8 included): the pieces are one decode's text."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        ids = [rng.choice([rng.randrange(256), *"aé✓😀".encode()]) for _ in range(60)]
+        stream = TextStream(ByteTokenizer(), ())
+        pieces = [stream.push(i)[0] for i in ids] + [stream.flush()]
+        assert "".join(pieces) == ByteTokenizer().decode(ids)

@@ -98,6 +98,7 @@ class ExpertCache:
         self._predictions = PredictionTracker()
         self.distinct_pairs_routed = 0  # lifetime, over (step, layer): how batching shares pairs
         self.layer_steps = 0
+        self._num_pairs = len(host.pairs)
         self.begin_step(0, False)
         self._plan: dict[int, tuple[int, int | None]] = {}  # expert -> (where, slot)
         self._counts = np.zeros(0, dtype=np.int64)  # [E] rows per expert, of the last route()
@@ -187,6 +188,12 @@ class ExpertCache:
         from the host store; no apply() follows."""
         top = top_idx if isinstance(top_idx, np.ndarray) else top_idx.cpu().numpy()  # [T, K]
         counts = np.asarray(counts)  # [E]
+        if self._all_resident() and not (self._any_decode and self._predictions.pending(layer)):
+            self._count_hits([layer], top[None], counts[None])
+            slot_of = self.residency.lookup
+            self._plan = {} if by_table else {
+                e: (_SLOT, slot_of((layer, e))) for e in np.flatnonzero(counts).tolist()}
+            return
         experts_arr = np.flatnonzero(counts)  # distinct experts, ascending
         if self._any_prefill:
             decode_arr = np.bincount(top[~self._prefill_rows].ravel(),
@@ -254,6 +261,36 @@ class ExpertCache:
         self.step_token_hits += hit[top].sum(axis=1)  # [T]
         self.step_token_host += host[top].sum(axis=1)
         self.step_token_copied += copied[top].sum(axis=1)
+
+    def _all_resident(self) -> bool:
+        """Every pair in a slot (and no routing trace to record): every lookup is a hit, and
+        no eviction can come while it lasts, so the lookups are counted in bulk and leave the
+        policy's order as it is (Residency.hit_every_pair). With 64 experts routed 8 of 64
+        per token this takes a decode step's lookups from ~25-60 us a layer to ~10 us a
+        step."""
+        return self.residency.num_resident == self._num_pairs and self.recorder is None
+
+    def _count_hits(self, layers: list[int], top: np.ndarray, counts: np.ndarray) -> None:
+        """The lookups of `layers` ([n] MoE layers; top [n, T, K] their top-K, counts [n, E]
+        rows routed to each expert) when all of them hit: the figures route() keeps."""
+        n, _, K = top.shape
+        decode = counts if not self._any_prefill else (
+            np.bincount((top[:, ~self._prefill_rows] + (np.arange(n) * self.num_experts)[
+                :, None, None]).ravel(), minlength=n * self.num_experts
+            ).reshape(n, self.num_experts))
+        distinct = int(np.count_nonzero(counts))
+        self.residency.hit_every_pair(distinct)
+        self.distinct_pairs_routed += distinct
+        self.layer_steps += n
+        self.routing_counts[layers] += counts
+        self.decode_routing_counts[layers] += decode
+        decode_n, all_n = int(decode.sum()), int(counts.sum())
+        self.decode.lookups += decode_n
+        self.decode.hits += decode_n
+        self.prefill.lookups += all_n - decode_n
+        self.prefill.hits += all_n - decode_n
+        self.step_token_hits += n * K  # each token's K lookups a layer
+        self._counts = counts[-1]
 
     def _record(self, layer: int, phases: list[tuple[int, int, int]]) -> None:
         assert self.recorder is not None
@@ -363,6 +400,13 @@ class ExpertCache:
         an eager step's (less the next-layer prefetch, which cannot help a step that has
         already run). The step read every miss in place; the fills the policy admits serve the
         later steps."""
+        if self._all_resident():  # (a table step never has next-layer predictions)
+            n, _, _ = top_idx.shape
+            offsets = (np.arange(n) * self.num_experts)[:, None, None]
+            counts = np.bincount((top_idx + offsets).ravel(), minlength=n * self.num_experts)
+            self._count_hits(list(moe_layers), top_idx, counts.reshape(n, self.num_experts))
+            self._plan = {}
+            return
         for j, layer in enumerate(moe_layers):
             top = top_idx[j]
             self.route(layer, top, np.bincount(top.ravel(), minlength=self.num_experts),

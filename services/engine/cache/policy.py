@@ -324,6 +324,13 @@ class Residency:
                 outcomes[i] = Outcome(slot, False, True)
         return outcomes  # type: ignore[return-value]
 
+    def hit_every_pair(self, lookups: int) -> None:
+        """`lookups` lookups while every pair is resident, all hits: the clock moves on as in
+        `access`, the order is not updated. It only ranks eviction victims, and there is none
+        to choose until a plan takes a pair out; the ranks are then the ones from before every
+        pair was resident (a `plan_fill` ranks afresh)."""
+        self.clock += lookups
+
     def prefetch(self, layer: int, experts: Iterable[int]) -> list[tuple[int, Pair]]:
         """Admit predicted pairs of `layer` ahead of its access; (slot, pair) fills to start.
         Protected (with the batch being served) until the next `access`."""

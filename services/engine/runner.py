@@ -418,31 +418,33 @@ class ModelRunner:
                 and len(logit_rows) == len(ids) == len(spans)):
             logits = self.graphs.run(token_ids, pos, spans)  # pure decode: a replay, if captured
         if logits is None:
-            logits = self.model.forward(token_ids, pos, spans, self.kv, experts or self.cache,
-                                        torch.tensor(logit_rows, dtype=torch.long))  # [S, V]
-        logits[:, self.num_usable_tokens:] = float("-inf")
+            every_row = len(logit_rows) == len(ids)  # (rows ascend, none twice: all of them)
+            logits = self.model.forward(  # [S, V]
+                token_ids, pos, spans, self.kv, experts or self.cache,
+                None if every_row else torch.tensor(logit_rows, dtype=torch.long))
+        if self.num_usable_tokens < logits.shape[1]:
+            logits[:, self.num_usable_tokens:] = float("-inf")
         if self.hidden_sink is not None:
             self.hidden_sink(chunks, self.model.last_hidden)
         step_decode = self.cache.decode.since(before)
         lookups_per_token = self.config.experts_per_token * len(self.config.moe_layers)
         results: list[tuple[torch.Tensor | None, CacheCounters]] = []
         next_row = 0
-        for chunk, span in zip(chunks, spans, strict=True):
-            rows = slice(span.row_start, span.row_end)
+        starts = [span.row_start for span in spans]  # each chunk's rows summed at once
+        hits, host, copied = (np.add.reduceat(a, starts).tolist() for a in (
+            self.cache.step_token_hits, self.cache.step_token_host, self.cache.step_token_copied))
+        for i, (chunk, span) in enumerate(zip(chunks, spans, strict=True)):
             counters = CacheCounters(
-                lookups=lookups_per_token * (span.row_end - span.row_start),
-                hits=int(self.cache.step_token_hits[rows].sum()),
-                misses_host=int(self.cache.step_token_host[rows].sum()),
-                misses_copied=int(self.cache.step_token_copied[rows].sum()))
+                lookups=lookups_per_token * (span.row_end - span.row_start), hits=hits[i],
+                misses_host=host[i], misses_copied=copied[i])
             if not chunk.prefill:
                 counters.predicted = step_decode.predicted
                 counters.predicted_routed = step_decode.predicted_routed
                 counters.routed_with_prediction = step_decode.routed_with_prediction
             rows_logits = None
             if chunk.wants_logits:
-                rows_logits = logits[next_row:next_row + chunk.num_logits]  # [num_logits, V]
-                if not (chunk.num_draft or chunk.every_position):
-                    rows_logits = rows_logits[0]  # [V]
+                rows_logits = (logits[next_row:next_row + chunk.num_logits]  # [num_logits, V]
+                               if chunk.num_draft or chunk.every_position else logits[next_row])
                 next_row += chunk.num_logits
             results.append((rows_logits, counters))
         return results

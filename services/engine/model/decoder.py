@@ -61,10 +61,11 @@ class Decoder:
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
-                kv: PagedKVCache, experts: ExpertSource, logit_rows: torch.Tensor,
+                kv: PagedKVCache, experts: ExpertSource, logit_rows: torch.Tensor | None,
                 inputs: torch.Tensor | None = None) -> torch.Tensor:
         """One step over several sequences: token_ids, positions [T] (spans say which rows are
-        whose; on the host or the device) -> fp32 logits [S, V] of logit_rows [S]. Linear
+        whose; on the host or the device) -> fp32 logits [S, V] of logit_rows [S] (None: of
+        every row, S = T). Linear
         layers and the MoE run once over all T rows; attention per sequence over its paged
         K/V. (The runner replays a pure decode step from a CUDA graph instead, where it
         captured one: model/cuda_graphs.py.) `inputs` [T, D]: the first layer's input in place
@@ -87,7 +88,7 @@ class Decoder:
         else:
             x = self.run_layers(x, step)
         self.last_hidden = x  # [T, D] before the final norm (an MTP draft head reads it)
-        return self.logits(x[logit_rows.to(self.device)])  # [S, V]
+        return self.logits(x if logit_rows is None else x[logit_rows.to(self.device)])  # [S, V]
 
     def release(self, seq_id: int) -> None:
         """A sequence finished or was preempted: the layer parts that keep state per sequence

@@ -74,8 +74,7 @@ class Decoder:
         slots = kv.span_slots(spans).to(self.device)  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
         others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
-        cos, sin = self.rope.rows(positions)
-        step = Step(positions, self.rope, cos, sin, slots, others, decode, kv, experts,
+        step = Step(positions, self.rope, slots, others, decode, kv, experts,
                     self.backend, all_spans=spans)
         x = self.embed_rows(token_ids) if inputs is None else inputs  # [T, D]
         table = None
@@ -129,8 +128,7 @@ class Decoder:
         P = kv.block_size
         block = decode.ids.gather(1, (positions // P)[:, None])[:, 0]  # [T] the new token's
         slots = block * P + positions % P  # [T] flat KV slot
-        cos, sin = self.rope.rows(positions)
-        step = Step(positions, self.rope, cos, sin, slots, [], decode, kv, experts,
+        step = Step(positions, self.rope, slots, [], decode, kv, experts,
                     self.backend, route_top=route_top)
         x = self.run_layers(self.embed_rows(token_ids), step)
         return x, self.logits(x)

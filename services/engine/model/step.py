@@ -12,6 +12,7 @@ longer spans (prefill chunks) one by one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -99,8 +100,6 @@ class Step:
 
     positions: torch.Tensor  # [T]
     rope: Rope  # the model's tables (fused kernels read rows by position)
-    cos: torch.Tensor  # [T, 1, Hr] RoPE rows of the positions
-    sin: torch.Tensor  # [T, 1, Hr]
     slots: torch.Tensor  # [T] flat KV slot of each row's new K/V
     spans: Sequence[Span]  # spans attended one by one (prefill chunks; a lone decode row)
     decode: DecodeRows | None  # the decode rows attended together
@@ -110,6 +109,20 @@ class Step:
     route_top: torch.Tensor | None = None  # graphed step: each MoE layer's top-K [Lm, T, K]
     all_spans: Sequence[Span] = ()  # every span, decode rows' too (per-sequence state)
     fused: Any = None  # model.fused_decode.FusedDecode: the CPU fused decode layer's buffers
+
+    @functools.cached_property
+    def rope_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, Hr]: the RoPE rows of the positions, gathered when a layer first
+        wants them (a fused decode step reads the tables by position and never does)."""
+        return self.rope.rows(self.positions)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.rope_rows[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope_rows[1]
 
     @property
     def graphed(self) -> bool:

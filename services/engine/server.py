@@ -127,9 +127,11 @@ def message_of(events: Sequence[Event], engine_id: str) -> engine_pb2.GenerateEv
     tokens (the deltas joined: a reader that fell behind gets what piled up at once), its
     Finished. The engine emits them in that order."""
     message = engine_pb2.GenerateEvent()
-    deltas = [event for event in events if isinstance(event, Delta)]
+    deltas: list[Delta] = []
     for event in events:
-        if isinstance(event, Started):
+        if isinstance(event, Delta):
+            deltas.append(event)
+        elif isinstance(event, Started):
             message.started.CopyFrom(engine_pb2.Started(
                 prompt_tokens=event.prompt_tokens, context_window=event.context_window,
                 engine_id=engine_id, tool_call_format=event.tool_call_format))

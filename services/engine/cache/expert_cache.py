@@ -178,7 +178,7 @@ class ExpertCache:
             return False
         if self.recorder is not None:
             return True
-        return self.prefetch and self.residency.num_resident < len(self.host.pairs)
+        return self.prefetch and self.residency.num_resident < self._num_pairs
 
     def route(self, layer: int, top_idx: torch.Tensor | np.ndarray,
               counts: Sequence[int] | np.ndarray, by_table: bool = False) -> None:
@@ -273,10 +273,7 @@ class ExpertCache:
         """The lookups of `layers` ([n] MoE layers; top [n, T, K] their top-K, counts [n, E]
         rows routed to each expert) when all of them hit: the figures route() keeps."""
         n, _, K = top.shape
-        decode = counts if not self._any_prefill else (
-            np.bincount((top[:, ~self._prefill_rows] + (np.arange(n) * self.num_experts)[
-                :, None, None]).ravel(), minlength=n * self.num_experts
-            ).reshape(n, self.num_experts))
+        decode = self._layer_counts(top[:, ~self._prefill_rows]) if self._any_prefill else counts
         distinct = int(np.count_nonzero(counts))
         self.residency.hit_every_pair(distinct)
         self.distinct_pairs_routed += distinct
@@ -290,6 +287,13 @@ class ExpertCache:
         self.prefill.hits += all_n - decode_n
         self.step_token_hits += n * K  # each token's K lookups a layer
         self._counts = counts[-1]
+
+    def _layer_counts(self, top: np.ndarray) -> np.ndarray:
+        """top [n, T, K] -> [n, E]: the rows routed to each expert, per layer (one bincount)."""
+        n = top.shape[0]
+        offsets = (np.arange(n) * self.num_experts)[:, None, None]
+        return np.bincount((top + offsets).ravel(),
+                           minlength=n * self.num_experts).reshape(n, self.num_experts)
 
     def _record(self, layer: int, phases: list[tuple[int, int, int]]) -> None:
         assert self.recorder is not None
@@ -400,10 +404,7 @@ class ExpertCache:
         already run). The step read every miss in place; the fills the policy admits serve the
         later steps."""
         if self._all_resident():  # (a table step never has next-layer predictions)
-            n, _, _ = top_idx.shape
-            offsets = (np.arange(n) * self.num_experts)[:, None, None]
-            counts = np.bincount((top_idx + offsets).ravel(), minlength=n * self.num_experts)
-            self._count_hits(list(moe_layers), top_idx, counts.reshape(n, self.num_experts))
+            self._count_hits(list(moe_layers), top_idx, self._layer_counts(top_idx))
             self._plan = {}
             return
         for j, layer in enumerate(moe_layers):

@@ -76,7 +76,6 @@
 
 int strata_abi_version(void) { return ABI_VERSION; }
 
-
 /* The products' register tiles: a pass keeps NT x NV accumulators of VL floats in vector
  * registers for NT rows (NV_NT vectors each), plus a vector of weights per column vector.
  * AVX-512 has 32 registers of 16 floats; AVX2 16 of 8; the portable fallback assumes 16 of 4.

@@ -220,10 +220,38 @@ def test_build_is_cached_by_source_and_reused(monkeypatch, tmp_path):
 
 
 @needs_compiler
+def test_a_short_prompt_in_one_step_equals_it_token_by_token(demo_dir):
+    """A short prompt's rows attend as decode rows do (each by table over its own causal
+    length), so prefilling it in one step gives the logits of feeding it one token a step, bit
+    for bit; past `paged_span_pairs` a chunk takes SDPA, equal within fp32 rounding."""
+    runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
+    drive = SequenceDriver(runner)
+    prompt = [(7 * i + 3) % 200 + 4 for i in range(24)]
+
+    def last_logits(chunk: int) -> torch.Tensor:
+        seq = drive.start(prompt)
+        while seq.num_computed < seq.num_tokens:
+            logits = drive.prefill(seq, chunk)
+        drive.release(seq)
+        return logits
+
+    one_step, by_token = last_logits(len(prompt)), last_logits(1)
+    assert torch.equal(one_step, by_token)
+    limit = runner.model.backend.paged_span_pairs
+    try:
+        runner.model.backend.paged_span_pairs = 0  # every multi-row span in SDPA
+        sdpa = last_logits(len(prompt))
+    finally:
+        runner.model.backend.paged_span_pairs = limit
+    torch.testing.assert_close(sdpa, one_step, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(sdpa, one_step)  # (so the limit chose the path)
+
+
+@needs_compiler
 def test_a_step_of_every_layer_in_one_call_equals_the_layer_by_layer_path(demo_dir):
-    """With every pair resident a decode step runs all layers in one C call and the cache
-    looks its experts up after it: the same logits, bit for bit, and the same lookups, hits,
-    routing counts and policy state as looking them up layer by layer."""
+    """With every pair resident a step of decode rows and short prompts runs all layers in one
+    C call and the cache looks its experts up after it: the same logits, bit for bit, and the
+    same lookups, hits, routing counts and policy state as looking them up layer by layer."""
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 17, 18, 19, 20, 21]]
     runs = []
     for one_call in (True, False):
@@ -237,7 +265,8 @@ def test_a_step_of_every_layer_in_one_call_equals_the_layer_by_layer_path(demo_d
         cache.finish_table_step = (
             lambda layers, top, _f=finish, _seen=tables: (_seen.append(top), _f(layers, top)))
         logits = decode_logits(runner, prompts, 6)
-        assert len(tables) == (6 if one_call else 0)  # every decode step, no prefill step
+        # every step: the prompts' (short spans attend as decode rows do) and 6 decode steps
+        assert len(tables) == (7 if one_call else 0)
         runs.append((logits, cache.decode, cache.routing_counts.copy(),
                      cache.residency._order._key.copy()))
     (a, counts_a, routed_a, keys_a), (b, counts_b, routed_b, keys_b) = runs

@@ -48,6 +48,10 @@ class TorchBackend:
     cpu: kernels.CpuKernels | None = None  # the C kernels, where this backend runs them
     ops: Any = None  # the kernels' module or library (CpuKernels, gpu_ops), where there are any
     paged_attention = False  # decode attention reads the KV pool by block table
+    # A multi-row span (a prefill chunk) whose rows x positions is at most this attends as
+    # decode rows do (paged_attention backends: each row by table over its own causal length),
+    # a longer one in SDPA on its own; 0: every multi-row span in SDPA.
+    paged_span_pairs = 0
     fused_rope = False  # qk_norm_rope() runs per-head q/k norm and RoPE in place
     fused_decode_layer = False  # decode_layer(): a layer's attention half + router in one call
     block_matrices: tuple[str, ...] = ()  # GGUF block types linear() reads as stored
@@ -138,6 +142,10 @@ class CpuBackend(TorchBackend):
 
     name = "cpu-kernels"
     paged_attention = True
+    # Short prompts through the decode kernels (a step whose every span is short runs in one
+    # C call): measured against a per-span SDPA, even at 128 rows from position 0 and 64 rows
+    # at 400; SDPA wins from 100 rows at 400 or 16 at 3,000 (docs/benchmarks.md).
+    paged_span_pairs = 128 * 128
     fused_rope = True
     fused_decode_layer = True
     block_matrices = tuple(BLOCK_TYPES)

@@ -73,7 +73,7 @@ class Decoder:
         token_ids, positions = token_ids.to(self.device), positions.to(self.device)
         slots = kv.span_slots(spans).to(self.device)  # [T]
         decode = self.decode_rows(spans, kv, len(token_ids))
-        others = [s for s in spans if decode is None or s.row_end - s.row_start > 1]
+        others = [s for s in spans if decode is None or not self._paged(s, kv)]
         step = Step(positions, self.rope, slots, others, decode, kv, experts,
                     self.backend, all_spans=spans)
         x = self.embed_rows(token_ids) if inputs is None else inputs  # [T, D]
@@ -182,21 +182,35 @@ class Decoder:
             self._structs = (kv, (type(structs[0]) * len(structs))(*structs))
         return self._structs[1]
 
+    def _paged(self, span: Span, kv: PagedKVCache) -> bool:
+        """Whether a span's rows attend as decode rows do: one token, or a short span where
+        the backend reads the pool by table (each row over its own causal length)."""
+        rows = span.row_end - span.row_start
+        return rows == 1 or (rows * span.pos_end <= self.backend.paged_span_pairs
+                             and self.backend.paged_attention and not kv.quantized)
+
     def decode_rows(self, spans: Sequence[Span], kv: PagedKVCache, T: int) -> DecodeRows | None:
-        """The single-token spans of a step, for one attention call per layer: any number of
-        them with a paged-attention backend; two or more with SDPA (a lone one takes the
-        per-span path, which reads consecutive KV blocks as views)."""
-        decode = [s for s in spans if s.row_end - s.row_start == 1]
+        """The rows of a step that attend in one call per layer: every single-token span's, and
+        with a paged-attention backend every short span's (`paged_span_pairs`: row i of a span
+        reads positions [0, pos_start + i], its K/V written before any row attends) — any
+        number of them with the kernel; two or more decode rows with SDPA (a lone one takes
+        the per-span path, which reads consecutive KV blocks as views)."""
         kernel = not kv.quantized and self.backend.paged_attention
-        if not decode or (len(decode) == 1 and not kernel):
+        paged = [s for s in spans if self._paged(s, kv)]
+        if not paged or (len(paged) == 1 and not kernel):
             return None
-        tables = [s.block_table for s in decode]
-        lengths = [s.pos_end for s in decode]
-        rows = torch.tensor([s.row_start for s in decode], device=self.device)
-        all_rows = len(decode) == T and all(s.row_start == i for i, s in enumerate(decode))
+        rows: list[int] = []
+        tables: list[Sequence[int]] = []
+        lengths: list[int] = []
+        for s in paged:
+            rows.extend(range(s.row_start, s.row_end))
+            tables.extend([s.block_table] * (s.row_end - s.row_start))
+            lengths.extend(range(s.pos_start + 1, s.pos_end + 1))
+        all_rows = len(rows) == T  # (spans come in row order, none twice)
+        row_ids = torch.tensor(rows, device=self.device)
         if kernel:
-            return DecodeRows(rows, all_rows, kv.block_ids(tables, lengths),
+            return DecodeRows(row_ids, all_rows, kv.block_ids(tables, lengths),
                               lengths=torch.tensor(lengths, device=self.device),
                               max_length=max(lengths))
         ids, mask = kv.gather_index(tables, lengths)
-        return DecodeRows(rows, all_rows, ids, mask=mask[:, None, None, :])
+        return DecodeRows(row_ids, all_rows, ids, mask=mask[:, None, None, :])

@@ -113,12 +113,9 @@ class PagedKVCache:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Block dst becomes a copy of block src, in every layer (K, V and int8 scales), for
         each (src, dst): a prompt taking over a cached block's leading positions."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.k.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
-        for t in self._tensors():
-            t[:, dst] = t[:, src]
+        for t in self._tensors():  # a block at a time: a strided copy, no index kernels
+            for src, dst in pairs:
+                t[:, dst].copy_(t[:, src])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, G, Hd] at flat slots [T]."""

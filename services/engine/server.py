@@ -204,12 +204,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         sent_at = -math.inf  # when tokens last went out: the first ones are never held
         try:
             while True:
-                events = await inbox.take()
-                if (wait := sent_at + interval_s - loop.time()) > 0 and not any(
-                        isinstance(e, Finished) for e in events):
-                    # hold these tokens for the ones after them, up to the interval or the end
+                if (wait := sent_at + interval_s - loop.time()) > 0:
+                    # hold: the steps' tokens pile up in the inbox (no wake-up per step) until
+                    # the interval has passed or the request finished
                     await inbox.finished_within(wait)
-                    events += inbox.take_nowait()
+                events = await inbox.take()  # what piled up, or else the next step's
                 if any(isinstance(e, Delta) for e in events):
                     sent_at = loop.time()
                 yield message_of(events, self._status.engine_id)
@@ -229,17 +228,32 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 class Inbox:
-    """One call's events, in order, as the event loop received them."""
+    """One call's events, in order. The Outbox adds them (the engine's loop thread at the end
+    of a step, other threads at once); the call's coroutine takes them. It is woken only when
+    it waits for events (`take` found none) or when its Finished arrives: a coroutine holding
+    its tokens (a stream interval) reads what piled up when the hold ends, and the steps in
+    between wake nothing."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._events: list[Event] = []
+        self._waiting = False  # take() found nothing: the next event wakes the coroutine
+        self._ended = False  # a Finished was added
         self._ready = asyncio.Event()
         self._finished = asyncio.Event()
 
-    def put(self, event: Event) -> None:
-        self._events.append(event)
+    def add(self, event: Event) -> bool:  # any thread
+        """Queue an event; True when the coroutine must be woken (`wake`) for it."""
+        with self._lock:
+            self._events.append(event)
+            wake = self._waiting or isinstance(event, Finished)
+            self._waiting = False
+            self._ended = self._ended or isinstance(event, Finished)
+            return wake
+
+    def wake(self) -> None:  # the event loop
         self._ready.set()
-        if isinstance(event, Finished):
+        if self._ended:
             self._finished.set()
 
     async def finished_within(self, timeout_s: float) -> bool:
@@ -249,54 +263,71 @@ class Inbox:
         return self._finished.is_set()
 
     async def take(self) -> list[Event]:
-        """Every event that arrived since the last take (waits for one)."""
-        await self._ready.wait()
-        return self.take_nowait()
+        """Every event added since the last take (waits for one)."""
+        while True:
+            with self._lock:
+                if self._events:
+                    events, self._events = self._events, []
+                    return events
+                self._waiting = True
+                self._ready.clear()
+            await self._ready.wait()
 
     def take_nowait(self) -> list[Event]:
-        self._ready.clear()
-        events, self._events = self._events, []
-        return events
+        with self._lock:
+            events, self._events = self._events, []
+            return events
 
 
 class Outbox:
-    """Events from the engine to the event loop's inboxes. A step's events for every running
-    request cross in one wake-up of the event loop, not one each: events the engine's loop
+    """Events from the engine to the calls' inboxes. A step's events for every running
+    request cross together, in one wake-up of the event loop at most: events the engine's loop
     thread emits wait for the end of its step (`flush`, the engine's after_step), and so does a
     request's Started once the loop thread is stepping (it goes out with the first tokens
-    instead of alone, in the middle of the step that computes them); events from any other
-    thread (shutdown's aborts) schedule their delivery at once."""
+    instead of alone, in the middle of the step that computes them); then the event loop is
+    woken only for inboxes whose coroutine waits (Inbox.add). Events from any other thread
+    (shutdown's aborts) go to their inbox at once, after any that wait for a step's end."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[Inbox, Event]] = []
+        self._pending: list[tuple[Inbox, Event]] = []  # the step's, until its flush
+        self._wake: list[Inbox] = []
         self._scheduled = False
         self._stepping_thread: int | None = None  # the engine loop's, once it flushed
 
     def put(self, inbox: Inbox, event: Event) -> None:  # any thread
         with self._lock:
-            self._pending.append((inbox, event))
-            if self._scheduled or threading.get_ident() == self._stepping_thread or (
+            if threading.get_ident() == self._stepping_thread or (
                     isinstance(event, Started) and self._stepping_thread is not None):
+                self._pending.append((inbox, event))
                 return
-            self._scheduled = True
-        self._loop.call_soon_threadsafe(self._deliver)
+            pending, self._pending = self._pending, []  # what waits goes first: order kept
+        pending.append((inbox, event))
+        self._schedule([inbox for inbox, event in pending if inbox.add(event)])
 
     def flush(self) -> None:  # the engine's loop thread, after each step
         with self._lock:
             self._stepping_thread = threading.get_ident()
-            if self._scheduled or not self._pending:
+            pending, self._pending = self._pending, []
+        self._schedule([inbox for inbox, event in pending if inbox.add(event)])
+
+    def _schedule(self, inboxes: list[Inbox]) -> None:
+        if not inboxes:
+            return
+        with self._lock:
+            self._wake += inboxes
+            if self._scheduled:
                 return
             self._scheduled = True
         self._loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:  # the event loop
         with self._lock:
-            pending, self._pending = self._pending, []
+            wake, self._wake = self._wake, []
             self._scheduled = False
-        for inbox, event in pending:
-            inbox.put(event)
+        for inbox in wake:
+            inbox.wake()
 
 
 class _Call:

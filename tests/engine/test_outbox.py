@@ -84,3 +84,48 @@ async def test_a_started_waits_for_the_step_that_computes_its_first_tokens():
     submitted.set()
     await asyncio.to_thread(thread.join)
     assert await asyncio.wait_for(inbox.take(), 5) == [Started(1, 8), Delta("a", (5,))]
+
+
+async def test_steps_wake_only_a_coroutine_that_waits_for_events():
+    """A call holding its tokens (a stream interval) is not woken by the steps that emit
+    them: they pile up in its inbox, and only its Finished (or a take() that found nothing)
+    wakes the event loop for it."""
+    loop = asyncio.get_running_loop()
+    outbox = Outbox(loop)
+    inbox = Inbox()
+    wakes = []
+    deliver = outbox._deliver
+    outbox._deliver = lambda: (wakes.append(1), deliver())[1]
+
+    def steps(n: int, first: int, finish: bool = False) -> None:  # the engine's loop thread
+        for i in range(first, first + n):
+            outbox.put(inbox, Delta(str(i), (i,)))
+            if finish and i == first + n - 1:
+                outbox.put(inbox, Finished("length", RequestStats(completion_tokens=i + 1)))
+            outbox.flush()
+
+    taking = asyncio.ensure_future(inbox.take())  # waits: the first step wakes it
+    await asyncio.sleep(0)
+    await asyncio.to_thread(steps, 1, 0)
+    assert await asyncio.wait_for(taking, 5) == [Delta("0", (0,))] and len(wakes) == 1
+    await asyncio.to_thread(steps, 5, 1)  # held: five steps, no wake-up
+    await asyncio.sleep(0.05)
+    assert len(wakes) == 1
+    assert [e.text for e in await asyncio.wait_for(inbox.take(), 5)] == ["1", "2", "3", "4", "5"]
+    holding = asyncio.ensure_future(inbox.finished_within(30))
+    await asyncio.to_thread(steps, 2, 6, finish=True)  # the Finished ends the hold
+    assert await asyncio.wait_for(holding, 5) is True and len(wakes) == 2
+    events = inbox.take_nowait()
+    assert [e.text for e in events[:-1]] == ["6", "7"] and isinstance(events[-1], Finished)
+
+
+async def test_an_abort_from_another_thread_follows_what_waits_for_the_step():
+    outbox = Outbox(asyncio.get_running_loop())
+    inbox = Inbox()
+    stepping = threading.Thread(target=outbox.flush)  # the engine's loop thread is stepping
+    stepping.start()
+    await asyncio.to_thread(stepping.join)
+    outbox.put(inbox, Started(1, 8))  # submitted: waits for the next step's end
+    await asyncio.to_thread(outbox.put, inbox, Finished("abort", RequestStats()))  # shutdown
+    events = await asyncio.wait_for(inbox.take(), 5)
+    assert events[0] == Started(1, 8) and events[1].reason == "abort"

@@ -303,20 +303,21 @@ class Outbox:
                 self._pending.append((inbox, event))
                 return
             pending, self._pending = self._pending, []  # what waits goes first: order kept
-        pending.append((inbox, event))
-        self._schedule([inbox for inbox, event in pending if inbox.add(event)])
+        self._hand_over([*pending, (inbox, event)])
 
     def flush(self) -> None:  # the engine's loop thread, after each step
         with self._lock:
             self._stepping_thread = threading.get_ident()
             pending, self._pending = self._pending, []
-        self._schedule([inbox for inbox, event in pending if inbox.add(event)])
+        self._hand_over(pending)
 
-    def _schedule(self, inboxes: list[Inbox]) -> None:
-        if not inboxes:
+    def _hand_over(self, pending: list[tuple[Inbox, Event]]) -> None:
+        """Events into their inboxes; one wake-up of the event loop for those that wait."""
+        wake = [box for box, event in pending if box.add(event)]
+        if not wake:
             return
         with self._lock:
-            self._wake += inboxes
+            self._wake += wake
             if self._scheduled:
                 return
             self._scheduled = True

@@ -187,7 +187,11 @@ class Decoder:
         the backend reads the pool by table (each row over its own causal length)."""
         rows = span.row_end - span.row_start
         return rows == 1 or (rows * span.pos_end <= self.backend.paged_span_pairs
-                             and self.backend.paged_attention and not kv.quantized)
+                             and self._by_table(kv))
+
+    def _by_table(self, kv: PagedKVCache) -> bool:
+        """Whether the backend's kernel reads this pool's K/V by block table."""
+        return self.backend.paged_attention and not kv.quantized
 
     def decode_rows(self, spans: Sequence[Span], kv: PagedKVCache, T: int) -> DecodeRows | None:
         """The rows of a step that attend in one call per layer: every single-token span's, and
@@ -195,7 +199,7 @@ class Decoder:
         reads positions [0, pos_start + i], its K/V written before any row attends) — any
         number of them with the kernel; two or more decode rows with SDPA (a lone one takes
         the per-span path, which reads consecutive KV blocks as views)."""
-        kernel = not kv.quantized and self.backend.paged_attention
+        kernel = self._by_table(kv)
         paged = [s for s in spans if self._paged(s, kv)]
         if not paged or (len(paged) == 1 and not kernel):
             return None

@@ -58,7 +58,6 @@ def kernels(dtype: str):
                "g_start_ptr": "*i64", "g_len_ptr": "*i64", "act_ptr": f"*{dtype}",
                "lut": "*fp32"}
         yield f"gate_up {name}", gpu_moe._gate_up_kernel, sig, consts
-        consts = dict(D=D, F=F, D_SPLIT=D // 8, IEEE=ieee, **w.constants(), **tile)
         sig = {"act_ptr": f"*{dtype}", "dst_ptr": "*i64", "w_ptr": f"*{dtype}",
                "g_addr_ptr": "*i64", "g_start_ptr": "*i64", "g_len_ptr": "*i64",
                "y_ptr": "*fp32", "lut": "*fp32"}

@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
     _interpreter_scalars_index()
 
 from services.engine.cache.formats import BlockFormat, Fp8Format  # noqa: E402
-from services.engine.cache.layout import ExpertLayout, num_splits  # noqa: E402
+from services.engine.cache.layout import ExpertLayout  # noqa: E402
 from services.engine.model.blocks import block_type  # noqa: E402
 from tests.engine.test_gguf_native import q4_k_m_gguf  # noqa: E402, F401 - a fixture
 
@@ -78,8 +78,7 @@ def test_routed_experts_match_the_float64_reference(T, E, K):
     blobs = experts(E)
     top_idx, top_w = routing(T, E, K, seed=T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(blobs), F,
-                      num_splits(D))
+    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(blobs), F)
     want = reference(x, top_idx, top_w, blobs, layout)
     err = (out.double().cpu() - want).norm() / want.norm()
     assert err < 1e-6, err
@@ -109,25 +108,23 @@ def test_results_do_not_depend_on_the_batch_the_address_or_the_launch_split():
     top_idx, top_w = routing(19, 6, 2, seed=2)
     x = torch.randn(19, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     addr = addresses(blobs)
-    whole = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F, num_splits(D))
+    whole = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F)
     for t in (0, 7, 18):  # a token alone: the same bits as inside the batch on the device
         alone = gpu_moe.moe(x[t : t + 1], top_w[t : t + 1],
-                            gpu_moe.group_rows(top_idx[t : t + 1].numpy()), addr, F,
-                            num_splits(D))
+                            gpu_moe.group_rows(top_idx[t : t + 1].numpy()), addr, F)
         if DEVICE.type == "cuda":
             assert torch.equal(alone[0], whole[t])
         else:  # the interpreter's tl.dot is numpy's matmul: blocking varies with the shape
             torch.testing.assert_close(alone[0], whole[t], atol=1e-6, rtol=1e-6)
     moved = blobs.flip(0).clone().flip(0)  # the same bytes elsewhere
     assert moved.data_ptr() != blobs.data_ptr()
-    elsewhere = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(moved), F,
-                            num_splits(D))
+    elsewhere = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(moved), F)
     assert torch.equal(elsewhere, whole)
     first = np.zeros(6, dtype=bool)
     first[[1, 4]] = True
     groups = gpu_moe.group_rows(top_idx.numpy(), first)
     calls = []
-    split = gpu_moe.moe(x, top_w, groups, addr, F, num_splits(D),
+    split = gpu_moe.moe(x, top_w, groups, addr, F,
                         split=int(first[groups.expert].sum()), between=lambda: calls.append(1))
     assert calls == [1] and torch.equal(split, whole)
     assert reference(x[:1], top_idx[:1], top_w[:1], blobs, layout).abs().sum() > 0
@@ -141,11 +138,11 @@ def test_a_pinned_host_blob_is_read_in_place_with_the_bits_of_a_slot():
     top_idx, top_w = routing(9, 4, 2, seed=8)
     x = torch.randn(9, D, device=DEVICE)
     groups = gpu_moe.group_rows(top_idx.numpy())
-    on_device = gpu_moe.moe(x, top_w, groups, addresses(blobs), F, num_splits(D))
-    in_place = gpu_moe.moe(x, top_w, groups, addresses(host), F, num_splits(D))
+    on_device = gpu_moe.moe(x, top_w, groups, addresses(blobs), F)
+    in_place = gpu_moe.moe(x, top_w, groups, addresses(host), F)
     assert torch.equal(in_place, on_device)
-    one = gpu_moe.expert_forward(x, host[2], F, num_splits(D))
-    assert torch.equal(one, gpu_moe.expert_forward(x, blobs[2], F, num_splits(D)))
+    one = gpu_moe.expert_forward(x, host[2], F)
+    assert torch.equal(one, gpu_moe.expert_forward(x, blobs[2], F))
 
 
 @pytest.mark.cuda
@@ -157,7 +154,7 @@ def test_bf16_experts_run_close_to_fp32():
     x = torch.randn(12, D, device=DEVICE)
     groups = gpu_moe.group_rows(top_idx.numpy())
     half = blobs.bfloat16()
-    out = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(half), F, num_splits(D))
+    out = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(half), F)
     want = reference(x, top_idx, top_w, blobs, layout)
     err = (out.double().cpu() - want).norm() / want.norm()
     assert out.dtype == torch.bfloat16 and err < 2e-2, err
@@ -170,9 +167,9 @@ def test_device_grouping_gives_the_host_grouping_bits():
     top_idx, top_w = routing(23, 5, 3, seed=12)
     x = torch.randn(23, D, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     addr = addresses(blobs)
-    host = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F, num_splits(D))
+    host = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F)
     device = gpu_moe.moe_device(x, top_idx.to(DEVICE), top_w, torch.from_numpy(addr).to(DEVICE),
-                                F, num_splits(D))
+                                F)
     if DEVICE.type == "cuda":
         assert torch.equal(device, host)
     else:
@@ -239,19 +236,19 @@ def test_stored_experts_match_their_reference_dequantization(types):
     top_idx, top_w = routing(5, 4, 2, seed=14)
     x = torch.randn(5, fmt.hidden_size, generator=torch.Generator().manual_seed(15)).to(DEVICE)
     weights, addr = stored_weights(fmt), addresses(blobs)
-    F_, S = fmt.ffn_size, num_splits(fmt.hidden_size)
-    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F_, S,
+    F_ = fmt.ffn_size
+    out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addr, F_,
                       weights=weights)
     want = stored_reference(fmt, x, top_idx, top_w, blobs)
     err = (out.double().cpu() - want).norm() / want.norm()
     assert err < 1e-6, err
     moved = blobs.flip(0).clone().flip(0)
     assert torch.equal(gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()),
-                                   addresses(moved), F_, S, weights=weights), out)
+                                   addresses(moved), F_, weights=weights), out)
     if types != STORED[0] and DEVICE.type != "cuda":
         return
     device = gpu_moe.moe_device(x, top_idx.to(DEVICE), top_w, torch.from_numpy(addr).to(DEVICE),
-                                F_, S, weights=weights)
+                                F_, weights=weights)
     if DEVICE.type == "cuda":
         assert torch.equal(device, out)
     else:
@@ -269,11 +266,11 @@ def test_stored_experts_read_in_place_from_pinned_host_memory_in_bf16(types):
     top_idx, top_w = routing(12, 4, 2, seed=17)
     x = torch.randn(12, fmt.hidden_size, device=DEVICE)
     groups, weights = gpu_moe.group_rows(top_idx.numpy()), stored_weights(fmt)
-    F_, S = fmt.ffn_size, num_splits(fmt.hidden_size)
+    F_ = fmt.ffn_size
     on_device = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(blobs.to(DEVICE)),
-                            F_, S, weights=weights)
+                            F_, weights=weights)
     host = blobs.pin_memory()
-    in_place = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(host), F_, S,
+    in_place = gpu_moe.moe(x.bfloat16(), top_w.bfloat16(), groups, addresses(host), F_,
                            weights=weights)
     assert torch.equal(in_place, on_device)
     want = stored_reference(fmt, x, top_idx, top_w, blobs)
@@ -335,7 +332,7 @@ def test_gpt_oss_experts_compute_the_clamped_swiglu_with_their_biases(name):
     top_idx, top_w = routing(4, E, K, seed=21)
     x = torch.randn(4, fmt.hidden_size, generator=torch.Generator().manual_seed(22)).to(DEVICE)
     out = gpu_moe.moe(x, top_w, gpu_moe.group_rows(top_idx.numpy()), addresses(blobs),
-                      fmt.ffn_size, num_splits(fmt.hidden_size), weights=gpu_moe.Weights.of(fmt))
+                      fmt.ffn_size, weights=gpu_moe.Weights.of(fmt))
     want = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(4):
         for k in np.argsort(top_idx[t].numpy(), kind="stable"):

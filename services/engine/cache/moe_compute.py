@@ -117,7 +117,7 @@ class TritonMoe:
                 compute.wait_event(ready)
 
         f = self.format.at(placed.layer)
-        return self.gpu.moe(x, top_w, groups, self._addr, f.ffn_size, num_splits(f.hidden_size),
+        return self.gpu.moe(x, top_w, groups, self._addr, f.ffn_size,
                             split=int((~pending[groups.expert]).sum()) if waits else None,
                             between=wait_for_copies if waits else None,
                             weights=self._weights(placed.layer))
@@ -128,7 +128,7 @@ class TritonMoe:
         entry of `addresses` [E] (the cache's table row of the layer)."""
         f = self.format.at(layer)
         return self.gpu.moe_device(x, top_idx, top_w, addresses, f.ffn_size,
-                                   num_splits(f.hidden_size), weights=self._weights(layer))
+                                   weights=self._weights(layer))
 
     def _weights(self, layer: int):  # -> gpu_moe.Weights
         """What the kernels read `layer`'s blobs as (made once per layer)."""

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.cache.formats import device_kernel
-from services.engine.cache.layout import num_splits
 from services.engine.cache.moe_compute import CpuMoe, Placed, moe_compute
 
 if TYPE_CHECKING:
@@ -206,12 +205,10 @@ def measure_cost_model(fmt: ExpertFormat, host: HostStore, link: LinkProbe,
     fmt = fmt.at(pair[0])  # the timed pair's layer (block types may differ by layer)
     gpu = device_kernel(fmt, device)
     if gpu is not None:
-        splits = num_splits(fmt.hidden_size)
-
         weights = gpu.Weights.of(fmt)
 
         def forward(x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
-            return gpu.expert_forward(x, blob, fmt.ffn_size, splits, weights)
+            return gpu.expert_forward(x, blob, fmt.ffn_size, weights)
 
         host_timing = time_expert(fmt, host.blob(pair), dtype=dtype,
                                   device=device, forward=forward)

@@ -53,7 +53,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 10  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 11  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")

@@ -16,7 +16,8 @@
  * E experts of the layer, A = T*K routed (token, expert) assignments.
  *
  * Numerics: every output element of an fp32 / bf16 product is one fp32 dot product,
- * accumulated over the input index in order with a fused multiply-add, starting from zero;
+ * accumulated over the input index in order with a fused multiply-add, starting from zero
+ * (the experts' products, product_rows: in 4 x VL lanes, then a fixed tree over them);
  * a block-type product (product_blocks, below) is integer dots per block on 8-bit-rounded
  * activations, one float FMA per block, in order. Either way a row's result never depends
  * on which other rows share the call, on the tile it falls in, on the thread that computes
@@ -42,7 +43,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 10
+#define ABI_VERSION 11
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -260,20 +261,19 @@ TILE_PRODUCT(tile_product_f32_pf, WT_F32, 1)
 TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
 #undef TILE_PRODUCT
 
-/* y[r][0:n] (row stride ldy) = x_r @ W[0:K][0:n] (W row stride ld, type wt) for R rows; x_r is
- * x + r ldx, or x + (xrow[r] / xdiv) ldx (rows gathered by index). The rows run in tiles of
+/* y[r][0:n] (row stride ldy) = x_r @ W[0:K][0:n] (W row stride ld, type wt) for R rows x_r =
+ * x + r ldx, W stored [in][out] (the dense weights' split layout). The rows run in tiles of
  * TOK_TILE. When the R x n accumulators fit ACC_FLOATS (decode), the inputs run in chunks of
  * K_CHUNK, every tile's passes over a chunk before the next chunk, the accumulators waiting in
  * y (in cache) between chunks: W is then read a few rows' [0, n) at a time, not a pass's few
  * columns of all K rows, then the next pass's (pieces of a row far apart in time: a TLB miss
  * and a cold hardware-prefetch stream each, whatever their size, so bf16 would gain nothing).
- * W rows of up to SHORT_ROW bytes (the experts' matrices, where a chunk spans a few pages the
+ * W rows of up to SHORT_ROW bytes (a work unit's columns, where a chunk spans a few pages the
  * hardware prefetcher follows poorly) are also prefetched in software, a chunk ahead. Else
  * (prefill) one chunk: the accumulators stay in registers. Either way each output is the same
  * FMA sequence (see tile_product_of). */
-static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv, int64_t R,
-                    const void *W, int wt, int64_t K, int64_t ld, int64_t n, float *y,
-                    int64_t ldy)
+static void product(const float *x, int64_t ldx, int64_t R, const void *W, int wt, int64_t K,
+                    int64_t ld, int64_t n, float *y, int64_t ldy)
 {
     const int64_t kc = R * n <= ACC_FLOATS ? K_CHUNK : K;
     const int pf = kc < K && n * (wt == WT_BF16 ? 2 : 4) <= SHORT_ROW;
@@ -285,7 +285,7 @@ static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xd
             const float *xs[TOK_TILE];
             float *ys[TOK_TILE];
             for (int t = 0; t < nt; t++) {
-                xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+                xs[t] = x + (r0 + t) * ldx;
                 ys[t] = y + (r0 + t) * ldy;
             }
             if (wt == WT_BF16)
@@ -295,6 +295,110 @@ static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xd
         }
         k0 = k1;
     } while (k0 < K);
+}
+
+/* The experts' fp32 / bf16 products (strata_moe) read W stored [out][in], as the checkpoint
+ * holds it: each output is the dot product of x with one contiguous row of W. A thread then
+ * reads its matrix as one sequential stream, which the hardware prefetcher follows at the
+ * memory's full rate; the [in][out] passes of `product` read a few columns of several rows at a
+ * time, several streams at once, and got two thirds of it (scripts/stream_orientation.c; at
+ * one row 20-23 vs 14-18 GB/s over DRAM-resident experts, docs/benchmarks.md). */
+
+/* The sum of a vector's lanes in a fixed tree (halves added until one is left). */
+static inline __attribute__((always_inline)) float hsum_vw(vw a)
+{
+    float s[VL];
+    memcpy(s, &a, sizeof s);
+    for (int w = VL / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++)
+            s[i] += s[i + w];
+    return s[0];
+}
+
+/* ys[t][o] = xs[t] . W[o] for NT <= 3 rows xs and output row o of W (rows of `in` weights of
+ * type wt). Per output, four accumulators of VL lanes (vector j of the row into j % 4, from
+ * zero, FMA), summed (0 + 1) + (2 + 3), the lanes summed in hsum_vw's tree, then the row's
+ * last in % VL weights one by one: the same sequence whatever NT, so a row's result does not
+ * depend on the rows it shares a pass with. */
+static inline __attribute__((always_inline)) void dot_pass(const float *const *xs, const int NT,
+                                                           const void *W, const int wt,
+                                                           int64_t in, int64_t o,
+                                                           float *const *ys)
+{
+    vw acc[3][4];
+    for (int t = 0; t < NT; t++)
+        for (int a = 0; a < 4; a++)
+            acc[t][a] = (vw){0};
+    const void *row = welem(W, o * in, wt);
+    int64_t k = 0;
+    for (; k + 4 * VL <= in; k += 4 * VL)
+        for (int a = 0; a < 4; a++) {
+            vw w;
+            load_w(&w, row, k + a * VL, wt);
+            for (int t = 0; t < NT; t++) /* vw is 4-aligned: an unaligned load of x */
+                acc[t][a] += *(const vw *)(xs[t] + k + a * VL) * w;
+        }
+    for (int a = 0; k + VL <= in; k += VL, a++) {
+        vw w;
+        load_w(&w, row, k, wt);
+        for (int t = 0; t < NT; t++)
+            acc[t][a] += *(const vw *)(xs[t] + k) * w;
+    }
+    for (int t = 0; t < NT; t++) {
+        float s = hsum_vw((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
+        for (int64_t j = k; j < in; j++)
+            s += xs[t][j] * load1(row, j, wt);
+        ys[t][o] = s;
+    }
+}
+
+/* dot_pass over output rows [o0, o0 + out) for nt <= TOK_TILE rows: one row of W at a time
+ * (one stream), all nt rows of x against it (four: two and two, the second pair reading the
+ * row from L1; 4 x 4 accumulators would not fit AVX2's registers). */
+static inline __attribute__((always_inline)) void dot_rows_of(const float *const *xs, int nt,
+                                                              const void *W, const int wt,
+                                                              int64_t in, int64_t o0,
+                                                              int64_t out, float *const *ys)
+{
+    for (int64_t o = o0; o < o0 + out; o++)
+        switch (nt) {
+        case 1: dot_pass(xs, 1, W, wt, in, o, ys); break;
+        case 2: dot_pass(xs, 2, W, wt, in, o, ys); break;
+        case 3: dot_pass(xs, 3, W, wt, in, o, ys); break;
+        default:
+            dot_pass(xs, 2, W, wt, in, o, ys);
+            dot_pass(xs + 2, 2, W, wt, in, o, ys + 2);
+            break;
+        }
+}
+
+#define DOT_ROWS(name, wt)                                                                     \
+    static void name(const float *const *xs, int nt, const void *W, int64_t in, int64_t o0,  \
+                     int64_t out, float *const *ys)                                          \
+    {                                                                                        \
+        dot_rows_of(xs, nt, W, wt, in, o0, out, ys);                                         \
+    }
+DOT_ROWS(dot_rows_f32, WT_F32)
+DOT_ROWS(dot_rows_bf16, WT_BF16)
+#undef DOT_ROWS
+
+/* y[r][o - o0] (row stride ldy) = x_r . W[o] for outputs o in [o0, o0 + out) of W [N][in]
+ * (type wt) and R rows x_r = x + r ldx, or x + (xrow[r] / xdiv) ldx (gathered by index), in
+ * tiles of TOK_TILE rows. */
+static void product_rows(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv,
+                         int64_t R, const void *W, int wt, int64_t in, int64_t o0, int64_t out,
+                         float *y, int64_t ldy)
+{
+    for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
+        const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
+        const float *xs[TOK_TILE];
+        float *ys[TOK_TILE];
+        for (int t = 0; t < nt; t++) {
+            xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+            ys[t] = y + (r0 + t) * ldy - o0;
+        }
+        (wt == WT_BF16 ? dot_rows_bf16 : dot_rows_f32)(xs, nt, W, in, o0, out, ys);
+    }
 }
 
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));  /* 8 floats, unaligned ok */
@@ -1036,7 +1140,7 @@ static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, cons
     for (int64_t u = 0; u < S * chunks; u++) {
         const int64_t s = u / chunks, c = (u % chunks) * width;
         const int64_t w = n - c < width ? n - c : width;
-        product(x, ldx, NULL, 1, T, welem(W, s * K * n + c, wt), wt, K, n, w, y + s * n + c,
+        product(x, ldx, T, welem(W, s * K * n + c, wt), wt, K, n, w, y + s * n + c,
                 ldy);
     }
 }
@@ -1522,12 +1626,14 @@ static inline const float *expert_bias(const int64_t *blob_addr, int64_t e, int6
  * above at `limit` and u to [-limit, limit], g * sigmoid(alpha * g) * (u + 1).
  * bias_at >= 0: each blob holds fp32 biases at that byte offset, [gate F | up F | down D],
  * added to the gate, up and down products (gpt-oss's experts); bias_at < 0: none.
- * blob_addr[e] is the address of expert e's blob (a slot or a host-store row). For wtypes
- * WT_F32 / WT_BF16 (all three alike) its elements are of that type (offsets count elements):
- *   [gate_t D x F | up_t D x F | down_t as S column blocks S x F x (D/S)]   (cache/layout.py)
+ * blob_addr[e] is the address of expert e's blob (a slot or a host-store row). Every type
+ * stores the matrices as the checkpoint does, [out][in], and each of the S down units is D/S
+ * of down's rows. For wtypes WT_F32 / WT_BF16 (all three alike) the elements are of that
+ * type (offsets count elements; products by product_rows):
+ *   [gate F x D | up F x D | down D x F]                                   (cache/layout.py)
  * For block types (wtypes[0..2]: gate's, up's, down's), the GGUF's rows of blocks as stored
  * (cache/formats.py's BlockFormat):
- *   [gate F rows of D | up F rows of D | down D rows of F], each of the S down units D/S rows
+ *   [gate F rows of D | up F rows of D | down D rows of F]
  * For WT_FP8 (wtypes[3], wtypes[4]: the scale block's rows and columns, bo x bi), float8
  * e4m3 codes then fp32 block scales (cache/formats.py's Fp8Format):
  *   [gate F x D | up F x D | down D x F codes | their scales, row-major blocks, same order]
@@ -1606,8 +1712,8 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
                 continue;
             }
             const void *W = welem((const void *)(intptr_t)blob_addr[e], (u % 2) * D * F, wt);
-            product(x, D, order + start[e], K, start[e + 1] - start[e], W, wt, D, F, F,
-                    dst + start[e] * F, F);
+            product_rows(x, D, order + start[e], K, start[e + 1] - start[e], W, wt, D, 0, F,
+                         dst + start[e] * F, F);
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < A; p++) {
@@ -1651,10 +1757,9 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
                                out + start[e] * D + s * Dc, D);
                 continue;
             }
-            const void *W = welem((const void *)(intptr_t)blob_addr[e], 2 * D * F + s * F * Dc,
-                                  wt);
-            product(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, wt, F, Dc, Dc,
-                    out + start[e] * D + s * Dc, D);
+            const void *W = welem((const void *)(intptr_t)blob_addr[e], 2 * D * F, wt);
+            product_rows(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, wt, F,
+                         s * Dc, Dc, out + start[e] * D + s * Dc, D);
         }
         /* weighted sum per row, experts in ascending id */
 #pragma omp for schedule(static)

@@ -3,8 +3,8 @@ read by address where they lie — a slot of the pool, a staging buffer, or the 
 itself (over the link, zero-copy: with unified addressing a pinned host page is readable by the
 device). No gather, no per-expert dispatch, the same arithmetic wherever the blob is.
 
-Shape legend: T tokens, K routed per token, D hidden, F expert FFN, S column splits of `down`
-(see services.engine.cache.layout), M = T*K (token, expert) rows, G groups.
+Shape legend: T tokens, K routed per token, D hidden, F expert FFN, M = T*K (token, expert)
+rows, G groups.
 
 The rows are sorted per token by ascending expert id (that is the order each token's outputs
 are summed in, as on the CPU), then grouped by expert into groups of at most BLOCK_M rows; a
@@ -57,7 +57,7 @@ DENSE, BLOCKS, FP8 = 0, 1, 2  # what a blob holds (Weights.kind)
 class Weights:
     """What the kernels read a blob as, compiled in (each distinct Weights is one build):
 
-    DENSE   the split layout of services.engine.cache.layout, in the activations' dtype
+    DENSE   services.engine.cache.layout's expert blob ([out, in]), in the activations' dtype
     BLOCKS  GGUF block types as stored (cache/formats.py's BlockFormat): gate rows, up rows,
             down rows of blocks, each matrix in its own type (kernels/gpu_blocks.py)
     FP8     e4m3 codes of gate, up, down, then their fp32 block scales (Fp8Format)
@@ -127,10 +127,10 @@ def _gate_up_tiles(blob, d, f, d_ok, f_ok, lut, dtype, D: tl.constexpr, F: tl.co
                    U_ROW: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     """gate and up weights [BLOCK_D, BLOCK_F] (rows d, columns f of gate_up_t), in dtype."""
     ok = d_ok[:, None] & f_ok[None, :]
-    if KIND == 0:
-        gate = tl.load(blob + d[:, None] * F + f[None, :], mask=ok, other=0.0)
-        up = tl.load(blob + D * F + d[:, None] * F + f[None, :], mask=ok, other=0.0)
-    else:  # stored as gate [F, D], up [F, D]: row f, column d
+    if KIND == 0:  # gate [F, D], up [F, D]: row f, column d
+        gate = tl.load(blob + f[None, :] * D + d[:, None], mask=ok, other=0.0)
+        up = tl.load(blob + D * F + f[None, :] * D + d[:, None], mask=ok, other=0.0)
+    else:  # the same orientation, in blocks or codes
         r = tl.minimum(f, F - 1)[None, :]
         c = tl.minimum(d, D - 1)[:, None]
         if KIND == 1:
@@ -148,14 +148,13 @@ def _gate_up_tiles(blob, d, f, d_ok, f_ok, lut, dtype, D: tl.constexpr, F: tl.co
 
 @triton.jit
 def _down_tile(blob, f, d, f_ok, d_ok, lut, dtype, D: tl.constexpr, F: tl.constexpr,
-               D_SPLIT: tl.constexpr, KIND: tl.constexpr, DT: tl.constexpr, G_ROW: tl.constexpr,
-               U_ROW: tl.constexpr, D_ROW: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+               KIND: tl.constexpr, DT: tl.constexpr, G_ROW: tl.constexpr, U_ROW: tl.constexpr,
+               D_ROW: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     """down weights [BLOCK_F, BLOCK_D] (rows f, columns d of down_t), in dtype."""
     ok = f_ok[:, None] & d_ok[None, :]
-    if KIND == 0:  # S column blocks [F, D/S], one after the other
-        col = (d // D_SPLIT) * F * D_SPLIT + d % D_SPLIT  # column d's offset in its block
-        w = tl.load(blob + 2 * D * F + f[:, None] * D_SPLIT + col[None, :], mask=ok, other=0.0)
-    else:  # stored as down [D, F]: row d, column f
+    if KIND == 0:  # down [D, F]: row d, column f
+        w = tl.load(blob + 2 * D * F + d[None, :] * F + f[:, None], mask=ok, other=0.0)
+    else:  # the same orientation, in blocks or codes
         r = tl.minimum(d, D - 1)[None, :]
         c = tl.minimum(f, F - 1)[:, None]
         if KIND == 1:
@@ -217,7 +216,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, act_ptr,
 
 @triton.jit
 def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_ptr, lut,
-                 D: tl.constexpr, F: tl.constexpr, D_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                 D: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
                  KIND: tl.constexpr, GT: tl.constexpr, UT: tl.constexpr, DT: tl.constexpr,
                  G_ROW: tl.constexpr, U_ROW: tl.constexpr, D_ROW: tl.constexpr,
                  BO: tl.constexpr, BI: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
@@ -239,8 +238,8 @@ def _down_kernel(act_ptr, dst_ptr, w_ptr, g_addr_ptr, g_start_ptr, g_len_ptr, y_
         f_ok = f < F
         a = tl.load(act_ptr + (start + m)[:, None] * F + f[None, :],
                     mask=row_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_F]
-        w = _down_tile(blob, f, d, f_ok, d_ok, lut, dtype, D, F, D_SPLIT, KIND, DT, G_ROW,
-                       U_ROW, D_ROW, BO, BI)  # [BLOCK_F, BLOCK_D]
+        w = _down_tile(blob, f, d, f_ok, d_ok, lut, dtype, D, F, KIND, DT, G_ROW, U_ROW,
+                       D_ROW, BO, BI)  # [BLOCK_F, BLOCK_D]
         if IEEE:
             y += tl.dot(a, w, input_precision="ieee")
         else:
@@ -302,8 +301,7 @@ def group_rows(top_idx: np.ndarray, first: np.ndarray | None = None) -> Groups:
 
 def _launch(x: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, w_of_row: torch.Tensor,
             g_addr: torch.Tensor, g_start: torch.Tensor, g_len: torch.Tensor,
-            act: torch.Tensor, y: torch.Tensor, ffn_size: int, splits: int,
-            weights: Weights) -> None:
+            act: torch.Tensor, y: torch.Tensor, ffn_size: int, weights: Weights) -> None:
     """gate_up then down over the groups given (G = len(g_addr) programs per column block)."""
     D, G = x.shape[1], len(g_addr)
     lut = gpu_blocks.lookup_table(x.device)
@@ -312,7 +310,7 @@ def _launch(x: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, w_of_row: tor
     _gate_up_kernel[(G, triton.cdiv(ffn_size, BLOCK_F))](
         x, tok, g_addr, g_start, g_len, act, lut, D, ffn_size, **common)
     _down_kernel[(G, triton.cdiv(D, BLOCK_D))](
-        act, dst, w_of_row, g_addr, g_start, g_len, y, lut, D, ffn_size, D // splits, **common)
+        act, dst, w_of_row, g_addr, g_start, g_len, y, lut, D, ffn_size, **common)
 
 
 def _combine(y: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -323,7 +321,7 @@ def _combine(y: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tenso
 
 
 def moe(x: torch.Tensor, top_w: torch.Tensor, groups: Groups, blob_addr: np.ndarray,
-        ffn_size: int, splits: int, split: int | None = None,
+        ffn_size: int, split: int | None = None,
         between: Callable[[], None] | None = None,
         weights: Weights = Weights()) -> torch.Tensor:
     """The routed experts of one layer: x [T, D] on the device, top_w [T, K] (device, in
@@ -348,14 +346,14 @@ def moe(x: torch.Tensor, top_w: torch.Tensor, groups: Groups, blob_addr: np.ndar
     for g0, g1 in ((0, cut), (cut, G)):
         if g1 > g0:
             _launch(x, tok, dst, w_of_row, g_addr[g0:g1], g_start[g0:g1], g_len[g0:g1], act, y,
-                    ffn_size, splits, weights)
+                    ffn_size, weights)
         if g0 == 0 and between is not None:
             between()
     return _combine(y, T, K, x.dtype)
 
 
 def moe_device(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
-               blob_addr: torch.Tensor, ffn_size: int, splits: int,
+               blob_addr: torch.Tensor, ffn_size: int,
                weights: Weights = Weights()) -> torch.Tensor:
     """moe() with every index built on the device: top_idx, top_w [T, K] and blob_addr [E]
     int64 (each expert's blob address, e.g. one layer's row of a device table) on x's device;
@@ -371,16 +369,16 @@ def moe_device(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
     act = torch.empty(M, ffn_size, dtype=x.dtype, device=x.device)
     y = torch.empty(M, D, dtype=torch.float32, device=x.device)
     _launch(x.contiguous(), rows // K, rows, w_of_row, g_addr, rows, g_len, act, y, ffn_size,
-            splits, weights)
+            weights)
     return _combine(y, T, K, x.dtype)
 
 
-def expert_forward(x: torch.Tensor, blob: torch.Tensor, ffn_size: int, splits: int,
+def expert_forward(x: torch.Tensor, blob: torch.Tensor, ffn_size: int,
                    weights: Weights = Weights()) -> torch.Tensor:
     """One expert on all rows of x [n, D] (device) from `blob`, on the device or pinned on the
     host -> [n, D] (unweighted): what the placement cost model times."""
     n = x.shape[0]
     groups = group_rows(np.zeros((n, 1), dtype=np.int64))
     ones = torch.ones(n, 1, dtype=x.dtype, device=x.device)
-    return moe(x, ones, groups, np.array([blob.data_ptr()], dtype=np.int64), ffn_size, splits,
+    return moe(x, ones, groups, np.array([blob.data_ptr()], dtype=np.int64), ffn_size,
                weights=weights)

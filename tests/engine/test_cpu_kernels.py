@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.engine import kernels
-from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
+from services.engine.cache.layout import ExpertLayout
 from services.engine.driver import SequenceDriver
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.checkpoint import load_model_config
@@ -40,10 +40,10 @@ def rows_alone(fn, *row_args):
 def test_linear_matches_torch_and_rows_are_independent(cpu, T, n):
     g = torch.Generator().manual_seed(T * 1000 + n)
     K = 96
-    w = split_columns(torch.randn(K, n, generator=g))  # [S, K, n/S]
+    w = torch.randn(n, K, generator=g)  # [N, K] as the checkpoint stores it
     x = torch.randn(T, K, generator=g)
     y = cpu.linear(x, w)
-    torch.testing.assert_close(y, x @ join_columns(w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(y, rows_alone(lambda r: cpu.linear(r, w), x))
     strided = torch.randn(T, 2 * K, generator=g)[:, :K]  # rows with a stride
     assert torch.equal(cpu.linear(strided, w), cpu.linear(strided.contiguous(), w))
@@ -215,7 +215,7 @@ def test_build_is_cached_by_source_and_reused(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert kernels.build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
-    assert kernels.CpuKernels(first).linear(torch.ones(1, 4), torch.ones(2, 4, 2)).tolist() == [
+    assert kernels.CpuKernels(first).linear(torch.ones(1, 4), torch.ones(4, 4)).tolist() == [
         [4.0] * 4]
 
 

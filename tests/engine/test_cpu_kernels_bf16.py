@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.engine import kernels
-from services.engine.cache.layout import ExpertLayout, join_columns, split_columns
+from services.engine.cache.layout import ExpertLayout
 
 ROWS = [1, 2, 3, 4, 5, 9]
 
@@ -34,34 +34,36 @@ def test_weight_types(cpu):
     with pytest.raises(TypeError, match="fp32 or bf16"):
         cpu.weight_type(torch.float16)
     with pytest.raises(AssertionError):  # activations stay fp32
-        cpu.linear(torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(1, 4, 2))
+        cpu.linear(torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(2, 4))
 
 
-# Columns per split: under one vector, between the tail passes, and over a COL_BLOCK unit with
-# a ragged end; none a multiple of 16 except 256 (one full unit).
+# Output rows: fewer than a unit each, a ragged split into units; inputs K not a multiple of a
+# vector (a row's tail).
 @pytest.mark.parametrize("n", [5, 37, 100, 256, 333, 600])
 @pytest.mark.parametrize("T", ROWS)
 def test_linear_bf16_equals_fp32_on_the_widened_weight(cpu, T, n):
     g = torch.Generator().manual_seed(T * 1000 + n)
     K = 72
-    w = split_columns(torch.randn(K, 2 * n, generator=g)).bfloat16()  # [2, K, n] bf16
+    w = torch.randn(2 * n, K, generator=g).bfloat16()  # [N, K] bf16
     x = torch.randn(T, K, generator=g)
     y = cpu.linear(x, w)
     assert y.dtype == torch.float32 and y.shape == (T, 2 * n)
     assert torch.equal(y, cpu.linear(x, w.float()))
-    torch.testing.assert_close(y, x @ join_columns(w.float()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, x @ w.float().t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(y, rows_alone(lambda r: cpu.linear(r, w), x))
     assert torch.equal(cpu.linear(x, at_odd_address(w)), y)
     strided = torch.randn(T, 2 * K, generator=g)[:, :K]
     assert torch.equal(cpu.linear(strided, w), cpu.linear(strided.contiguous(), w.float()))
 
 
-@pytest.mark.parametrize("S", [1, 3])
-def test_linear_bf16_other_split_counts(cpu, S):
-    g = torch.Generator().manual_seed(S)
-    w = torch.randn(S, 40, 77, generator=g).bfloat16()
-    x = torch.randn(5, 40, generator=g)
-    assert torch.equal(cpu.linear(x, w), cpu.linear(x, w.float()))
+@pytest.mark.parametrize("T", [1, 5])
+def test_matmul_bf16_equals_fp32_on_the_widened_weight(cpu, T):
+    g = torch.Generator().manual_seed(T)
+    w_t = torch.randn(40, 77, generator=g).bfloat16()  # [K, N] pre-transposed (routers, gates)
+    x = torch.randn(T, 40, generator=g)
+    y = cpu.matmul(x, w_t)
+    assert torch.equal(y, cpu.matmul(x, w_t.float()))
+    torch.testing.assert_close(y, x @ w_t.float(), rtol=1e-5, atol=1e-5)
 
 
 def moe_case(T: int, seed: int):
@@ -133,8 +135,8 @@ class Layer:
         nqkv = (H + 2 * G) * Hd
         self.in_norm, self.post_norm = torch.rand(D, generator=g), torch.rand(D, generator=g)
         self.q_norm, self.k_norm = torch.rand(Hd, generator=g), torch.rand(Hd, generator=g)
-        self.wqkv = split_columns(torch.randn(D, nqkv, generator=g) * 0.2).to(dtype)
-        self.wo = split_columns(torch.randn(H * Hd, D, generator=g) * 0.2).to(dtype)
+        self.wqkv = (torch.randn(nqkv, D, generator=g) * 0.2).to(dtype)  # q | k | v rows
+        self.wo = (torch.randn(D, H * Hd, generator=g) * 0.2).to(dtype)
         self.router = (torch.randn(D, self.E, generator=g)).to(dtype)
         self.k_pool = torch.randn(self.BLOCKS, self.P, G, Hd, generator=g)
         self.v_pool = torch.randn(self.BLOCKS, self.P, G, Hd, generator=g)
@@ -152,9 +154,8 @@ class Layer:
 
     def struct(self, wtype: int | None) -> kernels.DecodeLayer:
         args = [self.in_norm.data_ptr(), self.post_norm.data_ptr(), self.wqkv.data_ptr(),
-                self.wqkv.shape[0], self.q_norm.data_ptr(), self.k_norm.data_ptr(),
-                self.wo.data_ptr(), self.wo.shape[0], self.k_pool.data_ptr(),
-                self.v_pool.data_ptr(), self.router.data_ptr()]
+                self.q_norm.data_ptr(), self.k_norm.data_ptr(), self.wo.data_ptr(),
+                self.k_pool.data_ptr(), self.v_pool.data_ptr(), self.router.data_ptr()]
         return kernels.DecodeLayer(*args) if wtype is None else kernels.DecodeLayer(*args, wtype)
 
 

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine.cache.layout import split_columns
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.layers.delta_net import GatedDeltaNet
 from services.engine.model.step import Span
@@ -23,7 +22,7 @@ def layer(seed: int = 0) -> GatedDeltaNet:
     C = 2 * Hk * Dk + Hv * Dv
 
     def w(rows: int, cols: int) -> torch.Tensor:
-        return split_columns((torch.randn(rows, cols, generator=g) * 0.3).t())
+        return torch.randn(rows, cols, generator=g) * 0.3  # [out, in]
 
     return GatedDeltaNet(qkvz=w(C + Hv * Dv, D), ba=w(2 * Hv, D),
                          conv=torch.randn(Kc, C, generator=g) * 0.5,

@@ -1,4 +1,4 @@
-"""CPU fast path: split-column weights, the expert blob layout and KV reads without copies."""
+"""CPU fast path: the expert blob layout and KV reads without copies."""
 
 from __future__ import annotations
 
@@ -6,28 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.cache.layout import (
-    ExpertLayout,
-    join_columns,
-    matmul_split,
-    split_columns,
-    swiglu,
-)
+from services.engine.cache.layout import ExpertLayout, swiglu
 from services.engine.model.paged_kv import PagedKVCache
 
 
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
-
-
-@pytest.mark.parametrize("rows, cols", [(1, 64), (5, 64), (3, 33)])
-def test_matmul_split_is_a_plain_product(rows, cols):
-    x, w_t = torch.randn(rows, 48), torch.randn(48, cols)
-    w = split_columns(w_t)
-    assert w.is_contiguous() and w.shape[0] == (2 if cols % 2 == 0 else 1)
-    assert torch.equal(join_columns(w), w_t)
-    torch.testing.assert_close(matmul_split(x, w), x @ w_t, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens", [1, 4])

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from services.engine.block_manager import BlockManager, BlockTable
-from services.engine.cache.layout import matmul_split
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.checkpoint import CheckpointReader, load_model_config
 from services.engine.runner import ChunkWork
@@ -106,8 +105,8 @@ def test_the_first_draft_is_the_head_on_the_main_models_last_hidden_state(mtp_di
     g = source.head(hidden[None, -W:], model.embed[ids][None],
                     torch.arange(len(prompt) - W, len(prompt))[None])[0, -1]
     rms_norm = TorchBackend(torch.device("cpu")).rms_norm
-    want = matmul_split(rms_norm(g[None], model.final_norm, runner.config.rms_norm_eps),
-                        model.lm_head)[0]
+    want = (rms_norm(g[None], model.final_norm, runner.config.rms_norm_eps)
+            @ model.lm_head.t())[0]
     assert d1 == int(torch.argmax(want[: runner.num_usable_tokens]))
 
     # Verify [x_n, d1, d2], then pretend d1 was rejected: the d1/d2 rows must be dropped.

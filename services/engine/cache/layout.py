@@ -1,27 +1,19 @@
-"""The two weight layouts of the engine: the dense weights' column splits, and one expert's
-weights as one flat blob, shared by the host store and the slots.
+"""One expert's weights as one flat blob: the layout shared by the host store and the slots.
 
-Shape legend: T tokens, D hidden, F expert FFN, S column splits (2), K input rows, N output
-columns.
+Shape legend: T tokens, D hidden, F expert FFN, S work units of the down product (2).
 
-Dense weights (attention, dense MLPs, lm_head) are pre-transposed ([in, out]) and stored as S
-contiguous column blocks, [S, K, N/S] (`split_columns`), so each product is one `torch.bmm`
-over S independent halves: on the CPU a single-row `x @ W` runs on one core (MKL's gemv at
-about half the memory bandwidth), a batch of S halves on S cores near the bandwidth limit.
-Every output element is still one dot product over the full input, so the results equal the
-plain `x @ W_t`. The C (strata_linear) and Triton kernels read this layout too.
-
-An expert's blob keeps the checkpoint's orientation, [out, in]:
+A blob keeps the checkpoint's orientation, [out, in], as every weight of the engine does
+(dense weights are [out, in] tensors too):
 
     blob = [ gate (F x D) | up (F x D) | down (D x F) ]          numel = 3*D*F
 
 the orientation the GGUF block types and FP8 blobs (cache/formats.py) are stored in as well.
 Each output is the dot product of the input with one contiguous weight row, so the CPU
 kernels (strata_moe) stream each matrix as one sequential read, at the memory's full rate
-(docs/benchmarks.md, "Experts stored as the checkpoint stores them"). Hit and miss paths both
-run `expert_swiglu` on views of a blob (the torch reference, kernels/backend.py's
-TorchBackend), so their results are bit-identical on the same device; the C and Triton MoE
-kernels read the same bytes by address.
+(docs/benchmarks.md, "Weights as the checkpoint stores them"). Hit and miss paths both run
+`expert_swiglu` on views of a blob (the torch reference, kernels/backend.py's TorchBackend),
+so their results are bit-identical on the same device; the C and Triton MoE kernels read the
+same bytes by address.
 """
 
 from __future__ import annotations
@@ -31,32 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-NUM_SPLITS = 2  # S: one column block per core of the dev CPU
+NUM_SPLITS = 2  # S: the down product's work units (its output rows in S parts), one per core
+# of the dev CPU
 
 
-def num_splits(num_columns: int) -> int:
-    return NUM_SPLITS if num_columns % NUM_SPLITS == 0 else 1
-
-
-def split_columns(w_t: torch.Tensor) -> torch.Tensor:
-    """A pre-transposed weight [K, N] as S contiguous column blocks [S, K, N/S]."""
-    K, N = w_t.shape
-    S = num_splits(N)
-    return w_t.reshape(K, S, N // S).transpose(0, 1).contiguous()
-
-
-def join_columns(w: torch.Tensor) -> torch.Tensor:
-    """The inverse of split_columns: [S, K, N/S] -> [K, N] (a copy)."""
-    S, K, n = w.shape
-    return w.transpose(0, 1).reshape(K, S * n)
-
-
-def matmul_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ the split weight w [S, K, N/S] -> [T, N] in one torch.bmm."""
-    S, K, n = w.shape
-    T = x.shape[0]
-    y = torch.bmm(x.expand(S, T, K), w)  # [S, T, N/S]
-    return y[0] if S == 1 else y.transpose(0, 1).reshape(T, S * n)
+def num_splits(num_rows: int) -> int:
+    return NUM_SPLITS if num_rows % NUM_SPLITS == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -103,14 +75,6 @@ class ExpertLayout:
     def forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens: x [T, D] -> [T, D] (unweighted), in the blob's dtype."""
         return expert_swiglu(x.to(blob.dtype), *self.parts(blob)).to(x.dtype)
-
-
-def split_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """A dense MLP in the split layout, down(silu(gate(x)) * up(x)): x [T, D], gate_up
-    [2, D, F] (gate, up), down [S, F, D/S] -> [T, D]."""
-    T, D = x.shape
-    gu = torch.bmm(x.expand(2, T, D), gate_up)  # [2, T, F]: gate and up on one core each
-    return matmul_split(F.silu(gu[0]) * gu[1], down)  # [T, D]
 
 
 def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

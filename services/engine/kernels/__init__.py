@@ -11,7 +11,8 @@ one of them changes; a build takes about a second. It runs on torch's OpenMP thr
 is loaded after torch, whose libgomp it then links to), so `--threads` applies to both.
 
 What runs here (decode is bound by the weight bytes it reads; see docs/benchmarks.md):
-  linear(x, w)        x [T, K] @ a split weight [S, K, N/S] -> [T, N]     (matmul_split)
+  linear(x, w)        x [T, K] times a weight w [N, K] ([out, in], as stored) -> [T, N]
+  matmul(x, w_t)      x [T, K] @ a pre-transposed w_t [K, N] -> [T, N] (routers, gates)
   router(x, router_t, k, renormalize)  softmax top-k routing and the rows per expert
   moe(x, top_idx, top_w, blob_addr)   one MoE layer's routed experts, read by address from
                                       the slots or the host store, weighted sum per row
@@ -53,7 +54,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 11  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 12  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -140,8 +141,8 @@ class DecodeLayer(ctypes.Structure):
     o_type; the norm weights and KV pools are fp32."""
 
     _fields_ = [("in_norm", _c_ptr), ("post_norm", _c_ptr), ("wqkv", _c_ptr),
-                ("qkv_splits", _c_i64), ("q_norm", _c_ptr), ("k_norm", _c_ptr), ("wo", _c_ptr),
-                ("o_splits", _c_i64), ("k_pool", _c_ptr), ("v_pool", _c_ptr),
+                ("q_norm", _c_ptr), ("k_norm", _c_ptr), ("wo", _c_ptr),
+                ("k_pool", _c_ptr), ("v_pool", _c_ptr),
                 ("router", _c_ptr), ("wtype", _c_i64), ("qkv_types", _c_i64 * 3),
                 ("o_type", _c_i64)]
 
@@ -193,6 +194,9 @@ class CpuKernels:
         lib.strata_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                                       _c_i64, _c_ptr]
         lib.strata_linear.restype = None
+        lib.strata_linear_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
+                                           _c_i64, _c_ptr]
+        lib.strata_linear_rows.restype = None
         lib.strata_linear_blocks.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
                                              _c_ptr, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_linear_blocks.restype = None
@@ -238,15 +242,27 @@ class CpuKernels:
         self._work = _Workspace()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, K] (fp32, rows may be strided) @ w [S, K, n] (fp32 or bf16, contiguous)
-        -> [T, S*n] fp32."""
-        S, K, n = w.shape
+        """x [T, K] (fp32, rows may be strided) times w [N, K] (fp32 or bf16, contiguous:
+        a weight as the checkpoint stores it), transposed -> [T, N] fp32."""
+        N, K = w.shape
         T = x.shape[0]
         assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
-        wtype = self.weight_type(w.dtype)
-        y = torch.empty(T, S * n)
-        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), wtype, S, n,
-                                y.data_ptr())
+        assert w.is_contiguous()
+        y = torch.empty(T, N)
+        self._lib.strata_linear_rows(x.data_ptr(), T, K, x.stride(0), w.data_ptr(),
+                                     self.weight_type(w.dtype), N, y.data_ptr())
+        return y
+
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (fp32, rows may be strided) @ w_t [K, N] (fp32 or bf16, contiguous)
+        -> [T, N] fp32."""
+        K, N = w_t.shape
+        T = x.shape[0]
+        assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
+        assert w_t.is_contiguous()
+        y = torch.empty(T, N)
+        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w_t.data_ptr(),
+                                self.weight_type(w_t.dtype), 1, N, y.data_ptr())
         return y
 
     def linear_blocks(self, x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:

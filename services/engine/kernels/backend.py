@@ -1,6 +1,6 @@
 """Backends: how the dense products, norms, RoPE, decode attention and routing run on a device.
 
-Shape legend: T rows, K input features, N output columns, S column splits, H query heads,
+Shape legend: T rows, K input features, N output features, H query heads,
 G KV heads, Hd head dim, E experts, P positions per KV block, nb blocks per table.
 
 The runner picks one backend at start (`select_backend`, from the device and the kernels'
@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import kernels
-from services.engine.cache.layout import matmul_split, split_swiglu
 from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix
 
 if TYPE_CHECKING:
@@ -76,22 +75,25 @@ class TorchBackend:
         return w.rows(ids)
 
     def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        """x [T, K] @ an unsplit pre-transposed weight w_t [K, N] -> [T, N] (small products:
-        routers, gates, latent projections)."""
+        """x [T, K] @ a pre-transposed weight w_t [K, N] -> [T, N] (small products: routers,
+        gates, latent projections)."""
         return (x.to(w_t.dtype) @ w_t).to(x.dtype)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix | Fp8Matrix
                ) -> torch.Tensor:
-        """x [T, K] @ the split weight w [S, K, N/S] -> [T, N] (one torch.bmm: at decode the
-        S column blocks stream on S cores instead of one); a BlockMatrix or Fp8Matrix is
-        dequantized (the reference; only backends that read them get one at load)."""
+        """x [T, K] times the weight w [N, K] ([out, in], as the checkpoint stores it),
+        transposed -> [T, N]; a BlockMatrix or Fp8Matrix is dequantized (the reference; only
+        backends that read them get one at load)."""
         if isinstance(w, BlockMatrix | Fp8Matrix):
             return (x.float() @ w.dequantize().T).to(x.dtype)
-        return matmul_split(x.to(w.dtype), w).to(x.dtype)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)): x [T, D], gate_up [2, D, F], down [S, F, D/S] -> [T, D]."""
-        return split_swiglu(x.to(gate_up.dtype), gate_up, down).to(x.dtype)
+        """down(silu(gate(x)) * up(x)): x [T, D], gate_up [2F, D] (gate rows, then up's),
+        down [D, F] -> [T, D]."""
+        gu = self.linear(x, gate_up)  # [T, 2F]
+        Fs = gate_up.shape[0] // 2
+        return self.linear(F.silu(gu[:, :Fs]) * gu[:, Fs:], down)
 
     # -- norms and RoPE ------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,7 +175,7 @@ class CpuBackend(TorchBackend):
 
     def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         if w_t.dtype == torch.bfloat16 and self._takes(x, w_t) and w_t.is_contiguous():
-            return self.cpu.linear(x, w_t[None])  # one column block
+            return self.cpu.matmul(x, w_t)
         return super().matmul(x, w_t)  # (fp32: torch's product, as the reference computes)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | BlockMatrix | Fp8Matrix
@@ -182,14 +184,9 @@ class CpuBackend(TorchBackend):
             return self.cpu.linear_blocks(x.float(), w)
         if isinstance(w, Fp8Matrix):
             return self.cpu.linear_fp8(x.float(), w)
-        return self.cpu.linear(x, w) if self._takes(x, w) else super().linear(x, w)
-
-    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        if not self._takes(x, gate_up):
-            return super().swiglu(x, gate_up, down)
-        gu = self.cpu.linear(x, gate_up)  # [T, 2F]: gate | up
-        Fs = gate_up.shape[2]
-        return self.linear(F.silu(gu[:, :Fs]) * gu[:, Fs:], down)  # [T, D]
+        if self._takes(x, w) and w.is_contiguous():
+            return self.cpu.linear(x, w)
+        return super().linear(x, w)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and self._takes(x, weight) and weight.dtype == torch.float32:

@@ -17,7 +17,7 @@
  *
  * Numerics: every output element of an fp32 / bf16 product is one fp32 dot product,
  * accumulated over the input index in order with a fused multiply-add, starting from zero
- * (the experts' products, product_rows: in 4 x VL lanes, then a fixed tree over them);
+ * (the [out][in] products, product_rows: in 4 x VL lanes, then a fixed tree over them);
  * a block-type product (product_blocks, below) is integer dots per block on 8-bit-rounded
  * activations, one float FMA per block, in order. Either way a row's result never depends
  * on which other rows share the call, on the tile it falls in, on the thread that computes
@@ -43,7 +43,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 11
+#define ABI_VERSION 12
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -67,6 +67,7 @@
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
 #define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
+#define ROWS_UNIT_BYTES (256 << 10) /* the most weight bytes of one rows_units unit */
 #define THREADED_WEIGHTS (1 << 18) /* weights a call reads from which its work is shared among
                                     * the threads: below, waking them (and waiting for one
                                     * the scheduler has given to another process) costs more
@@ -297,12 +298,13 @@ static void product(const float *x, int64_t ldx, int64_t R, const void *W, int w
     } while (k0 < K);
 }
 
-/* The experts' fp32 / bf16 products (strata_moe) read W stored [out][in], as the checkpoint
- * holds it: each output is the dot product of x with one contiguous row of W. A thread then
- * reads its matrix as one sequential stream, which the hardware prefetcher follows at the
- * memory's full rate; the [in][out] passes of `product` read a few columns of several rows at a
- * time, several streams at once, and got two thirds of it (scripts/stream_orientation.c; at
- * one row 20-23 vs 14-18 GB/s over DRAM-resident experts, docs/benchmarks.md). */
+/* The fp32 / bf16 products on weights (the experts in strata_moe, the dense weights in
+ * strata_linear_rows and the fused layer) read W stored [out][in], as the checkpoint holds it:
+ * each output is the dot product of x with one contiguous row of W. A thread then reads its
+ * rows as one sequential stream, which the hardware prefetcher follows at the memory's full
+ * rate; the [in][out] passes of `product` read a few columns of several rows at a time,
+ * several streams at once, and got two thirds of it (scripts/stream_orientation.c; at one row
+ * 20-23 vs 14-18 GB/s over DRAM-resident experts, docs/benchmarks.md). */
 
 /* The sum of a vector's lanes in a fixed tree (halves added until one is left). */
 static inline __attribute__((always_inline)) float hsum_vw(vw a)
@@ -1152,6 +1154,40 @@ void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void
     linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
 }
 
+/* y[t][o] (row stride ldy) = x[t] . W[o] for W [N][K] (type wt, stored [out][in] as the
+ * checkpoint holds it): product_rows on units of consecutive output rows shared among the
+ * threads, UNITS_PER_THREAD a thread at least and none over ROWS_UNIT_BYTES of weights (a
+ * unit's rows stay in L2 while a prefill's tiles of rows pass over them). */
+static void rows_units(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
+                       int wt, int64_t N, float *y, int64_t ldy)
+{
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t bytes = N * K * (wt == WT_BF16 ? 2 : 4);
+    int64_t units = UNITS_PER_THREAD * threads;
+    if (units < (bytes + ROWS_UNIT_BYTES - 1) / ROWS_UNIT_BYTES)
+        units = (bytes + ROWS_UNIT_BYTES - 1) / ROWS_UNIT_BYTES;
+    if (units > N)
+        units = N > 0 ? N : 1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t o0 = N * u / units, o1 = N * (u + 1) / units;
+        product_rows(x, ldx, NULL, 1, T, W, wt, K, o0, o1 - o0, y + o0, ldy);
+    }
+}
+
+/* y [T, N] = x [T, K] (rows ldx apart) times W^T, W [N][K] fp32 or bf16 (a dense weight as
+ * the checkpoint stores it): rows_units. */
+void strata_linear_rows(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
+                        int64_t wtype, int64_t N, float *y)
+{
+#pragma omp parallel if (N * K >= THREADED_WEIGHTS)
+    rows_units(x, T, K, ldx, W, (int)wtype, N, y, N);
+}
+
 typedef float v4 __attribute__((vector_size(16)));
 
 /* sum_j a[j] * b[j] in a fixed order: 16 lanes over the multiples of 16 (two 8-lane halves:
@@ -1407,11 +1443,9 @@ void strata_router(const float *x, int64_t T, int64_t D, const void *Wr, int64_t
  * k's and v's (G Hd each, their types); when o_type is one, wo is D rows of that type. */
 struct strata_layer {
     const float *in_norm, *post_norm; /* [D] */
-    const void *wqkv;                 /* [S][D][(H + 2G) Hd / S]: q | k | v */
-    int64_t qkv_splits;
+    const void *wqkv;                 /* [(H + 2G) Hd][D]: q | k | v rows */
     const float *q_norm, *k_norm;     /* [Hd] per head, or NULL */
-    const void *wo;                   /* [S][H Hd][D / S] */
-    int64_t o_splits;
+    const void *wo;                   /* [D][H Hd] */
     float *k_pool, *v_pool;           /* this layer's [blocks][P][G][Hd] */
     const void *router;               /* [D][E] */
     int64_t wtype;                    /* WT_F32 or WT_BF16: wqkv's, wo's and router's type */
@@ -1457,8 +1491,7 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
         if (qkv_blocks)
             block_units(s->h, T, D, D, &qkv_m, qmem, s->qkv, nqkv);
         else
-            linear_units(s->h, T, D, D, L->wqkv, wt, L->qkv_splits, nqkv / L->qkv_splits,
-                         s->qkv, nqkv);
+            rows_units(s->h, T, D, D, L->wqkv, wt, nqkv, s->qkv, nqkv);
         qk_heads(s->qkv, T, nqkv, s->H, G, Hd, L->q_norm, L->k_norm, s->eps, s->cos_table,
                  s->sin_table, s->positions);
 #pragma omp for schedule(static)
@@ -1474,8 +1507,7 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
         if (o_blocks)
             block_units(s->attn, T, q_size, q_size, &o_m, qmem, s->o, D);
         else
-            linear_units(s->attn, T, q_size, q_size, L->wo, wt, L->o_splits, D / L->o_splits,
-                         s->o, D);
+            rows_units(s->attn, T, q_size, q_size, L->wo, wt, D, s->o, D);
         rms_rows(s->x, T, D, D, s->o, L->post_norm, s->eps, s->h, D);
         router_rows(s->h, T, D, L->router, wt, s->E, s->K, (int)s->renormalize, s->top_idx,
                     s->top_w, s->scores);

@@ -40,22 +40,22 @@ def layer_struct(layer: DecoderLayer, kv: PagedKVCache) -> kernels.DecodeLayer:
     assert moe is not None and a.plain
     wtype = kernels.CpuKernels.weight_type(moe.router_t.dtype)
     qkv_types, o_type = [0, 0, 0], 0  # WT_F32: not a block type
-    if isinstance(a.qkv, BlockMatrix):  # kept as stored: q | k | v rows, one column block
+    if isinstance(a.qkv, BlockMatrix):  # kept as stored: q | k | v rows of blocks
         assert len(a.qkv.segments) == 3
         qkv_types = [block_type(t).kernel for t in a.qkv.block_types]
-        qkv, qkv_splits = a.qkv.data, 1
-    else:
+        qkv = a.qkv.data
+    else:  # q | k | v rows [(H + 2G) Hd, D]
         assert kernels.CpuKernels.weight_type(a.qkv.dtype) == wtype, "one weight dtype per layer"
-        qkv, qkv_splits = a.qkv, a.qkv.shape[0]
+        qkv = a.qkv
     if isinstance(a.o, BlockMatrix):
-        o_type, o, o_splits = block_type(a.o.block_types[0]).kernel, a.o.data, 1
-    else:
+        o_type, o = block_type(a.o.block_types[0]).kernel, a.o.data
+    else:  # [D, H Hd]
         assert kernels.CpuKernels.weight_type(a.o.dtype) == wtype, "one weight dtype per layer"
-        o, o_splits = a.o, a.o.shape[0]
+        o = a.o
     return kernels.DecodeLayer(
         layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv.data_ptr(),
-        qkv_splits, None if a.q_norm is None else a.q_norm.data_ptr(),
-        None if a.k_norm is None else a.k_norm.data_ptr(), o.data_ptr(), o_splits,
+        None if a.q_norm is None else a.q_norm.data_ptr(),
+        None if a.k_norm is None else a.k_norm.data_ptr(), o.data_ptr(),
         kv.k[a.kv_layer].data_ptr(), kv.v[a.kv_layer].data_ptr(), moe.router_t.data_ptr(),
         wtype, (ctypes.c_int64 * 3)(*qkv_types), o_type)
 

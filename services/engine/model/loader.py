@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from services.engine.cache.layout import split_columns
 from services.engine.kernels.backend import TorchBackend
 from services.engine.model.blocks import BlockMatrix
 from services.engine.model.checkpoint import CheckpointReader
@@ -40,7 +39,7 @@ def load_model(reader: CheckpointReader, config: ModelConfig, backend: TorchBack
                  embed.block_types[0], embed.out_features)
     if tied:
         assert isinstance(embed, torch.Tensor)
-        lm_head = split_columns(embed.t()).to(backend.device)
+        lm_head = embed.to(backend.device)  # [V, D]: the embeddings' own rows
     else:  # kept as stored where the backend reads its blocks: the largest matrix of a step
         lm_head = t.linear("lm_head.weight")
         if isinstance(lm_head, BlockMatrix):

@@ -1,7 +1,7 @@
 """Quantized experts: weight-only symmetric int8 and int4 with group-wise scales, one flat byte
 blob per pair (the slot), dequantized inside the expert matmul on whichever device runs it.
 
-Shape legend: T tokens, D hidden, F expert FFN, S column splits (see cache/layout.py), B matrices
+Shape legend: T tokens, D hidden, F expert FFN, S column splits (split_columns), B matrices
 quantized together (gate and up; or the S down splits), K input rows, N output columns, G rows
 per scale group.
 
@@ -34,11 +34,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.cache.layout import join_columns, num_splits, split_columns
+from services.engine.cache.layout import num_splits
 
 EXPERT_DTYPES = ("auto", "int8", "int4")  # auto: the engine's compute dtype, not quantized
 ALIGN_BYTES = 64
 NIBBLE_MASK = 0x0F0F0F0F  # the low nibble of each byte of a 4-byte word
+
+
+def split_columns(w_t: torch.Tensor) -> torch.Tensor:
+    """A pre-transposed weight [K, N] as S contiguous column blocks [S, K, N/S]."""
+    K, N = w_t.shape
+    S = num_splits(N)
+    return w_t.reshape(K, S, N // S).transpose(0, 1).contiguous()
+
+
+def join_columns(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of split_columns: [S, K, N/S] -> [K, N] (a copy)."""
+    S, K, n = w.shape
+    return w.transpose(0, 1).reshape(K, S * n)
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ class CheckpointMtp(DraftSource):
         t, own = tensors(reader), tensors(stored)
         layer = family(c.model_type).build_layer(t, mc, 0)
         offset = 1 if c.norm_offset else 0  # (1 + w) norms
-        self.fc = own.linear(layout.fc)  # [S, 2D, D/S]
+        self.fc = own.linear(layout.fc)  # [D, 2D]
         self.norm_embed = own.get(layout.enorm) + offset
         self.norm_hidden = own.get(layout.hnorm) + offset
         head = main.lm_head if layout.head is None else own.linear(layout.head)

@@ -1,11 +1,11 @@
 """What a family file declares (`Family`), and the builders it assembles its layers with.
 
-Shape legend: D hidden, F FFN, E experts, S column splits, H / G query / KV heads, Hd head dim.
+Shape legend: D hidden, F FFN, E experts, H / G query / KV heads, Hd head dim.
 
 A family is a `model_type`: how its config.json maps to ModelConfig fields, where its tensors
 live (WeightNames), and its layer list (`build_layer(tensors, config, i)`). The builders here
-read a layer's tensors into the building blocks of model/layers/, pre-transposed and split by
-columns the way the backends take them.
+read a layer's tensors into the building blocks of model/layers/: linear weights [out, in] as
+the checkpoint stores them (what the backends take), routers and gates pre-transposed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from services.engine.cache.layout import split_columns
 from services.engine.model.blocks import BLOCK_TYPES, BlockMatrix, Fp8Matrix, fp8_kept
 from services.engine.model.config import ModelConfig, WeightNames
 from services.engine.model.layers.attention import Attention
@@ -68,7 +67,7 @@ def file_backed(rows: np.ndarray) -> torch.Tensor:
 
 class Tensors:
     """A checkpoint's tensors as the layers hold them, on the device: matrices in the weight
-    dtype (linear weights pre-transposed and split by columns), vectors (norms, biases) in the
+    dtype (linear weights [out, in], routers and gates pre-transposed), vectors (norms, biases) in the
     activation dtype."""
 
     def __init__(self, reader: TensorReader, dtype: torch.dtype, device: torch.device,
@@ -104,15 +103,15 @@ class Tensors:
         """A [out, in] weight as a contiguous [in, out] on the device."""
         return self.reader.get(name, self.dtype).t().contiguous().to(self.device)
 
-    def split(self, *names: str) -> torch.Tensor:
-        """[out_i, in] weights, concatenated along out -> [S, in, sum(out)/S]."""
-        w_t = torch.cat([self.reader.get(n, self.dtype).t() for n in names], dim=1)
-        return split_columns(w_t).to(self.device)
+    def rows(self, *names: str) -> torch.Tensor:
+        """[out_i, in] weights, concatenated along out -> [sum(out), in] on the device."""
+        w = torch.cat([self.reader.get(n, self.dtype) for n in names])
+        return w.contiguous().to(self.device)
 
     def linear(self, *names: str) -> torch.Tensor | BlockMatrix | Fp8Matrix:
         """[out_i, in] weights for backend.linear, concatenated along out: kept as stored
         (their rows of blocks, a BlockMatrix; FP8 codes and block scales, an Fp8Matrix) when
-        every one is in a type the backend reads, else split() in the weight dtype."""
+        every one is in a type the backend reads, else rows() in the weight dtype."""
         if self.fp8 and (matrix := self._fp8(names)) is not None:
             return matrix
         stored = [self.reader.stored_dtype(n) for n in names] if self.blocks else []
@@ -122,7 +121,7 @@ class Tensors:
                     torch.from_numpy(np.concatenate([np.asarray(b).reshape(-1) for b in parts])))
             return BlockMatrix(data.to(self.device), self.reader.shape(names[0])[1],
                                tuple((t, b.shape[0]) for t, b in zip(stored, parts, strict=True)))
-        return self.split(*names)
+        return self.rows(*names)
 
     def _fp8(self, names: tuple[str, ...]) -> Fp8Matrix | None:
         """The tensors as one Fp8Matrix when each is FP8 with block scales and their shapes
@@ -142,10 +141,8 @@ class Tensors:
 
     def swiglu(self, prefix: str, gate: str | None = None) -> DenseMlp:
         """{prefix}.{gate,up,down}_proj as a DenseMlp (gate: a sigmoid output gate's name)."""
-        gate_up = torch.stack([self.reader.get(f"{prefix}.{p}_proj.weight", self.dtype).t()
-                               for p in ("gate", "up")])  # [2, D, F]
-        return DenseMlp(gate_up.contiguous().to(self.device),
-                        self.split(f"{prefix}.down_proj.weight"),
+        return DenseMlp(self.rows(f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
+                        self.rows(f"{prefix}.down_proj.weight"),
                         None if gate is None else self.get_t(f"{gate}.weight"))
 
 

@@ -16,7 +16,6 @@ checkpoint's multi-token-prediction layer (`mtp.*`) is not part of the model: wi
 
 import torch
 
-from services.engine.cache.layout import split_columns
 from services.engine.model.config import CheckpointError, ModelConfig, WeightNames, req
 from services.engine.model.families.base import (
     Family,
@@ -77,10 +76,10 @@ def delta_net(t: Tensors, c: ModelConfig, i: int) -> GatedDeltaNet:
         ba = torch.cat([b.reshape(-1, c.hidden_size), a.reshape(-1, c.hidden_size)])
     conv = t.reader.get(f"{p}.conv1d.weight")[:, 0, :].t().contiguous()  # [Kc, C] fp32
     return GatedDeltaNet(
-        qkvz=split_columns(qkvz.t()).to(t.device), ba=split_columns(ba.t()).to(t.device),
+        qkvz=qkvz.contiguous().to(t.device), ba=ba.contiguous().to(t.device),
         conv=conv.to(t.device), decay=-t.reader.get(f"{p}.A_log").exp().to(t.device),
         dt_bias=t.reader.get(f"{p}.dt_bias").to(t.device), norm=t.get(f"{p}.norm.weight"),
-        out=t.split(f"{p}.out_proj.weight"), key_heads=Hk, value_heads=Hv, key_dim=Dk,
+        out=t.rows(f"{p}.out_proj.weight"), key_heads=Hk, value_heads=Hv, key_dim=Dk,
         value_dim=Dv, eps=c.rms_norm_eps)
 
 
@@ -92,7 +91,7 @@ def gated_attention(t: Tensors, c: ModelConfig, i: int):
     q, gate = t.reader.get(f"{a}.q_proj.weight", t.dtype).view(H, 2, Hd, -1).unbind(1)
     rows = [q.reshape(H * Hd, -1), t.reader.get(f"{a}.k_proj.weight", t.dtype),
             t.reader.get(f"{a}.v_proj.weight", t.dtype), gate.reshape(H * Hd, -1)]
-    attn = gqa_attention(t, c, i, qkv=split_columns(torch.cat(rows).t()).to(t.device))
+    attn = gqa_attention(t, c, i, qkv=torch.cat(rows).to(t.device))
     attn.q_norm, attn.k_norm = attn.q_norm + 1, attn.k_norm + 1  # type: ignore[operator]
     attn.output_gate = True
     return attn

@@ -2,7 +2,7 @@
 parameters, and the paged attention core that latent attention (mla.py) shares.
 
 Shape legend: T rows in the step, N cached positions, D hidden, H query heads, G KV heads,
-Hd head dim, B decode rows, S column splits.
+Hd head dim, B decode rows.
 
     x -> fused q/k/v product (+ bias) -> q/k RMSNorm (per head, over the projection, or none)
       -> (clip) -> RoPE -> K/V written to the paged pool -> attention -> o product (+ bias)
@@ -114,9 +114,9 @@ class Attention:
     num_heads: int  # H
     num_kv_heads: int  # G
     head_dim: int  # Hd
-    qkv: torch.Tensor | BlockMatrix | Fp8Matrix  # [S, D, (H+2G)*Hd/S]  q, k, v fused, split
+    qkv: torch.Tensor | BlockMatrix | Fp8Matrix  # [(H+2G)*Hd, D]  q, k, v rows fused
     # by columns (or, kept as stored, their (H+2G)*Hd rows of blocks or FP8 codes)
-    o: torch.Tensor | BlockMatrix | Fp8Matrix  # [S, H*Hd, D/S] (or D rows as stored)
+    o: torch.Tensor | BlockMatrix | Fp8Matrix  # [D, H*Hd] (or D rows as stored)
     eps: float
     qk_norm: str = "none"  # "head": a [Hd] weight per head; "proj": over all heads; "none"
     q_norm: torch.Tensor | None = None  # [Hd] or [H*Hd]

@@ -1,7 +1,7 @@
 """Gated DeltaNet: Qwen3-Next's linear attention, a recurrent state per sequence instead of K/V.
 
 Shape legend: T rows, D hidden, Hk / Hv key / value heads, Dk / Dv their dims, C conv channels
-(2 Hk Dk + Hv Dv), Kc conv kernel, S column splits.
+(2 Hk Dk + Hv Dv), Kc conv kernel.
 
     x -> [q | k | v | z] and [b | a] projections (rows re-laid at load from the checkpoint's
          per-key-head groups)
@@ -70,13 +70,13 @@ class _Replay:
 
 @dataclass
 class GatedDeltaNet:
-    qkvz: torch.Tensor  # [S, D, 2 Hk Dk + 2 Hv Dv / S]: q | k | v | z
-    ba: torch.Tensor  # [S, D, 2 Hv / S]: b | a
+    qkvz: torch.Tensor  # [2 Hk Dk + 2 Hv Dv, D]: q | k | v | z rows
+    ba: torch.Tensor  # [2 Hv, D]: b | a rows
     conv: torch.Tensor  # [Kc, C] depthwise taps (tap j reads the input j - Kc + 1 steps back)
     decay: torch.Tensor  # [Hv] -exp(A_log), fp32
     dt_bias: torch.Tensor  # [Hv] fp32
     norm: torch.Tensor  # [Dv] the gated RMSNorm's weight
-    out: torch.Tensor  # [S, Hv Dv, D / S]
+    out: torch.Tensor  # [D, Hv Dv]
     key_heads: int  # Hk
     value_heads: int  # Hv
     key_dim: int  # Dk

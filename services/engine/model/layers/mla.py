@@ -49,15 +49,15 @@ class LatentAttention:
     v_head_dim: int  # Dv
     kv_lora_rank: int  # R
     eps: float
-    q: torch.Tensor | Fp8Matrix | None  # [S, D, H*Hd/S]  (no query latent; or as stored)
+    q: torch.Tensor | Fp8Matrix | None  # [H*Hd, D]  (no query latent; or as stored)
     q_a: torch.Tensor | None  # [D, Rq]
     q_a_norm: torch.Tensor | None  # [Rq]
-    q_b: torch.Tensor | Fp8Matrix | None  # [S, Rq, H*Hd/S] (or as stored)
+    q_b: torch.Tensor | Fp8Matrix | None  # [H*Hd, Rq] (or as stored)
     kv_a: torch.Tensor  # [D, R + Dr]
     kv_a_norm: torch.Tensor  # [R]
     w_uk: torch.Tensor  # [H, Dn, R]  kv_b's k_nope rows per head
     w_uv_t: torch.Tensor  # [H, R, Dv]  kv_b's v rows per head, transposed
-    o: torch.Tensor | Fp8Matrix  # [S, H*Dv, D/S] (or as stored)
+    o: torch.Tensor | Fp8Matrix  # [D, H*Dv] (or as stored)
     rope_perm: torch.Tensor | None  # [Dr] interleaved pairs -> rotate-half layout
     softmax_scale: float = 1.0  # the attention scale times this (DeepSeek's YaRN mscale^2)
 

@@ -1,7 +1,7 @@
 """The dense SwiGLU MLP: dense layers of MoE models, and shared experts (resident, every token
 runs them; never a cache pair); and what a routed expert computes on its weights (ExpertMlp).
 
-Shape legend: T rows, D hidden, F FFN size, S column splits.
+Shape legend: T rows, D hidden, F FFN size.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from services.engine.model.step import Step
 
 @dataclass
 class DenseMlp:
-    gate_up: torch.Tensor  # [2, D, F] gate, up (pre-transposed)
-    down: torch.Tensor  # [S, F, D/S]
+    gate_up: torch.Tensor  # [2F, D] gate rows, then up's
+    down: torch.Tensor  # [D, F]
     gate_t: torch.Tensor | None = None  # [D, 1] a sigmoid gate on the output (qwen2_moe's
     # shared expert); None: ungated
 

@@ -81,7 +81,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     types = a.types.split(",")
     blobs = {t: [experts(t, E, D, F, rng) for _ in range(a.layers)] for t in types}
-    lm_head = torch.randn(1, D, a.linear) * 0.05 if a.linear else None
+    lm_head = torch.randn(a.linear, D) * 0.05 if a.linear else None  # [N, D]
     for T in a.rows:
         x = torch.randn(T, D)
         top_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])

@@ -57,7 +57,7 @@ class ExpertTable:
     addresses: np.ndarray  # [L, E] int64, kept current by the cache's fills
     weight_types: np.ndarray  # [L, 5] strata_moe's wtypes of each layer
     ffn_size: int  # F
-    splits: int  # column blocks of the down products
+    splits: int  # work units of the down products (their output rows in parts)
     mlp: Any  # model.layers.mlp.ExpertMlp
     bias_at: int
 

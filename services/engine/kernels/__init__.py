@@ -54,7 +54,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 12  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 13  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -191,12 +191,10 @@ class CpuKernels:
         if lib.strata_abi_version() != ABI_VERSION:
             raise KernelBuildError(f"{path} has ABI {lib.strata_abi_version()}, "
                                    f"expected {ABI_VERSION}")
-        lib.strata_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
-                                      _c_i64, _c_ptr]
-        lib.strata_linear.restype = None
-        lib.strata_linear_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
+        for name in ("strata_linear", "strata_matmul"):  # W [N][K] / W [K][N]
+            getattr(lib, name).argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
                                            _c_i64, _c_ptr]
-        lib.strata_linear_rows.restype = None
+            getattr(lib, name).restype = None
         lib.strata_linear_blocks.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_i64,
                                              _c_ptr, _c_ptr, _c_ptr, _c_ptr]
         lib.strata_linear_blocks.restype = None
@@ -249,8 +247,8 @@ class CpuKernels:
         assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
         assert w.is_contiguous()
         y = torch.empty(T, N)
-        self._lib.strata_linear_rows(x.data_ptr(), T, K, x.stride(0), w.data_ptr(),
-                                     self.weight_type(w.dtype), N, y.data_ptr())
+        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(),
+                                self.weight_type(w.dtype), N, y.data_ptr())
         return y
 
     def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
@@ -261,8 +259,8 @@ class CpuKernels:
         assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
         assert w_t.is_contiguous()
         y = torch.empty(T, N)
-        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w_t.data_ptr(),
-                                self.weight_type(w_t.dtype), 1, N, y.data_ptr())
+        self._lib.strata_matmul(x.data_ptr(), T, K, x.stride(0), w_t.data_ptr(),
+                                self.weight_type(w_t.dtype), N, y.data_ptr())
         return y
 
     def linear_blocks(self, x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:

@@ -12,7 +12,8 @@
  * strata_decode_layer runs a whole decoder layer's attention half and its router in one region
  * (a barrier between stages instead of a Python dispatch and a fork/join per op).
  *
- * Shape legend: T rows (tokens), D hidden, F expert FFN, S column splits, K routed per token,
+ * Shape legend: T rows (tokens), D hidden, F expert FFN, S the down product's units of rows
+ * (strata_moe), K routed per token,
  * E experts of the layer, A = T*K routed (token, expert) assignments.
  *
  * Numerics: every output element of an fp32 / bf16 product is one fp32 dot product,
@@ -43,7 +44,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 12
+#define ABI_VERSION 13
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -60,8 +61,8 @@
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define BLOCK_TILE 8      /* rows sharing one unpacking of a block-type block (tile_blocks):
                              at 512 rows 1.37x (Q4_K) / 1.13x (Q6_K) over 4, Q8_0 even */
-#define COL_BLOCK 256     /* the granule (and least width) of strata_linear's work units */
-#define UNITS_PER_THREAD 4 /* strata_linear's units per thread at least, taken as threads come
+#define COL_BLOCK 256     /* the granule (and least width) of strata_matmul's work units */
+#define UNITS_PER_THREAD 4 /* the products' units per thread at least, taken as threads come
                               free: a thread the scheduler lends to another process for a while
                               (the gateway, on a small host) holds up only its current unit */
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
@@ -263,7 +264,7 @@ TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
 #undef TILE_PRODUCT
 
 /* y[r][0:n] (row stride ldy) = x_r @ W[0:K][0:n] (W row stride ld, type wt) for R rows x_r =
- * x + r ldx, W stored [in][out] (the dense weights' split layout). The rows run in tiles of
+ * x + r ldx, W stored [in][out] (pre-transposed: strata_matmul's). The rows run in tiles of
  * TOK_TILE. When the R x n accumulators fit ACC_FLOATS (decode), the inputs run in chunks of
  * K_CHUNK, every tile's passes over a chunk before the next chunk, the accumulators waiting in
  * y (in cache) between chunks: W is then read a few rows' [0, n) at a time, not a pass's few
@@ -299,7 +300,7 @@ static void product(const float *x, int64_t ldx, int64_t R, const void *W, int w
 }
 
 /* The fp32 / bf16 products on weights (the experts in strata_moe, the dense weights in
- * strata_linear_rows and the fused layer) read W stored [out][in], as the checkpoint holds it:
+ * strata_linear and the fused layer) read W stored [out][in], as the checkpoint holds it:
  * each output is the dot product of x with one contiguous row of W. A thread then reads its
  * rows as one sequential stream, which the hardware prefetcher follows at the memory's full
  * rate; the [in][out] passes of `product` read a few columns of several rows at a time,
@@ -1116,7 +1117,7 @@ void strata_linear_blocks(const float *x, int64_t T, int64_t K, int64_t ldx, con
  * as wide as the chunked accumulators allow (T x width <= ACC_FLOATS, so that product chunks
  * the inputs: a decode row reads long contiguous runs of each W row) while every thread of the
  * team still gets UNITS_PER_THREAD units. */
-static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
+static int64_t unit_columns(int64_t T, int64_t N)
 {
 #ifdef _OPENMP
     const int64_t threads = omp_get_num_threads();
@@ -1125,33 +1126,33 @@ static int64_t unit_columns(int64_t T, int64_t S, int64_t n)
 #endif
     const int64_t fit = T > 0 ? ACC_FLOATS / T / COL_BLOCK * COL_BLOCK : ACC_FLOATS;
     const int64_t cap = fit > COL_BLOCK ? fit : COL_BLOCK; /* a multiple of COL_BLOCK */
-    int64_t per_split = (UNITS_PER_THREAD * threads + S - 1) / S; /* units per column block */
-    if (per_split < (n + cap - 1) / cap)
-        per_split = (n + cap - 1) / cap;
-    const int64_t width = (n + per_split - 1) / per_split;
+    int64_t units = UNITS_PER_THREAD * threads;
+    if (units < (N + cap - 1) / cap)
+        units = (N + cap - 1) / cap;
+    const int64_t width = (N + units - 1) / units;
     return (width + COL_BLOCK - 1) / COL_BLOCK * COL_BLOCK;
 }
 
-/* y[t][s*n + j] (row stride ldy) = x[T][K] (row stride ldx) @ W, W (type wt) stored as S
- * column blocks [S][K][n]; units of unit_columns() columns shared among the threads. */
+/* y[t][j] (row stride ldy) = x[T][K] (row stride ldx) @ W, W [K][N] (type wt, pre-transposed);
+ * units of unit_columns() columns shared among the threads. */
 static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
-                         int wt, int64_t S, int64_t n, float *y, int64_t ldy)
+                         int wt, int64_t N, float *y, int64_t ldy)
 {
-    const int64_t width = unit_columns(T, S, n), chunks = (n + width - 1) / width;
+    const int64_t width = unit_columns(T, N), units = (N + width - 1) / width;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < S * chunks; u++) {
-        const int64_t s = u / chunks, c = (u % chunks) * width;
-        const int64_t w = n - c < width ? n - c : width;
-        product(x, ldx, T, welem(W, s * K * n + c, wt), wt, K, n, w, y + s * n + c,
-                ldy);
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t c = u * width, w = N - c < width ? N - c : width;
+        product(x, ldx, T, welem(W, c, wt), wt, K, N, w, y + c, ldy);
     }
 }
 
-void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
-                   int64_t wtype, int64_t S, int64_t n, float *y)
+/* y [T, N] = x [T, K] (rows ldx apart) @ W [K][N] (fp32 or bf16, pre-transposed: routers,
+ * gates, latent projections): linear_units. */
+void strata_matmul(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
+                   int64_t wtype, int64_t N, float *y)
 {
-#pragma omp parallel if (S * n * K >= THREADED_WEIGHTS)
-    linear_units(x, T, K, ldx, W, (int)wtype, S, n, y, S * n);
+#pragma omp parallel if (N * K >= THREADED_WEIGHTS)
+    linear_units(x, T, K, ldx, W, (int)wtype, N, y, N);
 }
 
 /* y[t][o] (row stride ldy) = x[t] . W[o] for W [N][K] (type wt, stored [out][in] as the
@@ -1181,8 +1182,8 @@ static void rows_units(const float *x, int64_t T, int64_t K, int64_t ldx, const 
 
 /* y [T, N] = x [T, K] (rows ldx apart) times W^T, W [N][K] fp32 or bf16 (a dense weight as
  * the checkpoint stores it): rows_units. */
-void strata_linear_rows(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
-                        int64_t wtype, int64_t N, float *y)
+void strata_linear(const float *x, int64_t T, int64_t K, int64_t ldx, const void *W,
+                   int64_t wtype, int64_t N, float *y)
 {
 #pragma omp parallel if (N * K >= THREADED_WEIGHTS)
     rows_units(x, T, K, ldx, W, (int)wtype, N, y, N);
@@ -1377,14 +1378,14 @@ void strata_decode_attention(const float *q, int64_t R, int64_t ldq, int64_t H, 
 }
 
 /* A softmax top-K router on T rows: logits = x[t] @ Wr (Wr [D][E] of type wt, pre-transposed;
- * the same products as strata_linear), probabilities = softmax(logits) in fp32, the K most
+ * the same products as strata_matmul), probabilities = softmax(logits) in fp32, the K most
  * probable experts in descending order (the lower id first on a tie), their probabilities
  * renormalized to sum to 1 when `renormalize`. work: T * E floats. */
 static void router_rows(const float *x, int64_t T, int64_t D, const void *Wr, int wt,
                         int64_t E, int64_t K, int renormalize, int64_t *top_idx, float *top_w,
                         float *work)
 {
-    linear_units(x, T, D, D, Wr, wt, 1, E, work, E); /* logits [T][E] */
+    linear_units(x, T, D, D, Wr, wt, E, work, E); /* logits [T][E] */
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *p = work + t * E;
@@ -1769,7 +1770,7 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
         }
         if (blocks)
             quantize_rows(h, A, F, &hq);
-        /* down: one unit per (expert, column block) */
+        /* down: one unit per (expert, S-th of its rows) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < S * G; u++) {
             const int64_t e = groups[u / S], s = u % S;

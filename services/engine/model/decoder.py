@@ -10,7 +10,7 @@ Lm MoE layers, K routed per token.
 CPU kernel (FusedDecode) and the body of a CUDA-graph capture all run it; they differ only in
 the `Step` they hand the layers. Only non-expert weights live here: the MoE blocks hand each
 expert's tokens to the expert source (the cache), which decides where they run. Linear weights
-are pre-transposed and split into S column blocks ([S, in, out/S], cache/layout.py).
+are [out, in], as the checkpoint stores them.
 """
 
 from __future__ import annotations

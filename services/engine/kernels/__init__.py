@@ -43,6 +43,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -243,24 +244,22 @@ class CpuKernels:
         """x [T, K] (fp32, rows may be strided) times w [N, K] (fp32 or bf16, contiguous:
         a weight as the checkpoint stores it), transposed -> [T, N] fp32."""
         N, K = w.shape
-        T = x.shape[0]
-        assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
-        assert w.is_contiguous()
-        y = torch.empty(T, N)
-        self._lib.strata_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(),
-                                self.weight_type(w.dtype), N, y.data_ptr())
-        return y
+        return self._product(self._lib.strata_linear, x, w, K, N)
 
     def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         """x [T, K] (fp32, rows may be strided) @ w_t [K, N] (fp32 or bf16, contiguous)
         -> [T, N] fp32."""
         K, N = w_t.shape
+        return self._product(self._lib.strata_matmul, x, w_t, K, N)
+
+    def _product(self, fn: Callable[..., None], x: torch.Tensor, w: torch.Tensor, K: int,
+                 N: int) -> torch.Tensor:
         T = x.shape[0]
         assert x.dtype == torch.float32 and x.shape[1] == K and x.stride(1) == 1
-        assert w_t.is_contiguous()
+        assert w.is_contiguous()
         y = torch.empty(T, N)
-        self._lib.strata_matmul(x.data_ptr(), T, K, x.stride(0), w_t.data_ptr(),
-                                self.weight_type(w_t.dtype), N, y.data_ptr())
+        fn(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), self.weight_type(w.dtype), N,
+           y.data_ptr())
         return y
 
     def linear_blocks(self, x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:

@@ -294,11 +294,13 @@ class Outbox:
         self._pending: list[tuple[Inbox, Event]] = []  # the step's, until its flush
         self._wake: list[Inbox] = []
         self._scheduled = False
-        self._stepping_thread: int | None = None  # the engine loop's, once it flushed
+        # the engine loop's thread, once it flushed (the object: a dead thread's ident may be
+        # reused by the thread that sends shutdown's aborts)
+        self._stepping_thread: threading.Thread | None = None
 
     def put(self, inbox: Inbox, event: Event) -> None:  # any thread
         with self._lock:
-            if threading.get_ident() == self._stepping_thread or (
+            if threading.current_thread() is self._stepping_thread or (
                     isinstance(event, Started) and self._stepping_thread is not None):
                 self._pending.append((inbox, event))
                 return
@@ -307,7 +309,7 @@ class Outbox:
 
     def flush(self) -> None:  # the engine's loop thread, after each step
         with self._lock:
-            self._stepping_thread = threading.get_ident()
+            self._stepping_thread = threading.current_thread()
             pending, self._pending = self._pending, []
         self._hand_over(pending)
 

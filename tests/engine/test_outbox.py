@@ -124,8 +124,13 @@ async def test_an_abort_from_another_thread_follows_what_waits_for_the_step():
     inbox = Inbox()
     stepping = threading.Thread(target=outbox.flush)  # the engine's loop thread is stepping
     stepping.start()
-    await asyncio.to_thread(stepping.join)
+    stepping.join()  # (a flush takes no time)
     outbox.put(inbox, Started(1, 8))  # submitted: waits for the next step's end
-    await asyncio.to_thread(outbox.put, inbox, Finished("abort", RequestStats()))  # shutdown
+    # shutdown's abort, from a thread started after the loop thread ended: it usually gets the
+    # dead thread's ident, and is still another thread
+    stopping = threading.Thread(target=outbox.put,
+                                args=(inbox, Finished("abort", RequestStats())))
+    stopping.start()
+    stopping.join()
     events = await asyncio.wait_for(inbox.take(), 5)
     assert events[0] == Started(1, 8) and events[1].reason == "abort"

@@ -24,7 +24,7 @@ what it may do with them:
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
 
-    DenseFormat     fp32 or bf16 weights in cache/layout.py's split layout
+    DenseFormat     fp32 or bf16 weights in cache/layout.py's [out, in] layout
     QuantFormat     int8 / int4 weight-only quantization (model/quant.py), bytes
     Fp8Format       float8 e4m3 codes and block scales as an FP8 checkpoint stores them
     BlockFormat     GGUF block types (Q8_0, Q4_K, ...) as the file stores them: the pair's
@@ -203,7 +203,7 @@ class _Common:
 
 
 class DenseFormat(_Common):
-    """Unquantized weights (fp32 or bf16) in the split layout of cache/layout.py."""
+    """Unquantized weights (fp32 or bf16) in cache/layout.py's [out, in] layout."""
 
     def __init__(self, hidden_size: int, ffn_size: int, dtype: torch.dtype,
                  mlp: ExpertMlp = SWIGLU):

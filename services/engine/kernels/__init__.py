@@ -314,7 +314,7 @@ class CpuKernels:
             bias_at: int = -1) -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
         blob_addr [E] (int64 address of each routed expert's blob: `weights` fp32 or bf16 in
-        cache/layout.py's split layout, "blocks": GGUF rows of blocks, gate's, up's and
+        cache/layout.py's [out, in] layout, "blocks": GGUF rows of blocks, gate's, up's and
         down's types `block_types`, or "fp8": float8 e4m3 codes then their scales per
         `fp8_block` block, cache/formats.py's Fp8Format; with mlp.bias, fp32 biases at byte
         `bias_at` of each) -> [T, D] weighted sums (fp32). `mlp`: the activation."""

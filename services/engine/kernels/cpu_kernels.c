@@ -1438,10 +1438,11 @@ void strata_router(const float *x, int64_t T, int64_t D, const void *Wr, int64_t
     count_experts(top_idx, T * K, E, counts);
 }
 
-/* One decoder layer's weights (split layouts as in services/engine/cache/layout.py): wqkv, wo
- * and router of type wtype; the norm weights and the KV pools fp32. When qkv_types[0] is a
- * block type, wqkv is GGUF rows of blocks instead: the q rows (H Hd, type qkv_types[0]), then
- * k's and v's (G Hd each, their types); when o_type is one, wo is D rows of that type. */
+/* One decoder layer's weights: wqkv and wo [out][in] as the checkpoint stores them, the router
+ * pre-transposed, all three of type wtype; the norm weights and the KV pools fp32. When
+ * qkv_types[0] is a block type, wqkv is GGUF rows of blocks instead: the q rows (H Hd, type
+ * qkv_types[0]), then k's and v's (G Hd each, their types); when o_type is one, wo is D rows
+ * of that type. */
 struct strata_layer {
     const float *in_norm, *post_norm; /* [D] */
     const void *wqkv;                 /* [(H + 2G) Hd][D]: q | k | v rows */

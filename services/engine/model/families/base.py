@@ -105,8 +105,7 @@ class Tensors:
 
     def rows(self, *names: str) -> torch.Tensor:
         """[out_i, in] weights, concatenated along out -> [sum(out), in] on the device."""
-        w = torch.cat([self.reader.get(n, self.dtype) for n in names])
-        return w.contiguous().to(self.device)
+        return torch.cat([self.reader.get(n, self.dtype) for n in names]).to(self.device)
 
     def linear(self, *names: str) -> torch.Tensor | BlockMatrix | Fp8Matrix:
         """[out_i, in] weights for backend.linear, concatenated along out: kept as stored

@@ -76,7 +76,7 @@ def delta_net(t: Tensors, c: ModelConfig, i: int) -> GatedDeltaNet:
         ba = torch.cat([b.reshape(-1, c.hidden_size), a.reshape(-1, c.hidden_size)])
     conv = t.reader.get(f"{p}.conv1d.weight")[:, 0, :].t().contiguous()  # [Kc, C] fp32
     return GatedDeltaNet(
-        qkvz=qkvz.contiguous().to(t.device), ba=ba.contiguous().to(t.device),
+        qkvz=qkvz.to(t.device), ba=ba.to(t.device),  # torch.cat's: contiguous
         conv=conv.to(t.device), decay=-t.reader.get(f"{p}.A_log").exp().to(t.device),
         dt_bias=t.reader.get(f"{p}.dt_bias").to(t.device), norm=t.get(f"{p}.norm.weight"),
         out=t.rows(f"{p}.out_proj.weight"), key_heads=Hk, value_heads=Hv, key_dim=Dk,

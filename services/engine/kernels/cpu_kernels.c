@@ -307,15 +307,30 @@ static void product(const float *x, int64_t ldx, int64_t R, const void *W, int w
  * several streams at once, and got two thirds of it (scripts/stream_orientation.c; at one row
  * 20-23 vs 14-18 GB/s over DRAM-resident experts, docs/benchmarks.md). */
 
-/* The sum of a vector's lanes in a fixed tree (halves added until one is left). */
+/* The sum of a vector's lanes in a fixed tree: lane i += lane i + w for w = VL / 2, ..., 1.
+ * In registers: written as a loop over an array, GCC kept the lanes on the stack, and each
+ * add waited for the store before it (a third of a decode-size product's time at D = 128). */
 static inline __attribute__((always_inline)) float hsum_vw(vw a)
 {
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+    const __m512 v = (__m512)a;
+    const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd((__m512d)v, 1)));
+#else
+    const __m256 h8 = (__m256)a;
+#endif
+    const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+#else
     float s[VL];
     memcpy(s, &a, sizeof s);
     for (int w = VL / 2; w >= 1; w /= 2)
         for (int i = 0; i < w; i++)
             s[i] += s[i + w];
     return s[0];
+#endif
 }
 
 /* ys[t][o] = xs[t] . W[o] for NT <= 3 rows xs and output row o of W (rows of `in` weights of
@@ -349,8 +364,8 @@ static inline __attribute__((always_inline)) void dot_pass(const float *const *x
     }
     for (int t = 0; t < NT; t++) {
         float s = hsum_vw((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
-        for (int64_t j = k; j < in; j++)
-            s += xs[t][j] * load1(row, j, wt);
+        for (int64_t j = k; j < in; j++) /* fmaf: the same rounding however GCC vectorizes */
+            s = fmaf(xs[t][j], load1(row, j, wt), s);
         ys[t][o] = s;
     }
 }

@@ -95,13 +95,15 @@ class ResourceSampler:
     def __enter__(self) -> ResourceSampler:
         self._t0 = time.perf_counter()
         psutil.cpu_percent(None)  # prime: the first call has no interval to measure
-        self._thread.start()
+        time.sleep(0.05)  # the opening sample's CPU figure then covers 50 ms
+        self.sample()  # an opening and a closing sample: a bench shorter than the interval
+        self._thread.start()  # still has two points
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(self.interval_s + 6)
-        self.sample()  # a closing sample, so short benches have two points
+        self.sample()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from services.bench.engine_bench import prompts, run_strata
-from services.engine.model.config import load_model_config
+from services.engine.model.checkpoint import load_model_config
 from services.engine.runner import ModelRunner
 
 

@@ -2,10 +2,13 @@
 
     python scripts/serve_vs_llama_server.py --model CKPT_DIR --gguf SAME_WEIGHTS.gguf \
         --llama-cpp /path/to/llama.cpp [--clients 1 8] [--rounds 2] [--max-tokens 128]
+    python scripts/serve_vs_llama_server.py --model CKPT_DIR --device cuda   # no llama-server
 
 Both servers run at once (idle while the other is measured), each round measures every client
 count against Strata, then llama-server, then the in-process engine (`strata bench engine`, the
-same threads as Strata's engine), so drift in the host's memory bandwidth hits all three alike.
+same threads and device as Strata's engine), so drift in the host's memory bandwidth hits all
+three alike. Without --gguf and --llama-cpp only Strata and its in-process engine are measured
+(on a GPU machine, where no CUDA build of llama.cpp is at hand).
 Each client streams `/v1/completions` requests one after another: temperature 0, `ignore_eos`,
 `max_tokens` tokens. Per client count: aggregate tok/s (every completion token over the wall
 time of the level), per-stream decode tok/s (tokens after the first over the time from first to
@@ -93,11 +96,11 @@ async def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: flo
     raise RuntimeError(f"{what} not ready at {url} after {timeout_s:.0f} s")
 
 
-def in_process(model: Path, threads: int, batch: int, max_tokens: int) -> float:
+def in_process(model: Path, threads: int, device: str, batch: int, max_tokens: int) -> float:
     """`strata bench engine` decode tok/s (aggregate over the batch) with `threads` threads."""
     cmd = [sys.executable, "-m", "services.cli", "bench", "engine", "--model", str(model),
            "--batch", str(batch), "--gen-tokens", str(max_tokens), "--repeat", "1",
-           "--threads", str(threads), "--json"]
+           "--threads", str(threads), "--device", device, "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return float(json.loads(done.stdout)["decode_tok_s"])
 
@@ -108,13 +111,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def main_async(a: argparse.Namespace) -> dict[str, Any]:
-    server = shutil.which("llama-server", path=f"{a.llama_cpp}/build/bin:{a.llama_cpp}/bin")
-    if server is None:
-        raise SystemExit(f"no llama-server under {a.llama_cpp}; build it with "
-                         "scripts/build_llama_cpp.sh")
+    server = None
+    if a.llama_cpp:
+        server = shutil.which("llama-server", path=f"{a.llama_cpp}/build/bin:{a.llama_cpp}/bin")
+        if server is None:
+            raise SystemExit(f"no llama-server under {a.llama_cpp}; build it with "
+                             "scripts/build_llama_cpp.sh")
     logs = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     sp, lp = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_DEVICE": a.device}
     if a.engine_threads:
         env["STRATA_ENGINE_THREADS"] = str(a.engine_threads)
     up_cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(a.model), "--port",
@@ -127,14 +132,17 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
               # only /v1/completions is measured; llama-server's jinja cannot parse the demo
               # template's tool-call block, and refuses to start on it
               "--no-jinja", "--chat-template", "chatml"]
-    log(f"strata up -> :{sp}, llama-server -> :{lp}; logs in {logs}")
+    log(f"strata up -> :{sp}" + (f", llama-server -> :{lp}" if server else "") + f"; logs in {logs}")
     with open(logs / "up.out", "w") as up_out, open(logs / "llama-server.out", "w") as ls_out:
-        up = subprocess.Popen(up_cmd, stdout=up_out, stderr=subprocess.STDOUT, env=env)
-        ls = subprocess.Popen(ls_cmd, stdout=ls_out, stderr=subprocess.STDOUT)
+        procs = [subprocess.Popen(up_cmd, stdout=up_out, stderr=subprocess.STDOUT, env=env)]
+        if server:
+            procs.append(subprocess.Popen(ls_cmd, stdout=ls_out, stderr=subprocess.STDOUT))
         try:
-            await wait_ready(f"http://127.0.0.1:{sp}/readyz", up, "strata up")
-            await wait_ready(f"http://127.0.0.1:{lp}/health", ls, "llama-server")
-            targets = {"strata": f"http://127.0.0.1:{sp}", "llama_server": f"http://127.0.0.1:{lp}"}
+            await wait_ready(f"http://127.0.0.1:{sp}/readyz", procs[0], "strata up")
+            targets = {"strata": f"http://127.0.0.1:{sp}"}
+            if server:
+                await wait_ready(f"http://127.0.0.1:{lp}/health", procs[1], "llama-server")
+                targets["llama_server"] = f"http://127.0.0.1:{lp}"
             rows: dict[str, dict[int, list]] = {name: {c: [] for c in a.clients}
                                                 for name in (*targets, "in_process")}
             for r in range(a.rounds):
@@ -148,26 +156,28 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                             f"{row['stream_decode_tok_s']:.1f} per stream, TTFT p50 "
                             f"{row['ttft_p50_ms']:.0f} ms")
                 if a.engine_threads:
-                    tok_s = await asyncio.to_thread(in_process, a.model, a.engine_threads, 1,
-                                                    a.max_tokens)
+                    tok_s = await asyncio.to_thread(in_process, a.model, a.engine_threads,
+                                                    a.device, 1, a.max_tokens)
                     rows["in_process"][1].append({"stream_decode_tok_s": tok_s})
                     log(f"round {r + 1}/{a.rounds}, in-process engine, batch 1, "
                         f"{a.engine_threads} threads: {tok_s:.1f} tok/s")
         finally:
-            for proc in (up, ls):
+            for proc in procs:
                 proc.send_signal(2)  # SIGINT: strata up drains and stops its children
-            for proc in (up, ls):
+            for proc in procs:
                 try:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
     out: dict[str, Any] = {"command": " ".join(sys.argv), "max_tokens": a.max_tokens,
-                           "llama_server": " ".join(ls_cmd), "levels": {}}
+                           "llama_server": " ".join(ls_cmd) if server else None, "levels": {}}
     for c in a.clients:
-        s, l_ = summarize(rows["strata"][c]), summarize(rows["llama_server"][c])
-        out["levels"][c] = {"strata": s, "llama_server": l_,
-                            "ratio_aggregate": s["aggregate_tok_s"] / l_["aggregate_tok_s"],
-                            "rounds": {k: rows[k][c] for k in targets}}
+        s = summarize(rows["strata"][c])
+        out["levels"][c] = {"strata": s, "rounds": {k: rows[k][c] for k in targets}}
+        if server:
+            l_ = summarize(rows["llama_server"][c])
+            out["levels"][c] |= {"llama_server": l_,
+                                 "ratio_aggregate": s["aggregate_tok_s"] / l_["aggregate_tok_s"]}
     if rows["in_process"][1]:
         tok_s = statistics.median(r["stream_decode_tok_s"] for r in rows["in_process"][1])
         out["in_process_decode_tok_s"] = tok_s
@@ -179,8 +189,10 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="Strata checkpoint directory")
-    p.add_argument("--gguf", type=Path, required=True, help="the same weights as a GGUF file")
-    p.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp build directory")
+    p.add_argument("--gguf", type=Path, help="the same weights as a GGUF file")
+    p.add_argument("--llama-cpp", type=Path, help="a llama.cpp build directory")
+    p.add_argument("--device", default="auto", help="STRATA_DEVICE for strata up and the "
+                   "in-process engine's --device (auto, cpu, cuda)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -193,6 +205,12 @@ def main() -> int:
                    "threads (skipped without it)")
     p.add_argument("--up-arg", action="append", default=[], help="extra `strata up` argument")
     a = p.parse_args()
+    if (a.gguf is None) != (a.llama_cpp is None):
+        p.error("--gguf and --llama-cpp go together (or neither, to measure Strata alone)")
+    if a.device == "auto":  # as the engine resolves it
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     print(json.dumps(asyncio.run(main_async(a)), indent=1))
     return 0
 

@@ -1527,51 +1527,97 @@ struct strata_step {
     int64_t *counts;                    /* [E] out */
 };
 
+/* Rows t0 .. t0 + n - 1 of the attention half's first stage: x += add; h = norm(x);
+ * qkv = h @ wqkv; q, k: head norm + RoPE; K/V written to the pool. */
+static void attend_in(const struct strata_layer *L, const struct strata_step *s, int64_t t0,
+                      int64_t n, void *qmem)
+{
+    const int64_t D = s->D, Hd = s->Hd, G = s->G;
+    const int64_t nqkv = (s->H + 2 * G) * Hd, q_size = s->H * Hd, kv_size = G * Hd;
+    float *qkv = s->qkv + t0 * nqkv;
+    rms_rows(s->x + t0 * D, n, D, D, s->add ? s->add + t0 * D : NULL, L->in_norm, s->eps,
+             s->h + t0 * D, D);
+    if (L->qkv_types[0] >= WT_Q8_0) {
+        const struct block_matrix qkv_m = {
+            .W = L->wqkv, .nseg = 3, .types = {L->qkv_types[0], L->qkv_types[1], L->qkv_types[2]},
+            .rows = {q_size, kv_size, kv_size}};
+        block_units(s->h + t0 * D, n, D, D, &qkv_m, qmem, qkv, nqkv);
+    } else {
+        rows_units(s->h + t0 * D, n, D, D, L->wqkv, (int)L->wtype, nqkv, qkv, nqkv);
+    }
+    qk_heads(qkv, n, nqkv, s->H, G, Hd, L->q_norm, L->k_norm, s->eps, s->cos_table,
+             s->sin_table, s->positions + t0);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = s->slots[t0 + t];
+        memcpy(L->k_pool + slot * kv_size, qkv + t * nqkv + q_size, (size_t)kv_size * sizeof(float));
+        memcpy(L->v_pool + slot * kv_size, qkv + t * nqkv + q_size + kv_size,
+               (size_t)kv_size * sizeof(float));
+    }
+}
+
+/* The same rows' second stage, once every row's K/V is in the pool: attention over the pool;
+ * x += attn @ wo; h = post_norm(x); router(h). scores: the rows' attention and router work. */
+static void attend_out(const struct strata_layer *L, const struct strata_step *s, int64_t t0,
+                       int64_t n, void *qmem, float *scores)
+{
+    const int64_t D = s->D, Hd = s->Hd, G = s->G;
+    const int64_t nqkv = (s->H + 2 * G) * Hd, q_size = s->H * Hd;
+    float *attn = s->attn + t0 * q_size, *o = s->o + t0 * D;
+    attention_rows(s->qkv + t0 * nqkv, n, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P,
+                   s->tables + t0 * s->table_stride, s->table_stride, s->lengths + t0,
+                   s->max_length, s->scale, NULL, 0, attn, scores);
+    if (L->o_type >= WT_Q8_0) {
+        const struct block_matrix o_m = {.W = L->wo, .nseg = 1, .types = {L->o_type}, .rows = {D}};
+        block_units(attn, n, q_size, q_size, &o_m, qmem, o, D);
+    } else {
+        rows_units(attn, n, q_size, q_size, L->wo, (int)L->wtype, D, o, D);
+    }
+    rms_rows(s->x + t0 * D, n, D, D, o, L->post_norm, s->eps, s->h + t0 * D, D);
+    router_rows(s->h + t0 * D, n, D, L->router, (int)L->wtype, s->E, s->K, (int)s->renormalize,
+                s->top_idx + t0 * s->K, s->top_w + t0 * s->K, scores);
+}
+
 /* The attention half of a decoder layer and its router, for decode rows, in one region:
  *   x += add; h = norm(x); qkv = h @ wqkv; q, k: head norm + RoPE; K/V written to the pool;
  *   attention over the pool; x += attn @ wo; h = post_norm(x); router(h).
  * Each stage computes what strata_rms_norm, strata_linear, strata_qk_norm_rope,
- * strata_decode_attention and strata_router compute (the same functions). */
+ * strata_decode_attention and strata_router compute (the same functions). Weights large
+ * enough to share are split among the threads by columns, stage by stage; smaller ones
+ * (a small model's layer) are read whole by each thread for its share of the rows, with one
+ * barrier (every row's K/V written before any row attends: rows of one prompt read each
+ * other's). A row's arithmetic is the same either way. */
 void strata_decode_layer(const struct strata_layer *L, const struct strata_step *s)
 {
-    const int64_t T = s->T, D = s->D, Hd = s->Hd, G = s->G;
-    const int64_t nqkv = (s->H + 2 * G) * Hd, q_size = s->H * Hd, kv_size = G * Hd;
-    const int wt = (int)L->wtype;
-    const int qkv_blocks = L->qkv_types[0] >= WT_Q8_0, o_blocks = L->o_type >= WT_Q8_0;
-    const struct block_matrix qkv_m = {
-        .W = L->wqkv, .nseg = 3, .types = {L->qkv_types[0], L->qkv_types[1], L->qkv_types[2]},
-        .rows = {q_size, kv_size, kv_size}};
-    const struct block_matrix o_m = {.W = L->wo, .nseg = 1, .types = {L->o_type}, .rows = {D}};
-    void *qmem = qkv_blocks || o_blocks ? malloc((size_t)strata_block_work_bytes(T, D > q_size ? D : q_size))
-                        : NULL;
+    const int64_t T = s->T, D = s->D, q_size = s->H * s->Hd;
+    const int64_t nqkv = (s->H + 2 * s->G) * s->Hd;
+    const int blocks = L->qkv_types[0] >= WT_Q8_0 || L->o_type >= WT_Q8_0;
+    const int64_t in_max = D > q_size ? D : q_size;
+    if ((nqkv + q_size + s->E) * D >= THREADED_WEIGHTS || T < 2 || omp_get_max_threads() < 2) {
+        void *qmem = blocks ? malloc((size_t)strata_block_work_bytes(T, in_max)) : NULL;
 #pragma omp parallel if ((nqkv + q_size + s->E) * D >= THREADED_WEIGHTS)
-    {
-        rms_rows(s->x, T, D, D, s->add, L->in_norm, s->eps, s->h, D);
-        if (qkv_blocks)
-            block_units(s->h, T, D, D, &qkv_m, qmem, s->qkv, nqkv);
-        else
-            rows_units(s->h, T, D, D, L->wqkv, wt, nqkv, s->qkv, nqkv);
-        qk_heads(s->qkv, T, nqkv, s->H, G, Hd, L->q_norm, L->k_norm, s->eps, s->cos_table,
-                 s->sin_table, s->positions);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            memcpy(L->k_pool + s->slots[t] * kv_size, s->qkv + t * nqkv + q_size,
-                   (size_t)kv_size * sizeof(float));
-            memcpy(L->v_pool + s->slots[t] * kv_size, s->qkv + t * nqkv + q_size + kv_size,
-                   (size_t)kv_size * sizeof(float));
+        {
+            attend_in(L, s, 0, T, qmem);  /* its last loop's barrier: every K/V written */
+            attend_out(L, s, 0, T, qmem, s->scores);
         }
-        attention_rows(s->qkv, T, nqkv, s->H, G, Hd, L->k_pool, L->v_pool, s->P, s->tables,
-                       s->table_stride, s->lengths, s->max_length, s->scale, NULL, 0,
-                       s->attn, s->scores);
-        if (o_blocks)
-            block_units(s->attn, T, q_size, q_size, &o_m, qmem, s->o, D);
-        else
-            rows_units(s->attn, T, q_size, q_size, L->wo, wt, D, s->o, D);
-        rms_rows(s->x, T, D, D, s->o, L->post_norm, s->eps, s->h, D);
-        router_rows(s->h, T, D, L->router, wt, s->E, s->K, (int)s->renormalize, s->top_idx,
-                    s->top_w, s->scores);
+        free(qmem);
+    } else {
+        const int64_t per_row = s->H * s->max_length > s->E ? s->H * s->max_length : s->E;
+        const int threads = T < omp_get_max_threads() ? (int)T : omp_get_max_threads();
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            const int64_t t0 = T * i / n, rows = T * (i + 1) / n - t0;
+            void *qmem = blocks ? malloc((size_t)strata_block_work_bytes(rows, in_max)) : NULL;
+            /* each stage's worksharing runs on this thread alone (an inactive nested region) */
+#pragma omp parallel if (0)
+            attend_in(L, s, t0, rows, qmem);
+#pragma omp barrier
+#pragma omp parallel if (0)
+            attend_out(L, s, t0, rows, qmem, s->scores + t0 * per_row);
+            free(qmem);
+        }
     }
-    free(qmem);
     count_experts(s->top_idx, T * s->K, s->E, s->counts);
 }
 
@@ -1729,6 +1775,101 @@ static inline const float *expert_bias(const int64_t *blob_addr, int64_t e, int6
  * e4m3 codes then fp32 block scales (cache/formats.py's Fp8Format):
  *   [gate F x D | up F x D | down D x F codes | their scales, row-major blocks, same order]
  * Only the experts some row routes to are read. work, iwork: strata_moe_work_* elements. */
+/* One MoE call's operands and grouping, shared by its units (strata_moe). */
+struct moe_call {
+    const float *x;
+    int64_t D, F, S, K, Dc;
+    const int64_t *top_idx, *blob_addr;
+    int wt, fp8, blocks, gt, ut, dt;
+    int64_t bo, bi, gate_scales, gate_bytes, up_bytes, down_row_bytes;
+    int64_t act, bias_at;
+    float alpha, limit;
+    const int64_t *start, *order;
+    float *gate, *up, *h, *out;
+    struct q8rows x32, x256, hq;
+};
+
+/* Expert e's gate (which 0) or up (1) product for its rows. */
+static void moe_gate_up(const struct moe_call *m, int64_t e, int which)
+{
+    const int64_t D = m->D, F = m->F, r0 = m->start[e], n = m->start[e + 1] - r0;
+    float *dst = (which ? m->up : m->gate) + r0 * F;
+    if (m->fp8) {
+        const uint8_t *blob = (const uint8_t *)(intptr_t)m->blob_addr[e];
+        const float *sc = (const float *)(blob + 3 * D * F) + which * m->gate_scales;
+        product_fp8(m->x, D, m->order + r0, m->K, n, blob + which * D * F, sc, D, 0, F, m->bo,
+                    m->bi, dst, F);
+    } else if (m->blocks) {
+        const int bt = which ? m->ut : m->gt;
+        const uint8_t *W = (const uint8_t *)(intptr_t)m->blob_addr[e] + which * m->gate_bytes;
+        product_blocks(block_weights(bt) == 32 ? &m->x32 : &m->x256, m->order + r0, m->K, n, W,
+                       bt, F, dst, F);
+    } else {
+        const void *W = welem((const void *)(intptr_t)m->blob_addr[e], which * D * F, m->wt);
+        product_rows(m->x, D, m->order + r0, m->K, n, W, m->wt, D, 0, F, dst, F);
+    }
+}
+
+/* h at grouped position p: act(gate, up), with the expert's biases when it has them. */
+static void moe_activate(const struct moe_call *m, int64_t p)
+{
+    const int64_t F = m->F;
+    const float *restrict bg = m->bias_at < 0 ? NULL
+        : expert_bias(m->blob_addr, m->top_idx[m->order[p]], m->bias_at);
+    const float *restrict g = m->gate + p * F, *restrict v = m->up + p * F;
+    float *restrict hp = m->h + p * F;
+    for (int64_t j = 0; j < F; j++) {
+        float gj = g[j], uj = v[j];
+        if (bg) {
+            gj += bg[j];
+            uj += bg[F + j];
+        }
+        if (m->act == ACT_CLAMPED) {
+            gj = gj < m->limit ? gj : m->limit;
+            uj = uj < -m->limit ? -m->limit : (uj > m->limit ? m->limit : uj);
+            hp[j] = gj / (1.0f + expf(-m->alpha * gj)) * (uj + 1.0f);
+        } else {
+            hp[j] = gj / (1.0f + expf(-gj)) * uj;
+        }
+    }
+}
+
+/* Expert e's down product for its rows, output columns s Dc .. (s + 1) Dc - 1. */
+static void moe_down(const struct moe_call *m, int64_t e, int64_t s)
+{
+    const int64_t D = m->D, F = m->F, Dc = m->Dc, r0 = m->start[e], n = m->start[e + 1] - r0;
+    float *dst = m->out + r0 * D + s * Dc;
+    if (m->fp8) {
+        const uint8_t *blob = (const uint8_t *)(intptr_t)m->blob_addr[e];
+        const float *sc = (const float *)(blob + 3 * D * F) + 2 * m->gate_scales;
+        product_fp8(m->h + r0 * F, F, NULL, 1, n, blob + 2 * D * F, sc, F, s * Dc, Dc, m->bo,
+                    m->bi, dst, D);
+    } else if (m->blocks) {
+        const uint8_t *W = (const uint8_t *)(intptr_t)m->blob_addr[e] + m->gate_bytes +
+                           m->up_bytes + s * Dc * m->down_row_bytes;
+        const struct q8rows he = q8rows_from(m->hq, r0);
+        product_blocks(&he, NULL, 1, n, W, m->dt, Dc, dst, D);
+    } else {
+        const void *W = welem((const void *)(intptr_t)m->blob_addr[e], 2 * D * F, m->wt);
+        product_rows(m->h + r0 * F, F, NULL, 1, n, W, m->wt, F, s * Dc, Dc, dst, D);
+    }
+}
+
+/* All of expert e on its rows: gate, up, act, (h quantized for block types), down. */
+static void moe_expert(const struct moe_call *m, int64_t e)
+{
+    moe_gate_up(m, e, 0);
+    moe_gate_up(m, e, 1);
+    for (int64_t p = m->start[e]; p < m->start[e + 1]; p++) {
+        moe_activate(m, p);
+        if (m->blocks)
+            quantize_row(m->h + p * m->F, m->hq.K, m->hq.bs, m->hq.q + p * m->hq.K,
+                         m->hq.d + p * (m->hq.K / m->hq.bs), m->hq.sum + p * (m->hq.K / 16));
+    }
+    for (int64_t s = 0; s < m->S; s++)
+        moe_down(m, e, s);
+}
+
 void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int64_t K,
                 const int64_t *top_idx, const float *top_w, int64_t E, const int64_t *blob_addr,
                 const int64_t *wtypes, int64_t act, float alpha, float limit, int64_t bias_at,
@@ -1736,8 +1877,6 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
 {
     const int64_t A = T * K, Dc = D / S;
     const int wt = (int)wtypes[0], fp8 = wt == WT_FP8, blocks = wt >= WT_Q8_0 && !fp8;
-    const int64_t bo = fp8 ? wtypes[3] : 1, bi = fp8 ? wtypes[4] : 1;
-    const int64_t gate_scales = ((F + bo - 1) / bo) * ((D + bi - 1) / bi); /* also up's */
     const int gt = (int)wtypes[0], ut = (int)wtypes[1], dt = (int)wtypes[2];
     int64_t *start = iwork;           /* [E + 1] first grouped position of each expert */
     int64_t *cursor = start + E + 1;  /* [E] */
@@ -1767,90 +1906,48 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
         pos[a] = p;
     }
 
-    /* Block-type blobs: [gate F rows of D | up F rows of D | down D rows of F] */
-    const int64_t gate_bytes = blocks ? F * row_bytes_of(gt, D) : 0;
-    const int64_t up_bytes = blocks ? F * row_bytes_of(ut, D) : 0;
-    const int64_t down_row_bytes = blocks ? row_bytes_of(dt, F) : 0;
-    const struct q8rows x32 = q8rows_at(qmem, T, D, 32);
-    const struct q8rows x256 = q8rows_at(qmem + q8rows_bytes(T, D), T, D, QK);
-    const struct q8rows hq = q8rows_at(qmem + 2 * q8rows_bytes(T, D), A, F, block_weights(dt));
+    const int64_t bo = fp8 ? wtypes[3] : 1, bi = fp8 ? wtypes[4] : 1;
+    const struct moe_call m = {
+        .x = x, .D = D, .F = F, .S = S, .K = K, .Dc = Dc, .top_idx = top_idx,
+        .blob_addr = blob_addr, .wt = wt, .fp8 = fp8, .blocks = blocks, .gt = gt, .ut = ut,
+        .dt = dt, .bo = bo, .bi = bi,
+        .gate_scales = ((F + bo - 1) / bo) * ((D + bi - 1) / bi), /* also up's */
+        /* block-type blobs: [gate F rows of D | up F rows of D | down D rows of F] */
+        .gate_bytes = blocks ? F * row_bytes_of(gt, D) : 0,
+        .up_bytes = blocks ? F * row_bytes_of(ut, D) : 0,
+        .down_row_bytes = blocks ? row_bytes_of(dt, F) : 0,
+        .act = act, .bias_at = bias_at, .alpha = alpha, .limit = limit, .start = start,
+        .order = order, .gate = gate, .up = up, .h = h, .out = out,
+        .x32 = q8rows_at(qmem, T, D, 32), .x256 = q8rows_at(qmem + q8rows_bytes(T, D), T, D, QK),
+        .hq = q8rows_at(qmem + 2 * q8rows_bytes(T, D), A, F, block_weights(dt))};
 
+    /* Many experts for the threads (a small model's batch): a unit is a whole expert, so a
+     * layer has two barriers, not four, and an expert's gate, up and h stay in this core's
+     * cache. Few: units of one matrix (gate, up) or a share of down's rows, to spread them. */
 #pragma omp parallel if (G * 3 * D * F >= THREADED_WEIGHTS)
     {
         if (blocks) {
             if (block_weights(gt) == 32 || block_weights(ut) == 32)
-                quantize_rows(x, T, D, &x32);
+                quantize_rows(x, T, D, &m.x32);
             if (block_weights(gt) == QK || block_weights(ut) == QK)
-                quantize_rows(x, T, D, &x256);
+                quantize_rows(x, T, D, &m.x256);
         }
-        /* gate and up: one unit per (expert, matrix), each pass shared by a tile of rows */
+        if (G >= 4 * omp_get_num_threads()) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < 2 * G; u++) {
-            const int64_t e = groups[u / 2];
-            float *dst = u % 2 ? up : gate;
-            if (fp8) {
-                const uint8_t *blob = (const uint8_t *)(intptr_t)blob_addr[e];
-                const float *sc = (const float *)(blob + 3 * D * F) + (u % 2) * gate_scales;
-                product_fp8(x, D, order + start[e], K, start[e + 1] - start[e],
-                            blob + (u % 2) * D * F, sc, D, 0, F, bo, bi, dst + start[e] * F, F);
-                continue;
-            }
-            if (blocks) {
-                const int bt = u % 2 ? ut : gt;
-                const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + (u % 2) * gate_bytes;
-                product_blocks(block_weights(bt) == 32 ? &x32 : &x256, order + start[e], K,
-                               start[e + 1] - start[e], W, bt, F, dst + start[e] * F, F);
-                continue;
-            }
-            const void *W = welem((const void *)(intptr_t)blob_addr[e], (u % 2) * D * F, wt);
-            product_rows(x, D, order + start[e], K, start[e + 1] - start[e], W, wt, D, 0, F,
-                         dst + start[e] * F, F);
-        }
+            for (int64_t u = 0; u < G; u++)
+                moe_expert(&m, groups[u]);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < 2 * G; u++)
+                moe_gate_up(&m, groups[u / 2], u % 2);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < A; p++) {
-            const float *restrict bg = bias_at < 0 ? NULL : expert_bias(blob_addr, top_idx[order[p]], bias_at);
-            const float *restrict g = gate + p * F, *restrict v = up + p * F;
-            float *restrict hp = h + p * F;
-            for (int64_t j = 0; j < F; j++) {
-                float gj = g[j], uj = v[j];
-                if (bg) {
-                    gj += bg[j];
-                    uj += bg[F + j];
-                }
-                if (act == ACT_CLAMPED) {
-                    gj = gj < limit ? gj : limit;
-                    uj = uj < -limit ? -limit : (uj > limit ? limit : uj);
-                    hp[j] = gj / (1.0f + expf(-alpha * gj)) * (uj + 1.0f);
-                } else {
-                    hp[j] = gj / (1.0f + expf(-gj)) * uj;
-                }
-            }
-        }
-        if (blocks)
-            quantize_rows(h, A, F, &hq);
-        /* down: one unit per (expert, S-th of its rows) */
+            for (int64_t p = 0; p < A; p++)
+                moe_activate(&m, p);
+            if (blocks)
+                quantize_rows(h, A, F, &m.hq);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < S * G; u++) {
-            const int64_t e = groups[u / S], s = u % S;
-            if (fp8) {
-                const uint8_t *blob = (const uint8_t *)(intptr_t)blob_addr[e];
-                const float *sc = (const float *)(blob + 3 * D * F) + 2 * gate_scales;
-                product_fp8(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e],
-                            blob + 2 * D * F, sc, F, s * Dc, Dc, bo, bi,
-                            out + start[e] * D + s * Dc, D);
-                continue;
-            }
-            if (blocks) {
-                const uint8_t *W = (const uint8_t *)(intptr_t)blob_addr[e] + gate_bytes +
-                                   up_bytes + s * Dc * down_row_bytes;
-                const struct q8rows he = q8rows_from(hq, start[e]);
-                product_blocks(&he, NULL, 1, start[e + 1] - start[e], W, dt, Dc,
-                               out + start[e] * D + s * Dc, D);
-                continue;
-            }
-            const void *W = welem((const void *)(intptr_t)blob_addr[e], 2 * D * F, wt);
-            product_rows(h + start[e] * F, F, NULL, 1, start[e + 1] - start[e], W, wt, F,
-                         s * Dc, Dc, out + start[e] * D + s * Dc, D);
+            for (int64_t u = 0; u < S * G; u++)
+                moe_down(&m, groups[u / S], u % S);
         }
         /* weighted sum per row, experts in ascending id */
 #pragma omp for schedule(static)

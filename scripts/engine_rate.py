@@ -2,8 +2,9 @@
 N concurrent requests, of the checkout on PYTHONPATH: what HTTP serving is measured against.
 
     PYTHONPATH=CHECKOUT python scripts/engine_rate.py MODEL [--clients 1 8] [--max-tokens 128]
+                                                      [--device cuda]
 
-Loads MODEL with every pair cached (the C kernels on, 2 threads) into an `Engine`,
+Loads MODEL with every pair cached (on the CPU: the C kernels on, 2 threads) into an `Engine`,
 then for each client count submits that many `ignore_eos` requests at once (distinct prompts)
 and prints the median over three rounds of completion tokens per second from submission to the
 last Finished (TTFT included). Unlike scripts/decode_rate.py (the runner alone), the loop's
@@ -51,9 +52,11 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    runner = load_runner(a.model, "auto", cpu_kernels="on")  # every pair cached
+    runner = load_runner(a.model, "auto", device=a.device,  # every pair cached
+                         cpu_kernels="on" if a.device == "cpu" else "auto")
     engine = Engine(runner, max_running=max(16, *a.clients))
     engine.start()
     try:

@@ -73,6 +73,9 @@ step "serving path: strata up on the device over HTTP against the in-process eng
 timeout ${SERVE_S:-200} python3 scripts/serve_vs_llama_server.py --model /tmp/bench-moe \
   --device cuda --engine-threads 4 --rounds 2 > "$OUT/serve.json" 2>> "$OUT/serve.log"
 grep -E "round|ready|Error" "$OUT/serve.log" | tail -12
+echo "the whole engine in process (scheduler, sampler, detokenizer; TTFT included), 128 tokens:"
+timeout 120 python3 scripts/engine_rate.py /tmp/bench-moe --device cuda --threads 4 --clients 1 8 \
+  2>> "$OUT/serve.log" | tee "$OUT/engine_rate.txt"
 fi
 step "summary"
 python3 - "$OUT" <<'PY'

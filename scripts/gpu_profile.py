@@ -1,6 +1,7 @@
 """Where a CUDA decode step's time goes: torch.profiler over decode steps of the bench model.
 
     python scripts/gpu_profile.py [--model DIR] [--batch B] [--steps N] [--coverage C]
+                                  [--dtype auto|bf16|fp32]
 
 Loads the model like `strata bench engine --device cuda` (cache at --coverage, filled in layer
 order, prefetch off), runs a warm-up, then profiles N decode steps and prints: wall ms per step,
@@ -19,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from services.bench.engine_bench import prompts, run_strata
 from services.engine.model.checkpoint import load_model_config
+from services.engine.model.dtypes import DTYPES
 from services.engine.runner import ModelRunner
 
 
@@ -28,11 +30,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--coverage", type=float, default=1.0)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     args = p.parse_args()
     config = load_model_config(args.model)
     runner = ModelRunner(args.model, device="cuda", reserved_bytes=0, prefetch=False,
                          cache_slots=round(args.coverage * config.total_pairs),
-                         graph_batches=(args.batch,))
+                         graph_batches=(args.batch,), dtype=args.dtype)
     runner.fill_cache(runner.layer_order_pairs(), source="layer order")
     batch_prompts = prompts(args.batch, 32)
     run_strata(runner, batch_prompts, 8)  # warm-up: Triton compiles, allocator settles

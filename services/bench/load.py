@@ -128,9 +128,14 @@ async def bench_soak(ctx: BenchContext, *, duration_s: float, concurrency: int =
 
 
 def paced_drift_interval(first: Sequence[Outcome], second: Sequence[Outcome],
-                         resamples: int = 2000, seed: int = 0) -> tuple[float | None, ...]:
-    """A 95% bootstrap interval of the paced TTFT drift (requests resampled within each half):
-    how well the run's length pins the drift down (a minute of requests: about +-5%)."""
+                         resamples: int = 2000, seed: int = 0, blocks: int = 6
+                         ) -> tuple[float | None, ...]:
+    """A 95% bootstrap interval of the paced TTFT drift: how well the run pins the drift down
+    (a minute of requests: about +-5%). Requests close in time share the host's state (its
+    neighbours' load moves within seconds, and dividing by the half's pace takes out only
+    what moves TTFT and decode alike), so each half is resampled as runs of consecutive
+    requests, `blocks` runs' worth (a moving-block bootstrap), not request by request: a half
+    whose requests came in slow and fast spells gets the wider interval that it warrants."""
     import numpy as np
 
     halves = [np.array([(o.ttft_s, 1.0 / o.client_decode_tok_s) for o in h
@@ -139,8 +144,11 @@ def paced_drift_interval(first: Sequence[Outcome], second: Sequence[Outcome],
         return (None, None)
     rng = np.random.default_rng(seed)
     paced = []
-    for h in halves:
-        picks = h[rng.integers(0, len(h), size=(resamples, len(h)))]  # [B, n, 2]
+    for h in halves:  # in start order
+        n = len(h)
+        run = max(1, n // blocks)
+        starts = rng.integers(0, n - run + 1, size=(resamples, -(-n // run)))  # [B, runs]
+        picks = h[(starts[..., None] + np.arange(run)).reshape(resamples, -1)[:, :n]]
         paced.append(np.median(picks[..., 0], axis=1) / np.median(picks[..., 1], axis=1))
     ratio = paced[1] / paced[0] - 1.0
     return tuple(float(q) for q in np.quantile(ratio, [0.025, 0.975]))

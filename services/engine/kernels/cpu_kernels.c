@@ -73,6 +73,8 @@
                                     * the threads: below, waking them (and waiting for one
                                     * the scheduler has given to another process) costs more
                                     * than the work (~50 us of one core) */
+#define EXPERT_UNIT_WEIGHTS (1 << 20) /* the largest expert (gate + up + down) that strata_moe
+                                       * runs whole in one unit */
 #if TOK_TILE != 4
 #error "tile_product_of's register budget assumes TOK_TILE == 4"
 #endif
@@ -1921,9 +1923,10 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
         .x32 = q8rows_at(qmem, T, D, 32), .x256 = q8rows_at(qmem + q8rows_bytes(T, D), T, D, QK),
         .hq = q8rows_at(qmem + 2 * q8rows_bytes(T, D), A, F, block_weights(dt))};
 
-    /* Many experts for the threads (a small model's batch): a unit is a whole expert, so a
-     * layer has two barriers, not four, and an expert's gate, up and h stay in this core's
-     * cache. Few: units of one matrix (gate, up) or a share of down's rows, to spread them. */
+    /* Many small experts for the threads (a small model's batch): a unit is a whole expert,
+     * so a layer has two barriers, not four, and an expert's gate, up and h stay in this
+     * core's cache. Few, or large ones: units of one matrix (gate, up) or a share of down's
+     * rows, to spread them (a thread held up by the host then holds up less of the layer). */
 #pragma omp parallel if (G * 3 * D * F >= THREADED_WEIGHTS)
     {
         if (blocks) {
@@ -1932,7 +1935,7 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
             if (block_weights(gt) == QK || block_weights(ut) == QK)
                 quantize_rows(x, T, D, &m.x256);
         }
-        if (G >= 4 * omp_get_num_threads()) {
+        if (G >= 4 * omp_get_num_threads() && 3 * D * F <= EXPERT_UNIT_WEIGHTS) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < G; u++)
                 moe_expert(&m, groups[u]);

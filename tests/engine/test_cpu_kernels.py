@@ -173,6 +173,27 @@ def test_fused_decode_layer_equals_the_per_op_kernels(demo_dir):
 
 
 @needs_compiler
+def test_a_decode_step_gives_the_same_bits_with_any_number_of_threads(demo_dir):
+    """How a step's work is shared never changes a row's arithmetic: a small layer's attention
+    half split by rows among the threads, its experts a whole one a unit or finer units (by how
+    many there are per thread), or all on one thread: the same logits, bit for bit, with 1, 2
+    and 3 OpenMP threads, at three rows and at one."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 17, 18, 19, 20, 21]]
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)  # the kernels share torch's OpenMP pool
+            runner = ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0)
+            runner.fill_cache(runner.layer_order_pairs())
+            runs[threads] = decode_logits(runner, prompts, 4) + decode_logits(runner, prompts[:1], 4)
+    finally:
+        torch.set_num_threads(before)
+    for threads in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[threads], strict=True))
+
+
+@needs_compiler
 def test_kernels_off_gives_the_same_greedy_tokens(demo_dir):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     on = decode_logits(ModelRunner(demo_dir, device_memory_bytes=2**40, reserved_bytes=0),

@@ -77,6 +77,30 @@ def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T):
     assert torch.equal(cpu.moe(x, top_idx, top_w, moved, Fs, 2), y)
 
 
+@pytest.mark.parametrize("T", [1, 8])
+def test_moe_gives_the_same_bits_with_any_number_of_threads(cpu, T):
+    """Whole experts a unit (four or more a thread) or a matrix / a share of down's rows a
+    unit: the same sums in the same order. At one row 8 experts are whole units on 1 and 2
+    threads and finer ones on 3; at eight rows ~42 experts are whole units on each."""
+    g = torch.Generator().manual_seed(10 + T)
+    D, Fs, E, K = 256, 128, 64, 8
+    layout = ExpertLayout(D, Fs)
+    blobs = torch.randn(E, layout.numel, generator=g) * 0.1
+    addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
+    x = torch.randn(T, D, generator=g)
+    top_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    top_w = torch.rand(T, K, generator=g)
+    before = torch.get_num_threads()
+    try:
+        ys = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            ys.append(cpu.moe(x, top_idx, top_w, addr, Fs, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_router_matches_torch_topk(cpu, renormalize):
     g = torch.Generator().manual_seed(3)

@@ -197,6 +197,8 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
         outcome.model = spec.model
         request[TRACE].span.set_attributes({"gen_ai.operation.name": outcome.operation,
                                             "gen_ai.request.model": spec.model})
+        if spec.user is not None:
+            request[TRACE].span.set_attribute("user.id", spec.user)
         _log_start(request, spec)
         served = await served_models(app)
         if spec.model not in served:  # the engines may have been restarted with another model

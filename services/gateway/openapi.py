@@ -21,6 +21,7 @@ from services.gateway.schemas import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
+    MAX_USER_CHARS,
 )
 from services.gateway.tools import MAX_TOOLS
 
@@ -34,7 +35,8 @@ _SAMPLING = {
     "model": {"type": "string", "minLength": 1},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"],
-                       "properties": {"include_usage": {"type": "boolean"}}},
+                       "properties": {"include_usage": {"type": "boolean"}},
+                       "additionalProperties": False},
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": MAX_TOP_K,
@@ -82,6 +84,8 @@ _SAMPLING = {
     "guided_grammar": {"type": ["string", "null"], "minLength": 1,
                        "maxLength": MAX_GRAMMAR_CHARS,
                        "description": "vLLM extension: a Lark grammar (llguidance's dialect)"},
+    "user": {"type": ["string", "null"], "maxLength": MAX_USER_CHARS,
+             "description": "the caller's end-user id, set on the request's trace span (user.id)"},
 }
 
 _SCHEMAS: dict[str, Any] = {
@@ -111,7 +115,9 @@ _SCHEMAS: dict[str, Any] = {
             "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
             "description": {"type": "string"}, "parameters": {"type": "object"},
             "strict": {"type": "boolean"}}}}},
-    "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+    "ChatCompletionRequest": {
+        "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+        "description": "a field not listed is refused with a 400 naming it", "properties": {
         **_SAMPLING,
         "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
                      "items": _ref("ChatMessage")},
@@ -132,7 +138,9 @@ _SCHEMAS: dict[str, Any] = {
                                               "whose arguments follow its parameters"},
         "parallel_tool_calls": {"type": ["boolean", "null"]},
     }},
-    "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+    "CompletionRequest": {
+        "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+        "description": "a field not listed is refused with a 400 naming it", "properties": {
         **_SAMPLING,
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "minItems": 1, "maxItems": 1,
@@ -142,6 +150,7 @@ _SCHEMAS: dict[str, Any] = {
                      "description": "alternatives per token (legacy form)"},
         "echo": {"type": ["boolean", "null"], "const": False},
         "best_of": {"type": ["integer", "null"], "const": 1},
+        "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported"},
     }},
     "StrataFigures": {"type": "object", "description": "per-request figures", "properties": {
         k: {"type": "number"} for k in ("queue_wait_ms", "ttft_ms", "engine_queue_ms",

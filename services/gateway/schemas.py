@@ -35,6 +35,19 @@ MAX_GRAMMAR_CHARS = 1 << 16  # a JSON schema, regex or grammar, as text
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # The deprecated forms of tools / tool_choice: refused by name, never ignored.
 LEGACY_TOOL_FIELDS = ("functions", "function_call")
+MAX_USER_CHARS = 256
+# The fields each endpoint reads. Any other is refused by name (a request field is implemented
+# or refused, never silently ignored); openapi.py's request schemas list exactly these, with
+# additionalProperties false (tests/gateway/test_openapi.py holds the two equal).
+COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
+    "n", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
+    "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "response_format", "user",
+    "logprobs", *GUIDED_FIELDS})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                               "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+STREAM_OPTIONS = frozenset({"include_usage"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,7 @@ class GenerateInput:
     n: int = 1  # choices: n engine requests of the same prompt (the KV prefix reused)
     constraint: Constraint | None = None
     tools: Tools | None = None
+    user: str | None = None  # the caller's end-user id: on the request's trace span (user.id)
 
     @property
     def is_chat(self) -> bool:
@@ -95,6 +109,8 @@ class GenerateInput:
 def parse_chat(body: Any) -> GenerateInput:
     body = _object(body)
     _refuse_unsupported_chat(body)
+    _refuse_unknown(body, CHAT_FIELDS, "/v1/chat/completions",
+                    COMPLETION_FIELDS, "/v1/completions")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
@@ -117,11 +133,13 @@ def parse_chat(body: Any) -> GenerateInput:
     return GenerateInput(
         model=_model(body), messages=parsed, **_stream(body), n=_choices(body),
         sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs),
-        constraint=constraint, tools=tools)
+        constraint=constraint, tools=tools, user=_user(body))
 
 
 def parse_completion(body: Any) -> GenerateInput:
     body = _object(body)
+    _refuse_unknown(body, COMPLETION_FIELDS, "/v1/completions",
+                    CHAT_FIELDS, "/v1/chat/completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -143,7 +161,7 @@ def parse_completion(body: Any) -> GenerateInput:
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=_model(body), prompt=prompt, **_stream(body), n=_choices(body),
-                         sampling=sampling, constraint=_constraint(body))
+                         sampling=sampling, constraint=_constraint(body), user=_user(body))
 
 
 # -- pieces ------------------------------------------------------------------------------------
@@ -181,6 +199,32 @@ def _model(body: dict[str, Any]) -> str:
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string (see GET /v1/models)", "model")
     return model
+
+
+def _refuse_unknown(body: dict[str, Any], fields: frozenset[str], endpoint: str,
+                    other_fields: frozenset[str], other: str) -> None:
+    """A 400 naming the first field this endpoint does not read (the other endpoint's own
+    fields get a pointer to it)."""
+    unknown = sorted(k for k in body if k not in fields)
+    if not unknown:
+        return
+    name = unknown[0]
+    if name in other_fields:
+        why = f"'{name}' is a {other} field, not one of {endpoint}"
+    else:
+        why = (f"'{name}' is not a field of {endpoint}: Strata implements or refuses every "
+               "field (GET /openapi.json lists them)")
+    raise InvalidRequest(why, name, code="unsupported_parameter")
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = body.get("user")
+    if user is None:
+        return None
+    if not isinstance(user, str) or len(user) > MAX_USER_CHARS:
+        raise InvalidRequest(f"'user' must be a string of at most {MAX_USER_CHARS} characters",
+                             "user")
+    return user
 
 
 def _constraint(body: dict[str, Any]) -> Constraint | None:
@@ -265,9 +309,6 @@ def _refuse_unsupported_chat(body: dict[str, Any]) -> None:
             raise InvalidRequest(f"'{name}' is the deprecated form of "
                                  f"'{'tools' if name == 'functions' else 'tool_choice'}'; "
                                  "send that instead", name, code="unsupported_parameter")
-    if "prompt" in body:  # a completions field: refused by name, not ignored
-        raise InvalidRequest("'prompt' is a /v1/completions field; a chat completion takes "
-                             "'messages'", "prompt", code="unsupported_parameter")
 
 
 def _message(raw: Any, index: int) -> Message:
@@ -320,6 +361,9 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    for key in sorted(k for k in options if k not in STREAM_OPTIONS):
+        raise InvalidRequest(f"'stream_options.{key}' is not supported (only include_usage)",
+                             f"stream_options.{key}", code="unsupported_parameter")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise InvalidRequest("'stream_options.include_usage' must be true or false",

@@ -130,7 +130,8 @@ async def test_the_server_span_is_the_engines_parent(observed_gateway, engine):
     base, _, spans, _ = observed_gateway
     servicer, _ = engine
     async with (aiohttp.ClientSession() as http,
-                http.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                http.post(base + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": MESSAGES, "user": "user-42"},
                           headers={"X-Request-Id": "m-1"}) as r):
         assert r.status == 200
     [span] = [s for s in spans.get_finished_spans()
@@ -138,5 +139,6 @@ async def test_the_server_span_is_the_engines_parent(observed_gateway, engine):
     assert span.name == "POST /v1/chat/completions"
     assert span.attributes["http.response.status_code"] == 200
     assert span.attributes["gen_ai.request.model"] == MODEL
+    assert span.attributes["user.id"] == "user-42"  # the request's `user`
     _, trace_id, span_id, _ = servicer.metadata["m-1"]["traceparent"].split("-")
     assert (int(trace_id, 16), int(span_id, 16)) == (span.context.trace_id, span.context.span_id)

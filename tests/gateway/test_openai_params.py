@@ -142,12 +142,35 @@ async def test_deadline_exceeded_is_504(make_gateway, engine):
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"max_tokens": 2**31, "max_completion_tokens": 4}, "max_tokens"),  # both validated
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),  # and they disagree
+    # a field Strata does not read is refused by name, never ignored
+    ({"foo": 1}, "foo"),
+    ({"prompt": "hi"}, "prompt"),  # a /v1/completions field
+    ({"suffix": ""}, "suffix"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"user": 7}, "user"),
+    ({"user": "u" * 257}, "user"),
 ])
 async def test_unsupported_or_out_of_bounds_is_a_clear_400(client, engine, patch, param):
     servicer, _ = engine
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=patch)
     assert info.value.body["param"] == param
+    assert servicer.requests == []
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"messages": MESSAGES}, "messages"),  # a chat field
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # the chat form; completions take logprobs: N
+    ({"metadata": {"k": "v"}}, "metadata"),
+])
+async def test_completions_refuse_a_field_they_do_not_read_by_name(client, engine, patch, param):
+    servicer, _ = engine
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=MODEL, prompt="hi", extra_body=patch)
+    assert info.value.body["param"] == param
+    assert info.value.body["code"] == "unsupported_parameter"
     assert servicer.requests == []
 
 

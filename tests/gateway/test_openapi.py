@@ -33,6 +33,27 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
     assert "Retry-After" in chat["429"]["headers"]
 
 
+async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gateway):
+    """additionalProperties false, and the properties are the parser's field sets: a field the
+    document does not list is refused by name (here, through the app), and none it lists is."""
+    from services.gateway.schemas import CHAT_FIELDS, COMPLETION_FIELDS
+
+    async with aiohttp.ClientSession() as http:
+        doc = await _document(http, gateway)
+        schemas = doc["components"]["schemas"]
+        for name, fields, route, base in (
+                ("ChatCompletionRequest", CHAT_FIELDS, CHAT,
+                 {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+                ("CompletionRequest", COMPLETION_FIELDS, COMPLETIONS,
+                 {"model": MODEL, "prompt": "hi"})):
+            assert schemas[name]["additionalProperties"] is False
+            assert set(schemas[name]["properties"]) == fields
+            async with http.post(gateway + route, json={**base, "not_a_field": 1}) as resp:
+                assert resp.status == 400
+                error = (await resp.json())["error"]
+                assert (error["param"], error["code"]) == ("not_a_field", "unsupported_parameter")
+
+
 def _field(name):
     return lambda value: {name: value}
 

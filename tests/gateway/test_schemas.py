@@ -27,12 +27,25 @@ def test_chat_parameters():
                                                   {"type": "text", "text": "b"}]}],
         "max_tokens": 7, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.9,
         "top_k": -1, "seed": 3, "stop": "END", "n": 1, "response_format": {"type": "text"},
-        "some_future_field": {"ignored": True}})
+        "user": "u-1"})
     assert spec.messages == (Message("system", "rules"), Message("assistant", ""),
                              Message("user", "ab"))
     assert spec.sampling == Sampling(temperature=0.0, top_p=0.9, top_k=0, seed=3, max_tokens=7,
                                      stop=("END",))
-    assert (spec.stream, spec.include_usage) == (True, True)
+    assert (spec.stream, spec.include_usage, spec.user) == (True, True, "u-1")
+
+
+def test_a_field_the_parser_does_not_read_is_refused_by_name():
+    """OpenAI answers an unrecognized argument with a 400 too; nothing is silently ignored."""
+    for parse, base in ((parse_chat, {"model": "m", "messages": MESSAGES}),
+                        (parse_completion, {"model": "m", "prompt": "hi"})):
+        with pytest.raises(InvalidRequest) as info:
+            parse({**base, "some_future_field": {"ignored": True}})
+        assert (info.value.param, info.value.code) == ("some_future_field",
+                                                       "unsupported_parameter")
+        assert "not a field of" in info.value.message
+    with pytest.raises(InvalidRequest, match="a /v1/chat/completions field"):
+        parse_completion({"model": "m", "prompt": "hi", "max_completion_tokens": 3})
 
 
 def test_stream_options_need_stream():

@@ -117,7 +117,8 @@ _SCHEMAS: dict[str, Any] = {
             "strict": {"type": "boolean"}}}}},
     "ChatCompletionRequest": {
         "type": "object", "required": ["model", "messages"], "additionalProperties": False,
-        "description": "a field not listed is refused with a 400 naming it", "properties": {
+        "description": "a field not listed is refused with a 400 naming it (a null passes)",
+        "properties": {
         **_SAMPLING,
         "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
                      "items": _ref("ChatMessage")},
@@ -140,7 +141,8 @@ _SCHEMAS: dict[str, Any] = {
     }},
     "CompletionRequest": {
         "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
-        "description": "a field not listed is refused with a 400 naming it", "properties": {
+        "description": "a field not listed is refused with a 400 naming it (a null passes)",
+        "properties": {
         **_SAMPLING,
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "minItems": 1, "maxItems": 1,

@@ -204,8 +204,9 @@ def _model(body: dict[str, Any]) -> str:
 def _refuse_unknown(body: dict[str, Any], fields: frozenset[str], endpoint: str,
                     other_fields: frozenset[str], other: str) -> None:
     """A 400 naming the first field this endpoint does not read (the other endpoint's own
-    fields get a pointer to it)."""
-    unknown = sorted(k for k in body if k not in fields)
+    fields get a pointer to it). A null asks for nothing, so it is no field to refuse: clients
+    that send every OpenAI parameter, unset ones as null, work."""
+    unknown = sorted(k for k, v in body.items() if k not in fields and v is not None)
     if not unknown:
         return
     name = unknown[0]
@@ -361,7 +362,7 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    for key in sorted(k for k in options if k not in STREAM_OPTIONS):
+    for key in sorted(k for k, v in options.items() if k not in STREAM_OPTIONS and v is not None):
         raise InvalidRequest(f"'stream_options.{key}' is not supported (only include_usage)",
                              f"stream_options.{key}", code="unsupported_parameter")
     include_usage = options.get("include_usage", False)

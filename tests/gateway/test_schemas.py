@@ -46,6 +46,9 @@ def test_a_field_the_parser_does_not_read_is_refused_by_name():
         assert "not a field of" in info.value.message
     with pytest.raises(InvalidRequest, match="a /v1/chat/completions field"):
         parse_completion({"model": "m", "prompt": "hi", "max_completion_tokens": 3})
+    # a null asks for nothing (clients that send every parameter, unset ones as null)
+    assert parse_chat({"model": "m", "messages": MESSAGES, "store": None, "metadata": None,
+                       "prompt": None}).model == "m"
 
 
 def test_stream_options_need_stream():

@@ -362,9 +362,11 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    for key in sorted(k for k, v in options.items() if k not in STREAM_OPTIONS and v is not None):
-        raise InvalidRequest(f"'stream_options.{key}' is not supported (only include_usage)",
-                             f"stream_options.{key}", code="unsupported_parameter")
+    unknown = sorted(k for k, v in options.items() if k not in STREAM_OPTIONS and v is not None)
+    if unknown:
+        raise InvalidRequest(f"'stream_options.{unknown[0]}' is not supported (only "
+                             "include_usage)", f"stream_options.{unknown[0]}",
+                             code="unsupported_parameter")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise InvalidRequest("'stream_options.include_usage' must be true or false",

@@ -57,16 +57,22 @@ def expert_reference(x, top_idx, top_w, blobs, layout):
     return y
 
 
-@pytest.mark.parametrize("T", [1, 4, 7])
-def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T):
-    g = torch.Generator().manual_seed(T)
-    D, Fs, E, K = 128, 64, 16, 4
+def random_moe(seed, T, D, Fs, E, K):
+    """E random expert blobs of D x Fs, their addresses, and T rows routed to K of them:
+    (layout, blobs, addr, x, top_idx, top_w)."""
+    g = torch.Generator().manual_seed(seed)
     layout = ExpertLayout(D, Fs)
     blobs = torch.randn(E, layout.numel, generator=g) * 0.1
     addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
     x = torch.randn(T, D, generator=g)
     top_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    top_w = torch.rand(T, K, generator=g)
+    return layout, blobs, addr, x, top_idx, torch.rand(T, K, generator=g)
+
+
+@pytest.mark.parametrize("T", [1, 4, 7])
+def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T):
+    Fs = 64
+    layout, blobs, addr, x, top_idx, top_w = random_moe(T, T, 128, Fs, 16, 4)
     y = cpu.moe(x, top_idx, top_w, addr, Fs, 2)
     torch.testing.assert_close(y, expert_reference(x, top_idx, top_w, blobs, layout),
                                rtol=1e-5, atol=1e-5)
@@ -82,14 +88,8 @@ def test_moe_gives_the_same_bits_with_any_number_of_threads(cpu, T):
     """Whole experts a unit (four or more a thread) or a matrix / a share of down's rows a
     unit: the same sums in the same order. At one row 8 experts are whole units on 1 and 2
     threads and finer ones on 3; at eight rows ~42 experts are whole units on each."""
-    g = torch.Generator().manual_seed(10 + T)
-    D, Fs, E, K = 256, 128, 64, 8
-    layout = ExpertLayout(D, Fs)
-    blobs = torch.randn(E, layout.numel, generator=g) * 0.1
-    addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
-    x = torch.randn(T, D, generator=g)
-    top_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    top_w = torch.rand(T, K, generator=g)
+    Fs = 128
+    _, _, addr, x, top_idx, top_w = random_moe(10 + T, T, 256, Fs, 64, 8)
     before = torch.get_num_threads()
     try:
         ys = []

@@ -1595,9 +1595,10 @@ void strata_decode_layer(const struct strata_layer *L, const struct strata_step 
     const int64_t nqkv = (s->H + 2 * s->G) * s->Hd;
     const int blocks = L->qkv_types[0] >= WT_Q8_0 || L->o_type >= WT_Q8_0;
     const int64_t in_max = D > q_size ? D : q_size;
-    if ((nqkv + q_size + s->E) * D >= THREADED_WEIGHTS || T < 2 || omp_get_max_threads() < 2) {
+    const int by_columns = (nqkv + q_size + s->E) * D >= THREADED_WEIGHTS;
+    if (by_columns || T < 2 || omp_get_max_threads() < 2) {
         void *qmem = blocks ? malloc((size_t)strata_block_work_bytes(T, in_max)) : NULL;
-#pragma omp parallel if ((nqkv + q_size + s->E) * D >= THREADED_WEIGHTS)
+#pragma omp parallel if (by_columns)
         {
             attend_in(L, s, 0, T, qmem);  /* its last loop's barrier: every K/V written */
             attend_out(L, s, 0, T, qmem, s->scores);

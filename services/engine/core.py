@@ -311,6 +311,7 @@ class Engine:
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequest("messages must not be empty")
+            self._check_names(request.messages)
             extra = {} if request.tools is None else {
                 "tools": json.loads(request.tools.tools_json)}
             try:
@@ -327,6 +328,17 @@ class Engine:
         if not ids:
             raise InvalidRequest("prompt is empty")
         return list(ids)
+
+    def _check_names(self, messages: Sequence[tuple[str, str] | ChatTurn]) -> None:
+        """A participant name the chat template would drop is refused, not ignored."""
+        for i, m in enumerate(messages):
+            if isinstance(m, ChatTurn) and m.name and \
+                    m.role not in self.runner.tokenizer.named_roles:  # type: ignore[attr-defined]
+                raise InvalidRequest(
+                    f"messages[{i}].name: this model's chat template does not show a {m.role} "
+                    "message's name to the model, so it would be ignored; send the message "
+                    "without 'name' (or write the name into its content)",
+                    f"messages[{i}].name", "unsupported_parameter")
 
     # -- loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -18,7 +18,15 @@ from services.engine.sampling import SamplingConfig
 
 
 class InvalidRequest(ValueError):
-    """The request cannot be served as asked (the client must change it)."""
+    """The request cannot be served as asked (the client must change it). `param`: the request
+    field at fault, as the OpenAI error envelope names it, where one is; `code`: its error
+    code."""
+
+    def __init__(self, message: str, param: str | None = None,
+                 code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class PromptTooLong(InvalidRequest):
@@ -51,11 +59,17 @@ class ChatTurn:
     content: str
     tool_calls: tuple[tuple[str, str, str], ...] = ()  # (id, name, arguments JSON), assistant
     tool_call_id: str = ""  # role "tool"
+    name: str = ""  # OpenAI's participant name (Tokenizer.named_roles: where a template shows it)
+    reasoning_content: str = ""  # role "assistant": its reasoning, as Strata returned it
 
     def as_template_message(self, arguments_as_object: bool = False) -> dict:
         """The message a chat template takes; arguments_as_object: each call's arguments as
         the object its JSON text holds (templates that iterate them: GLM's)."""
         message: dict = {"role": self.role, "content": self.content}
+        if self.name:
+            message["name"] = self.name
+        if self.reasoning_content:  # the template decides which turns' reasoning it keeps
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": i, "type": "function", "function": {

@@ -30,6 +30,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from services.common import counters
 from services.common.genai_metrics import GenAIMetrics
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.common.rpc_errors import CODE_KEY, PARAM_KEY
 from services.common.telemetry import extract_context
 from services.engine.core import Engine
 from services.engine.grammar import OutputConstraint
@@ -89,7 +90,9 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
         chat = msg.chat
         messages = tuple(
             ChatTurn(m.role, m.content, tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
-                     m.tool_call_id) if m.tool_calls or m.tool_call_id else (m.role, m.content)
+                     m.tool_call_id, m.name, m.reasoning_content)
+            if m.tool_calls or m.tool_call_id or m.name or m.reasoning_content
+            else (m.role, m.content)
             for m in chat.messages)
         tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
                          chat.parallel_tool_calls) if chat.tools_json else None
@@ -195,6 +198,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                          functools.partial(self._outbox.put, inbox))
         except InvalidRequest as exc:
             call.error_type = "invalid_request"
+            if exc.param is not None:  # the gateway's 400 names the field
+                context.set_trailing_metadata(((PARAM_KEY, exc.param), (CODE_KEY, exc.code)))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:
             call.error_type = "unavailable"

@@ -22,6 +22,7 @@ import grpc
 from services.common import counters
 from services.common.counters import CacheCounters, DecodeFigures
 from services.common.pb.strata.v1 import engine_pb2, engine_pb2_grpc
+from services.common.rpc_errors import CODE_KEY, PARAM_KEY
 from services.gateway.breaker import CircuitBreaker
 from services.gateway.errors import EngineError
 from services.gateway.schemas import GenerateInput
@@ -165,8 +166,8 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
                                          stream_interval_ms=stream_interval_ms)
     if spec.is_chat:
         request.chat.CopyFrom(engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(
-            role=m.role, content=m.content, tool_call_id=m.tool_call_id,
-            tool_calls=[engine_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+            role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+            reasoning_content=m.reasoning_content, tool_calls=[engine_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                         for c in m.tool_calls]) for m in spec.messages]))
         if (tools := spec.tools) is not None:
             request.chat.tools_json = tools.tools_json
@@ -248,7 +249,9 @@ class GenerateCall:
         code = exc.code().name
         if code in _ENGINE_FAULTS:
             self._pool.record_failure(self.engine, code, unreachable=code == "UNAVAILABLE")
-        return EngineError(code, exc.details() or "", self.engine)
+        trailer = dict(exc.trailing_metadata() or ())
+        return EngineError(code, exc.details() or "", self.engine, trailer.get(PARAM_KEY),
+                           trailer.get(CODE_KEY))
 
 
 class EnginePool:

@@ -67,11 +67,14 @@ class Unauthorized(GatewayError):
 class EngineError(Exception):
     """A gRPC failure from an engine: `code` is the grpc.StatusCode name, e.g. 'UNAVAILABLE'."""
 
-    def __init__(self, code: str, details: str, engine: str) -> None:
+    def __init__(self, code: str, details: str, engine: str, param: str | None = None,
+                 error_code: str | None = None) -> None:
         super().__init__(f"engine {engine} answered {code}: {details}")
         self.code = code
         self.details = details
         self.engine = engine
+        self.param = param  # INVALID_ARGUMENT: the field at fault, where the engine named one
+        self.error_code = error_code
 
 
 class EngineAborted(Exception):
@@ -120,6 +123,9 @@ def http_error(exc: BaseException, request_id: str = "", retry_after_s: int = 1)
 def _engine_error(exc: EngineError, request_id: str, retry_after_s: int) -> HttpError:
     details = _first_line(exc.details)
     if exc.code == "INVALID_ARGUMENT":
+        if exc.param is not None:
+            return HttpError(400, envelope(details, "invalid_request_error", exc.param,
+                                           exc.error_code or "invalid_value"))
         is_length = any(word in details.lower() for word in ("context", "token", "long"))
         return HttpError(400, envelope(details, "invalid_request_error", "messages",
                                        "context_length_exceeded" if is_length else "invalid_value"))

@@ -14,6 +14,7 @@ from services.gateway.schemas import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
+    MAX_NAME_CHARS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
@@ -94,16 +95,30 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "null"]}}}}},
-    "ChatMessage": {"type": "object", "required": ["role"], "properties": {
+    "ChatMessage": {
+        "type": "object", "required": ["role"], "additionalProperties": False,
+        "description": "a field not listed is refused with a 400 naming it (a null passes)",
+        "properties": {
         "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [
             {"type": "string"}, {"type": "null"},
             {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                        "additionalProperties": False,
                                         "properties": {"type": {"const": "text"},
                                                        "text": {"type": "string"}}}}]},
-        "tool_calls": {"type": "array", "items": _ref("ToolCall"),
-                       "description": "an assistant's calls, in the history"},
-        "tool_call_id": {"type": "string", "description": "role tool: the call it answers"}}},
+        "name": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_NAME_CHARS,
+                 "description": "the participant's name, for the chat template; refused (400) "
+                                "where the model's template does not show it"},
+        "tool_calls": {"type": ["array", "null"], "items": _ref("ToolCall"),
+                       "description": "role assistant: its calls, in the history"},
+        "tool_call_id": {"type": ["string", "null"],
+                         "description": "role tool: the call it answers"},
+        "refusal": {"type": ["string", "null"],
+                    "description": "role assistant: a refusal it gave, taken as its content"},
+        "reasoning_content": {"type": ["string", "null"],
+                              "description": "role assistant: its reasoning as Strata returned "
+                                             "it; the chat template decides which turns' "
+                                             "reasoning the model sees"}}},
     "ToolCall": {"type": "object", "required": ["id", "function"], "properties": {
         "id": {"type": "string"}, "type": {"const": "function"},
         "function": {"type": "object", "required": ["name", "arguments"], "properties": {

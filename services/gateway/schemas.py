@@ -1,8 +1,10 @@
 """OpenAI request bodies -> frozen native types, validated as early as possible.
 
 Anything the engine cannot honour is refused here with an `InvalidRequest` naming the parameter,
-so a bad request never reaches an engine slot. Unknown fields are ignored, as OpenAI clients send
-many optional ones.
+so a bad request never reaches an engine slot. A field Strata does not read, in the body or in a
+message, is refused by name too (`unsupported_parameter`); a null asks for nothing and passes.
+What only the model can tell (whether its chat template shows a message's `name`) the engine
+refuses the same way.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
                                "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 STREAM_OPTIONS = frozenset({"include_usage"})
+# A chat message's fields (openapi.py's ChatMessage lists exactly these) and a content part's.
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
+                            "reasoning_content"})
+TEXT_PART_FIELDS = frozenset({"type", "text"})
+MAX_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class Message:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls, in the history
     tool_call_id: str = ""  # role "tool": the call it answers
+    name: str = ""  # the participant's name (the engine refuses it where its template drops it)
+    reasoning_content: str = ""  # an assistant's reasoning, as Strata returned it
 
 
 @dataclass(frozen=True)
@@ -320,30 +329,61 @@ def _message(raw: Any, index: int) -> Message:
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidRequest(f"{param}.role must be one of system, developer, user, assistant, "
                              f"tool; got {_show(role)}", f"{param}.role")
+    _refuse_unknown_keys(raw, MESSAGE_FIELDS, param, "a chat message")
+    for key, wanted in (("tool_calls", "assistant"), ("refusal", "assistant"),
+                        ("reasoning_content", "assistant"), ("tool_call_id", "tool")):
+        if raw.get(key) is not None and role != wanted:
+            raise InvalidRequest(f"{param}.{key}: only an {wanted} message has one",
+                                 f"{param}.{key}")
     content = raw.get("content")
+    if isinstance(content, list):
+        content = "".join(_text_part(part, f"{param}.content[{i}]")
+                          for i, part in enumerate(content))
     if content is None and role == "assistant":
         content = ""
+    if not isinstance(content, str):
+        raise InvalidRequest(f"{param}.content must be a string or a list of text parts",
+                             f"{param}.content")
     calls: tuple[ToolCall, ...] = ()
     if raw.get("tool_calls") is not None:
-        if role != "assistant":
-            raise InvalidRequest(f"{param}.tool_calls: only an assistant message makes tool "
-                                 "calls", f"{param}.tool_calls")
         calls = parse_history_calls(raw["tool_calls"], f"{param}.tool_calls")
+    if (refusal := _optional_text(raw, "refusal", param)) is not None:
+        if content:
+            raise InvalidRequest(f"{param}: an assistant message has content or a refusal, not "
+                                 "both", f"{param}.refusal")
+        content = refusal  # what the assistant said
+    reasoning = _optional_text(raw, "reasoning_content", param) or ""
     call_id = raw.get("tool_call_id")
     if role == "tool" and (not isinstance(call_id, str) or not call_id):
         raise InvalidRequest(f"{param}.tool_call_id: a tool message answers a call; give its "
                              "id", f"{param}.tool_call_id")
-    if isinstance(content, list):
-        content = "".join(_text_part(part, f"{param}.content[{i}]")
-                          for i, part in enumerate(content))
-    if not isinstance(content, str):
-        raise InvalidRequest(f"{param}.content must be a string or a list of text parts",
-                             f"{param}.content")
-    return Message(CHAT_ROLES[role], content, calls, call_id if role == "tool" else "")
+    name = raw.get("name")
+    if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
+        raise InvalidRequest(f"{param}.name must be a string of 1 to {MAX_NAME_CHARS} "
+                             "characters", f"{param}.name")
+    return Message(CHAT_ROLES[role], content, calls, call_id or "", name or "", reasoning)
+
+
+def _optional_text(raw: dict[str, Any], key: str, param: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequest(f"{param}.{key} must be a string", f"{param}.{key}")
+    return value
+
+
+def _refuse_unknown_keys(raw: dict[str, Any], fields: frozenset[str], param: str,
+                         what: str) -> None:
+    """A 400 naming the first key of `raw` (not null) that is none of `fields`."""
+    unknown = sorted(k for k, v in raw.items() if k not in fields and v is not None)
+    if unknown:
+        raise InvalidRequest(f"'{param}.{unknown[0]}' is not a field of {what}: Strata reads "
+                             f"{', '.join(sorted(fields))}", f"{param}.{unknown[0]}",
+                             code="unsupported_parameter")
 
 
 def _text_part(part: Any, param: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        _refuse_unknown_keys(part, TEXT_PART_FIELDS, param, "a text part")
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise InvalidRequest(f"{param} must be {{'type': 'text', 'text': ...}}; parts of type "

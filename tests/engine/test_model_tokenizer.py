@@ -65,6 +65,24 @@ def test_template_is_sandboxed_and_errors_are_named(tmp_path):
         Tokenizer(tmp_path).apply_chat_template([])
 
 
+NAMED_USERS = (  # names shown on user and tool messages only; a system message is refused
+    "{%- for m in messages -%}{%- if m.role == 'system' -%}"
+    "{{ raise_exception('System role not supported') }}{%- endif -%}"
+    "<|im_start|>{{ m.role }}{% if m.name and m.role in ('user', 'tool') %} ({{ m.name }})"
+    "{% endif %}\n{{ m.content }}<|im_end|>\n{%- endfor -%}<|im_start|>assistant\n")
+
+
+def test_named_roles_are_those_whose_names_the_template_shows(tok, tmp_path):
+    assert tok.named_roles == frozenset()  # ChatML drops names
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = NAMED_USERS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    named = Tokenizer(tmp_path)
+    assert named.named_roles == {"user", "tool"}
+    assert named.apply_chat_template([{"role": "user", "content": "hi", "name": "ada"}]
+                                     ).startswith("<|im_start|>user (ada)")
+
+
 # -- a tiktoken.model vocabulary (Kimi-K2 ships no tokenizer.json) ----------------------------
 KIMI_TEXTS = [
     "The expert cache holds 1234567 pairs; don't you'll WE'VE HTTPServer.",

@@ -97,6 +97,27 @@ async def test_over_long_prompt_is_invalid_argument_with_both_counts(engine_stub
     assert engine.totals.requests_finished == 0
 
 
+async def test_a_name_the_template_drops_is_invalid_argument_naming_the_field(engine_stub):
+    """The demo template (ChatML) shows no participant names: a named message is refused, and
+    the call's trailing metadata names the field for the gateway's 400."""
+    from services.common.rpc_errors import CODE_KEY, PARAM_KEY
+
+    stub, _, engine = engine_stub
+    req = engine_pb2.GenerateRequest(
+        request_id="named", sampling=engine_pb2.SamplingParams(max_tokens=2),
+        chat=engine_pb2.ChatInput(messages=[
+            engine_pb2.ChatMessage(role="user", content="hi"),
+            engine_pb2.ChatMessage(role="user", content="again", name="ada")]))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(stub, req)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not show a user message's name" in caught.value.details()
+    trailer = dict(caught.value.trailing_metadata())
+    assert (trailer[PARAM_KEY], trailer[CODE_KEY]) == ("messages[1].name",
+                                                       "unsupported_parameter")
+    assert engine.totals.requests_finished == 0
+
+
 async def test_cancelled_call_stops_generation_and_the_engine_moves_on(engine_stub):
     stub, _, engine = engine_stub
     call = stub.Generate(request(max_tokens=400, temperature=0.8, seed=3))
@@ -170,3 +191,36 @@ async def test_a_hold_as_long_as_the_request_ends_with_the_request(engine_stub):
     deltas = [e.delta for e in events if e.HasField("delta")]
     assert len(deltas) <= 2 and sum(len(d.token_ids) for d in deltas) == 24
     assert events[-1].HasField("finished")
+
+
+def test_names_and_reasoning_reach_a_template_that_shows_them(tmp_path):
+    """A proto message's name and reasoning_content reach the chat template; a name on a role
+    whose names it drops (here the assistant's) is refused by name before anything runs."""
+    from services.engine.requests import InvalidRequest
+    from services.engine.server import request_from_proto
+    from tests.engine.conftest import templated_model_dir
+
+    template = ("{%- for m in messages -%}<|im_start|>{{ m.role }}"
+                "{% if m.name and m.role == 'user' %} ({{ m.name }}){% endif %}\n"
+                "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                "{{ m.content }}<|im_end|>\n{%- endfor -%}<|im_start|>assistant\n")
+    runner = ModelRunner(templated_model_dir(tmp_path / "named", template), cache_slots=0,
+                         reserved_bytes=0)
+    engine = Engine(runner)
+
+    def prompt(*messages: engine_pb2.ChatMessage) -> str:
+        req = request_from_proto(engine_pb2.GenerateRequest(
+            sampling=engine_pb2.SamplingParams(max_tokens=2),
+            chat=engine_pb2.ChatInput(messages=messages)))
+        return runner.tokenizer.decode(engine._tokenize(req), skip_special_tokens=False)
+
+    text = prompt(engine_pb2.ChatMessage(role="user", content="hi", name="ada"),
+                  engine_pb2.ChatMessage(role="assistant", content="hello",
+                                         reasoning_content="greet back"),
+                  engine_pb2.ChatMessage(role="user", content="bye"))
+    assert "user (ada)" in text and "<think>greet back</think>hello" in text
+    with pytest.raises(InvalidRequest) as caught:
+        prompt(engine_pb2.ChatMessage(role="user", content="hi"),
+               engine_pb2.ChatMessage(role="assistant", content="hello", name="bot"))
+    assert (caught.value.param, caught.value.code) == ("messages[1].name",
+                                                       "unsupported_parameter")

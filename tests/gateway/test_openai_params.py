@@ -5,7 +5,7 @@ import aiohttp
 import openai
 import pytest
 
-from .conftest import MODEL
+from .conftest import MODEL, real_engine
 
 MESSAGES = [{"role": "user", "content": "say hello"}]
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -215,3 +215,71 @@ async def test_completions_n_choices_each_with_its_own_logprobs(client, engine, 
         offsets = {ch.index: ch.logprobs.text_offset for ch in reply.choices}
     assert text == {0: "Hello,", 1: "Hello,"} and offsets == {0: [0, 5], 1: [0, 5]}
     assert sorted(r.sampling.seed for r in servicer.requests[-2:]) == [5, 6]
+
+
+@pytest.mark.parametrize(("message", "param", "code"), [
+    ({"role": "user", "content": "hi", "audio": {"id": "a1"}}, "messages[1].audio",
+     "unsupported_parameter"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+     "messages[1].function_call", "unsupported_parameter"),
+    ({"role": "user", "content": "hi", "not_a_field": 1}, "messages[1].not_a_field",
+     "unsupported_parameter"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
+     "messages[1].content[0].cache_control", "unsupported_parameter"),
+    ({"role": "user", "content": "hi", "tool_call_id": "call_1"}, "messages[1].tool_call_id",
+     "invalid_value"),
+    ({"role": "user", "content": "hi", "refusal": "no"}, "messages[1].refusal",
+     "invalid_value"),
+    ({"role": "system", "content": "hi", "reasoning_content": "hm"},
+     "messages[1].reasoning_content", "invalid_value"),
+    ({"role": "assistant", "content": "sure", "refusal": "no"}, "messages[1].refusal",
+     "invalid_value"),
+    ({"role": "user", "content": "hi", "name": ""}, "messages[1].name", "invalid_value"),
+    ({"role": "user", "content": "hi", "name": 7}, "messages[1].name", "invalid_value"),
+])
+async def test_a_message_field_not_read_or_out_of_place_is_a_400_naming_it(client, engine,
+                                                                          message, param, code):
+    servicer, _ = engine
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=[*MESSAGES, message])
+    assert (info.value.body["param"], info.value.body["code"]) == (param, code)
+    assert servicer.requests == []
+
+
+async def test_a_reply_echoed_into_the_history_is_taken_whole(client, engine):
+    """The assistant message as the openai client returns it (refusal, audio, function_call
+    null; Strata's reasoning_content) goes back in as history; a participant name and a
+    refusal given as text reach the engine too."""
+    servicer, _ = engine
+    reply = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    echoed = {**reply.choices[0].message.model_dump(), "reasoning_content": "think first"}
+    assert {"refusal", "audio", "function_call"} <= set(echoed)
+    await client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": "say hello", "name": "ada"}, echoed,
+        {"role": "user", "content": "no"}, {"role": "assistant", "refusal": "I won't."},
+        {"role": "user", "content": "ok"}])
+    sent = _sent(servicer).chat.messages
+    assert (sent[0].name, sent[1].content, sent[1].reasoning_content) == (
+        "ada", reply.choices[0].message.content, "think first")
+    assert (sent[3].role, sent[3].content) == ("assistant", "I won't.")
+
+
+async def test_a_name_the_models_template_drops_is_a_400_from_the_real_engine(
+        make_gateway, tiny_checkpoint):
+    """Whether a message's name reaches the model is the chat template's to say: the tiny
+    model's (ChatML) drops names, so the engine refuses one and the 400 names the field."""
+    async with real_engine(tiny_checkpoint, "engine-names") as (address, engine, model):
+        base = await make_gateway(engine_addrs=(address,))
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused",
+                                      max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model=model, max_tokens=2, messages=[
+                    {"role": "system", "content": "be brief", "name": "house"},
+                    {"role": "user", "content": "hi"}])
+            reply = await client.chat.completions.create(model=model, max_tokens=2, messages=[
+                {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert (info.value.body["param"], info.value.body["code"]) == ("messages[0].name",
+                                                                   "unsupported_parameter")
+    assert "does not show a system message's name" in info.value.body["message"]
+    assert reply.choices[0].finish_reason == "length"
+    assert engine.totals.requests_finished == 1

@@ -36,7 +36,12 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
 async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gateway):
     """additionalProperties false, and the properties are the parser's field sets: a field the
     document does not list is refused by name (here, through the app), and none it lists is."""
-    from services.gateway.schemas import CHAT_FIELDS, COMPLETION_FIELDS
+    from services.gateway.schemas import (
+        CHAT_FIELDS,
+        COMPLETION_FIELDS,
+        MESSAGE_FIELDS,
+        TEXT_PART_FIELDS,
+    )
 
     async with aiohttp.ClientSession() as http:
         doc = await _document(http, gateway)
@@ -52,6 +57,20 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
                 assert resp.status == 400
                 error = (await resp.json())["error"]
                 assert (error["param"], error["code"]) == ("not_a_field", "unsupported_parameter")
+        message = schemas["ChatMessage"]
+        part = message["properties"]["content"]["oneOf"][2]["items"]
+        assert message["additionalProperties"] is False and part["additionalProperties"] is False
+        assert set(message["properties"]) == MESSAGE_FIELDS
+        assert set(part["properties"]) == TEXT_PART_FIELDS
+        for bad, param in (({"role": "user", "content": "hi", "audio": {"id": "a"}},
+                            "messages[0].audio"),
+                           ({"role": "user", "content": [{"type": "text", "text": "hi",
+                                                          "cache_control": {}}]},
+                            "messages[0].content[0].cache_control")):
+            async with http.post(gateway + CHAT, json={"model": MODEL, "messages": [bad]}) as resp:
+                assert resp.status == 400
+                error = (await resp.json())["error"]
+                assert (error["param"], error["code"]) == (param, "unsupported_parameter")
 
 
 def _field(name):

@@ -8,6 +8,8 @@ text (e.g. `<|im_start|>`) map to their ids. The chat template comes from tokeni
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -66,6 +68,31 @@ class Tokenizer:
         of JSON); "" when it teaches none Strata parses."""
         return template_tool_call_format(self.chat_template)
 
+    @functools.cached_property
+    def named_roles(self) -> frozenset[str]:
+        """The roles whose messages' `name` (OpenAI's participant name) this chat template shows
+        the model. Each role's probe conversation is rendered with a marker name on that role's
+        message; the role counts where the marker appears in the text (most templates drop
+        names; a conversation a template refuses, a system message in Gemma's, counts as not
+        shown)."""
+        shown = set()
+        for role, (messages, at) in _NAME_PROBES.items():
+            marker = f"strataname{role}"
+            for arguments in ("{}", {}):  # a call's arguments as JSON text, else as an object
+                probe = copy.deepcopy(messages)
+                probe[at]["name"] = marker
+                for m in probe:
+                    for call in m.get("tool_calls", ()):
+                        call["function"]["arguments"] = arguments
+                try:
+                    text = self.apply_chat_template(probe)
+                except (ChatTemplateError, TypeError, ValueError):
+                    continue
+                if marker in text:
+                    shown.add(role)
+                break
+        return frozenset(shown)
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -115,6 +142,19 @@ class Tokenizer:
             value = _read_json(model_dir / name).get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
+
+
+_PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": ""}}
+# Tokenizer.named_roles' probes: role -> (a conversation, the index of that role's message).
+_NAME_PROBES: dict[str, tuple[list[dict[str, Any]], int]] = {
+    "system": ([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], 0),
+    "user": ([{"role": "user", "content": "u"}], 0),
+    "assistant": ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+                   {"role": "user", "content": "v"}], 1),
+    "tool": ([{"role": "user", "content": "u"},
+              {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+              {"role": "tool", "content": "r", "tool_call_id": "call_0"}], 2),
+}
 
 
 def _byte_to_unicode() -> dict[int, str]:

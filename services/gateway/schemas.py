@@ -215,10 +215,9 @@ def _refuse_unknown(body: dict[str, Any], fields: frozenset[str], endpoint: str,
     """A 400 naming the first field this endpoint does not read (the other endpoint's own
     fields get a pointer to it). A null asks for nothing, so it is no field to refuse: clients
     that send every OpenAI parameter, unset ones as null, work."""
-    unknown = sorted(k for k, v in body.items() if k not in fields and v is not None)
-    if not unknown:
+    name = _first_unknown(body, fields)
+    if name is None:
         return
-    name = unknown[0]
     if name in other_fields:
         why = f"'{name}' is a {other} field, not one of {endpoint}"
     else:
@@ -371,13 +370,18 @@ def _optional_text(raw: dict[str, Any], key: str, param: str) -> str | None:
     return value
 
 
+def _first_unknown(raw: dict[str, Any], fields: frozenset[str]) -> str | None:
+    """The first key of `raw` (in sorted order) that is none of `fields`, a null not counted:
+    a null asks for nothing."""
+    return min((k for k, v in raw.items() if k not in fields and v is not None), default=None)
+
+
 def _refuse_unknown_keys(raw: dict[str, Any], fields: frozenset[str], param: str,
                          what: str) -> None:
-    """A 400 naming the first key of `raw` (not null) that is none of `fields`."""
-    unknown = sorted(k for k, v in raw.items() if k not in fields and v is not None)
-    if unknown:
-        raise InvalidRequest(f"'{param}.{unknown[0]}' is not a field of {what}: Strata reads "
-                             f"{', '.join(sorted(fields))}", f"{param}.{unknown[0]}",
+    """A 400 naming the first key of the object `param` that is none of `fields`."""
+    if (name := _first_unknown(raw, fields)) is not None:
+        raise InvalidRequest(f"'{param}.{name}' is not a field of {what}: Strata reads "
+                             f"{', '.join(sorted(fields))}", f"{param}.{name}",
                              code="unsupported_parameter")
 
 
@@ -402,11 +406,7 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    unknown = sorted(k for k, v in options.items() if k not in STREAM_OPTIONS and v is not None)
-    if unknown:
-        raise InvalidRequest(f"'stream_options.{unknown[0]}' is not supported (only "
-                             "include_usage)", f"stream_options.{unknown[0]}",
-                             code="unsupported_parameter")
+    _refuse_unknown_keys(options, STREAM_OPTIONS, "stream_options", "'stream_options'")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise InvalidRequest("'stream_options.include_usage' must be true or false",

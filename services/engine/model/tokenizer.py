@@ -19,7 +19,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.common.tool_calls import template_tool_call_format
+from services.common.tool_calls import ARGUMENTS_AS_OBJECT, template_tool_call_format
 from services.engine.model.config import CheckpointError, find_gguf
 
 
@@ -75,22 +75,20 @@ class Tokenizer:
         message; the role counts where the marker appears in the text (most templates drop
         names; a conversation a template refuses, a system message in Gemma's, counts as not
         shown)."""
+        # a call's arguments as the engine renders them (ChatTurn.as_template_message)
+        arguments = {} if self.tool_call_format in ARGUMENTS_AS_OBJECT else "{}"
         shown = set()
         for role, (messages, at) in _NAME_PROBES.items():
-            marker = f"strataname{role}"
-            for arguments in ("{}", {}):  # a call's arguments as JSON text, else as an object
-                probe = copy.deepcopy(messages)
-                probe[at]["name"] = marker
-                for m in probe:
-                    for call in m.get("tool_calls", ()):
-                        call["function"]["arguments"] = arguments
-                try:
-                    text = self.apply_chat_template(probe)
-                except (ChatTemplateError, TypeError, ValueError):
-                    continue
-                if marker in text:
+            probe = copy.deepcopy(messages)
+            probe[at]["name"] = marker = f"strataname{role}"
+            for m in probe:
+                for call in m.get("tool_calls", ()):
+                    call["function"]["arguments"] = arguments
+            try:
+                if marker in self.apply_chat_template(probe):
                     shown.add(role)
-                break
+            except (ChatTemplateError, TypeError, ValueError):
+                pass  # the template refuses this conversation: no name shown
         return frozenset(shown)
 
     @property

@@ -274,13 +274,16 @@ class Engine:
 
     def _constraint(self, request: EngineRequest) -> OutputConstraint | None:
         """What the output must match: the request's own constraint, or the tool-call syntax
-        when its tool_choice requires a call."""
+        when its tool_choice requires a call, or when a function is `strict` (its calls then
+        always parse and follow its parameters; text without a call stays free)."""
         tools, constraint = request.tools, request.params.constraint
-        if tools is None or tools.choice == "auto":
+        if tools is None or (tools.choice == "auto" and not tools.strict):
             return constraint
         if constraint is not None:
-            raise InvalidRequest("a required tool call and an output constraint both decide "
-                                 "the output's form; give one")
+            why = ("a required tool call" if tools.choice != "auto" else "a strict function's "
+                   "calls (tools[].function.strict)")
+            raise InvalidRequest(f"{why} and an output constraint both decide the output's "
+                                 "form; give one")
         return tool_call_constraint(self.runner.tokenizer.tool_call_format, tools.tools_json,
                                     tools.choice, tools.parallel)
 

@@ -95,30 +95,56 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 def tool_call_constraint(fmt: str, tools_json: str, choice: str,
                          parallel: bool) -> OutputConstraint:
-    """The output of a request whose tool_choice requires a call: one call block (several,
-    newline-separated, with parallel calls) in the template's syntax, each a JSON object whose
-    "name" is one of the functions (the named one) and whose "arguments" follow that
-    function's parameters schema."""
+    """The output of a request with tools, held to the template's call syntax and each
+    function's parameters schema.
+
+    choice "required" or a function's name: one call block (several, newline-separated, with
+    parallel calls), each naming one of the functions (the named one) with arguments its
+    parameters schema allows. choice "auto" (asked for where a function is `strict`): text
+    that never opens a call, or such text and then the calls, held as above."""
     functions = [t["function"] for t in json.loads(tools_json)]
-    if choice != "required":
+    if choice not in ("required", "auto"):
         functions = [f for f in functions if f["name"] == choice]
-    if fmt in KEY_VALUE_LAYOUTS:
-        return _key_value_calls(fmt, functions, parallel)
     if fmt == "harmony":
-        return _harmony_call(functions)
-    if fmt in SECTION_MARKERS:
-        return _marked_calls(fmt, functions, parallel)
+        return _harmony_call(functions, free_text=choice == "auto")
+    if fmt in KEY_VALUE_LAYOUTS:
+        opening, rules = _key_value_calls(fmt, functions, parallel)
+    elif fmt in SECTION_MARKERS:
+        opening, rules = _marked_calls(fmt, functions, parallel)
+    else:
+        opening, rules = _json_calls(fmt, functions, parallel)
+    if choice != "auto":
+        start = [f"start: {opening} after_opening"]
+    elif opening.startswith("<|"):  # a special token: no text contains it
+        start = [f"start: FREE? ({opening} after_opening)?", "FREE: /(?s:.+)/"]
+    else:  # text up to the opening, taken lazily: the first time it appears, the calls begin
+        marker = _regex_literal(json.loads(opening))
+        start = ["start: FREE | before_calls after_opening",
+                 f"before_calls[lazy]: /(?s:.*){marker}/",
+                 f"FREE: /(?s:.*)/ & ~/(?s:.*{marker}.*)/"]
+    return OutputConstraint("lark", "\n".join([*start, *rules]) + "\n")
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/ (Rust regex syntax; `/` ends the regex)."""
+    return "".join(f"\\{c}" if c in "\\.+*?()|[]{}^$#&-~/" else "\\n" if c == "\n" else c
+                   for c in text)
+
+
+def _json_calls(fmt: str, functions: list[dict], parallel: bool) -> tuple[str, list[str]]:
+    """hermes's calls (Qwen's): a JSON object naming the function and holding its arguments
+    between the call markers, one block a call."""
     opening, closing = TOOL_CALL_MARKERS[fmt]
-    open_, close, between = f"{opening}\n", f"\n{closing}", "\n"
+    q = json.dumps  # a Lark string literal
     calls = [{"type": "object", "properties": {
         "name": {"const": f["name"]},
         "arguments": f.get("parameters") or NO_PARAMETERS},
         "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     body = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
-    lark = (f"start: call{f' ({json.dumps(between)} call)*' if parallel else ''}\n"
-            f"call: {json.dumps(open_)} body {json.dumps(close)}\n"
-            f"body: %json {json.dumps(body)}\n")
-    return OutputConstraint("lark", lark)
+    more = f" ({q(chr(10))} call)*" if parallel else ""
+    return q(opening), [f"after_opening: {q(chr(10))} body {q(chr(10) + closing)}{more}",
+                        f"call: {q(opening + chr(10))} body {q(chr(10) + closing)}",
+                        f"body: %json {q(body)}"]
 
 
 # glm45 / qwen3_xml / minimax_m2: a call's text around its name, and around each argument's
@@ -132,7 +158,8 @@ KEY_VALUE_LAYOUTS = {
 }
 
 
-def _key_value_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputConstraint:
+def _key_value_calls(fmt: str, functions: list[dict],
+                     parallel: bool) -> tuple[str, list[str]]:
     """glm45's, qwen3_xml's and minimax_m2's calls: the name, then one key/value block per
     parameter, in the schema's order (the required ones always, the others optionally); a
     string value is text without "<" (one of its enum where it has one, within its minLength /
@@ -142,11 +169,12 @@ def _key_value_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputC
     q = json.dumps  # a Lark string literal
     names = " | ".join(f"f{i}" for i in range(len(functions)))
     begin, end = SECTION_MARKERS.get(fmt, ("", ""))  # minimax_m2: its calls in one section
-    calls = "call" + (" (" + q("\n") + " call)*" if parallel else "")
-    rules = [f"start: {q(begin + chr(10))} {calls} {q(chr(10) + end)}" if begin
-             else f"start: {calls}",
-             f"call: {q(opening)} ({names}) {q(closing)}",
-             "TEXT: /[^<]*/"]
+    more = " (" + q("\n") + " call)*" if parallel else ""
+    if begin:
+        head, rules = q(begin), [f"after_opening: {q(chr(10))} call{more} {q(chr(10) + end)}"]
+    else:
+        head, rules = q(opening), [f"after_opening: ({names}) {q(closing)}{more}"]
+    rules += [f"call: {q(opening)} ({names}) {q(closing)}", "TEXT: /[^<]*/"]
     for i, f in enumerate(functions):
         schema = f.get("parameters") or NO_PARAMETERS
         required = set(schema.get("required") or ())
@@ -165,10 +193,10 @@ def _key_value_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputC
             parts.append(f"f{i}_{j}" if key in required else f"f{i}_{j}?")
         tail = f" {q(after)}" if after else ""
         rules.append(f"f{i}: {q(name_text.format(name=f['name']))} {' '.join(parts)}{tail}")
-    return OutputConstraint("lark", "\n".join(rules) + "\n")
+    return head, rules
 
 
-def _marked_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputConstraint:
+def _marked_calls(fmt: str, functions: list[dict], parallel: bool) -> tuple[str, list[str]]:
     """DeepSeek's and Kimi's calls: the section markers around one call (several, with
     parallel calls), each between its call markers, its name and JSON arguments in the
     format's layout. Kimi's markers are special tokens (Lark's <|...|>), DeepSeek's text."""
@@ -191,21 +219,23 @@ def _marked_calls(fmt: str, functions: list[dict], parallel: bool) -> OutputCons
             body = f"{q('functions.' + f['name'] + ':')} /[0-9]/ {mark(KIMI_ARGUMENTS)} {arguments}"
         rules.append(f"call{i}: {mark(opening)} {body} {mark(closing)}")
     calls = " | ".join(f"call{i}" for i in range(len(functions)))
-    return OutputConstraint("lark", "\n".join([
-        f"start: {mark(begin)} call{' call*' if parallel else ''} {mark(end)}",
-        f"call: {calls}", *rules]) + "\n")
+    return mark(begin), [f"after_opening: call{' call*' if parallel else ''} {mark(end)}",
+                         f"call: {calls}", *rules]
 
 
-def _harmony_call(functions: list[dict]) -> OutputConstraint:
+def _harmony_call(functions: list[dict], free_text: bool = False) -> OutputConstraint:
     """harmony's call (gpt-oss): its reasoning first if it wants (an analysis message), then a
-    commentary message to one of the functions whose body is JSON its parameters allow. One
-    call: gpt-oss ends its turn at a call (<|call|>) and takes the result in the next."""
+    commentary message to one of the functions whose body is JSON its parameters allow, or
+    (free_text) the final answer instead. One call: gpt-oss ends its turn at a call (<|call|>)
+    and takes the result in the next."""
     q = json.dumps
     calls = [f"call{i}: <|channel|> {q('commentary to=functions.' + f['name'] + ' ')} "
              f"<|constrain|> \"json\" <|message|> "
              f"%json {q({'x-guidance': JSON_LAYOUT, **(f.get('parameters') or NO_PARAMETERS)})}"
              for i, f in enumerate(functions)]
     names = " | ".join(f"call{i}" for i in range(len(functions)))
+    if free_text:
+        names += ' | <|channel|> "final" <|message|> /(?s:.*)/'
     return OutputConstraint("lark", "\n".join([
         f"start: analysis? ({names})",
         'analysis: <|channel|> "analysis" <|message|> /[^<]*/ <|end|> <|start|> "assistant"',

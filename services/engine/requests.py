@@ -82,12 +82,20 @@ class ChatTurn:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A request's tools: rendered by the chat template; "required" or a function's name hold
-    the output to the template's tool-call syntax (grammar.tool_call_constraint)."""
+    """A request's tools: rendered by the chat template; "required", a function's name or a
+    `strict` function hold the output to the template's tool-call syntax
+    (grammar.tool_call_constraint)."""
 
     tools_json: str  # the OpenAI `tools` array, as JSON text
     choice: str = "auto"  # "auto" | "required" | a function name
     parallel: bool = True
+
+    @property
+    def strict(self) -> bool:
+        """Some function asks for calls that always follow its parameters (OpenAI's
+        `function.strict`)."""
+        return any(t.get("function", {}).get("strict") is True
+                   for t in json.loads(self.tools_json))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,22 @@ class InvalidRequest(GatewayError):
         super().__init__(message, param, code)
 
 
+def first_unknown(raw: dict[str, Any], fields: frozenset[str]) -> str | None:
+    """The first key of `raw` (in sorted order) that is none of `fields`, a null not counted:
+    a null asks for nothing."""
+    return min((k for k, v in raw.items() if k not in fields and v is not None), default=None)
+
+
+def refuse_unknown_keys(raw: dict[str, Any], fields: frozenset[str], param: str,
+                        what: str) -> None:
+    """A 400 naming the first key of the object `param` that is none of `fields` (a request
+    field is implemented or refused by name, at every depth)."""
+    if (name := first_unknown(raw, fields)) is not None:
+        raise InvalidRequest(f"'{param}.{name}' is not a field of {what}: Strata reads "
+                             f"{', '.join(sorted(fields))}", f"{param}.{name}",
+                             code="unsupported_parameter")
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"

@@ -65,15 +65,20 @@ _SAMPLING = {
     "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
                        "items": {"type": "integer", "minimum": 0},
                        "description": "vLLM extension"},
-    "response_format": {"type": ["object", "null"], "required": ["type"], "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
-        "json_schema": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-            "description": {"type": "string"},
-            "schema": {"type": "object"},
-            "strict": {"type": ["boolean", "null"],
-                       "description": "the output is held to the schema either way"}}}},
-        "description": "constrained decoding: the output parses as JSON (and validates)"},
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+         "properties": {"type": {"const": "json_schema"}, "json_schema": {
+             "type": "object", "required": ["name"], "additionalProperties": False,
+             "properties": {
+                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                 "schema": {"type": "object"},
+                 "strict": {"type": ["boolean", "null"],
+                            "description": "the output is held to the schema either way"}}}}},
+        {"type": "null"}],
+        "description": "constrained decoding: the output parses as JSON (and validates); "
+                       "json_schema's description is refused (the model would not see it)"},
     "guided_json": {"type": ["object", "string", "null"],
                     "description": "vLLM extension: a JSON Schema the output follows"},
     "guided_regex": {"type": ["string", "null"], "minLength": 1,
@@ -119,17 +124,27 @@ _SCHEMAS: dict[str, Any] = {
                               "description": "role assistant: its reasoning as Strata returned "
                                              "it; the chat template decides which turns' "
                                              "reasoning the model sees"}}},
-    "ToolCall": {"type": "object", "required": ["id", "function"], "properties": {
+    "ToolCall": {
+        "type": "object", "required": ["id", "function"], "additionalProperties": False,
+        "properties": {
         "id": {"type": "string"}, "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "index": {"type": ["integer", "null"],
+                  "description": "the call's place in tool_calls, as a stream numbered it"},
+        "function": {"type": "object", "required": ["name", "arguments"],
+                     "additionalProperties": False, "properties": {
             "name": {"type": "string"}, "arguments": {"type": "string",
                                                       "description": "JSON text"}}}}},
-    "Tool": {"type": "object", "required": ["type", "function"], "properties": {
+    "Tool": {
+        "type": "object", "required": ["type", "function"], "additionalProperties": False,
+        "properties": {
         "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name"], "properties": {
+        "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                     "properties": {
             "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
             "description": {"type": "string"}, "parameters": {"type": "object"},
-            "strict": {"type": "boolean"}}}}},
+            "strict": {"type": ["boolean", "null"],
+                       "description": "true: under tool_choice auto too, every call parses "
+                                      "and its arguments follow the parameters"}}}}},
     "ChatCompletionRequest": {
         "type": "object", "required": ["model", "messages"], "additionalProperties": False,
         "description": "a field not listed is refused with a 400 naming it (a null passes)",
@@ -146,9 +161,10 @@ _SCHEMAS: dict[str, Any] = {
                   "items": _ref("Tool")},
         "tool_choice": {"oneOf": [
             {"enum": ["none", "auto", "required"]},
-            {"type": "object", "required": ["type", "function"], "properties": {
+            {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+             "properties": {
                 "type": {"const": "function"}, "function": {
-                    "type": "object", "required": ["name"],
+                    "type": "object", "required": ["name"], "additionalProperties": False,
                     "properties": {"name": {"type": "string"}}}}},
             {"type": "null"}], "description": "required / a function: the answer is a call "
                                               "whose arguments follow its parameters"},

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.gateway.errors import InvalidRequest
+from services.gateway.errors import InvalidRequest, first_unknown, refuse_unknown_keys
 from services.gateway.tools import ToolCall, Tools, parse_history_calls, parse_tools
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -54,6 +54,8 @@ STREAM_OPTIONS = frozenset({"include_usage"})
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
                             "reasoning_content"})
 TEXT_PART_FIELDS = frozenset({"type", "text"})
+RESPONSE_FORMAT_FIELDS = frozenset({"type", "json_schema"})  # json_object and text: type alone
+JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict"})
 MAX_NAME_CHARS = 256
 
 
@@ -215,7 +217,7 @@ def _refuse_unknown(body: dict[str, Any], fields: frozenset[str], endpoint: str,
     """A 400 naming the first field this endpoint does not read (the other endpoint's own
     fields get a pointer to it). A null asks for nothing, so it is no field to refuse: clients
     that send every OpenAI parameter, unset ones as null, work."""
-    name = _first_unknown(body, fields)
+    name = first_unknown(body, fields)
     if name is None:
         return
     if name in other_fields:
@@ -246,6 +248,8 @@ def _constraint(body: dict[str, Any]) -> Constraint | None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise InvalidRequest("'response_format' must be an object with a 'type'",
                                  "response_format")
+        refuse_unknown_keys(fmt, RESPONSE_FORMAT_FIELDS if fmt["type"] == "json_schema"
+                            else frozenset({"type"}), "response_format", "'response_format'")
         if fmt["type"] == "json_object":
             found.append(("response_format", Constraint("json_object")))
         elif fmt["type"] == "json_schema":
@@ -275,6 +279,12 @@ def _json_schema(fmt: dict[str, Any]) -> str:
     if not isinstance(spec, dict):
         raise InvalidRequest("'response_format.json_schema' must be an object with a 'name' "
                              "and a 'schema'", param)
+    if spec.get("description") is not None:
+        raise InvalidRequest("'response_format.json_schema.description' is not shown to the "
+                             "model (no chat template has a place for it); the schema alone "
+                             "holds the output: say what the answer is for in a message",
+                             f"{param}.description", code="unsupported_parameter")
+    refuse_unknown_keys(spec, JSON_SCHEMA_FIELDS, param, "'response_format.json_schema'")
     name = spec.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
         raise InvalidRequest("'response_format.json_schema.name' must be 1-64 letters, digits, "
@@ -328,7 +338,7 @@ def _message(raw: Any, index: int) -> Message:
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidRequest(f"{param}.role must be one of system, developer, user, assistant, "
                              f"tool; got {_show(role)}", f"{param}.role")
-    _refuse_unknown_keys(raw, MESSAGE_FIELDS, param, "a chat message")
+    refuse_unknown_keys(raw, MESSAGE_FIELDS, param, "a chat message")
     for key, wanted in (("tool_calls", "assistant"), ("refusal", "assistant"),
                         ("reasoning_content", "assistant"), ("tool_call_id", "tool")):
         if raw.get(key) is not None and role != wanted:
@@ -370,24 +380,9 @@ def _optional_text(raw: dict[str, Any], key: str, param: str) -> str | None:
     return value
 
 
-def _first_unknown(raw: dict[str, Any], fields: frozenset[str]) -> str | None:
-    """The first key of `raw` (in sorted order) that is none of `fields`, a null not counted:
-    a null asks for nothing."""
-    return min((k for k, v in raw.items() if k not in fields and v is not None), default=None)
-
-
-def _refuse_unknown_keys(raw: dict[str, Any], fields: frozenset[str], param: str,
-                         what: str) -> None:
-    """A 400 naming the first key of the object `param` that is none of `fields`."""
-    if (name := _first_unknown(raw, fields)) is not None:
-        raise InvalidRequest(f"'{param}.{name}' is not a field of {what}: Strata reads "
-                             f"{', '.join(sorted(fields))}", f"{param}.{name}",
-                             code="unsupported_parameter")
-
-
 def _text_part(part: Any, param: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        _refuse_unknown_keys(part, TEXT_PART_FIELDS, param, "a text part")
+        refuse_unknown_keys(part, TEXT_PART_FIELDS, param, "a text part")
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise InvalidRequest(f"{param} must be {{'type': 'text', 'text': ...}}; parts of type "
@@ -406,7 +401,7 @@ def _stream(body: dict[str, Any]) -> dict[str, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    _refuse_unknown_keys(options, STREAM_OPTIONS, "stream_options", "'stream_options'")
+    refuse_unknown_keys(options, STREAM_OPTIONS, "stream_options", "'stream_options'")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise InvalidRequest("'stream_options.include_usage' must be true or false",

@@ -34,10 +34,18 @@ from services.common.tool_calls import (
     SECTION_MARKERS,
     TOOL_CALL_MARKERS,
 )
-from services.gateway.errors import InvalidRequest
+from services.gateway.errors import InvalidRequest, refuse_unknown_keys
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
+# The keys read at each level (openapi.py's Tool, ToolChoice and ToolCall list exactly these;
+# any other is refused by name). A history call's `index` is its place in the message's
+# tool_calls, as a stream's delta numbered it: clients that rebuild calls from deltas send it.
+TOOL_FIELDS = frozenset({"type", "function"})
+FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+CHOICE_FUNCTION_FIELDS = frozenset({"name"})
+CALL_FIELDS = frozenset({"id", "type", "function", "index"})
+CALL_FUNCTION_FIELDS = frozenset({"name", "arguments"})
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,9 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         pass
     elif isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
+        refuse_unknown_keys(choice, TOOL_FIELDS, "tool_choice", "'tool_choice'")
+        refuse_unknown_keys(choice["function"], CHOICE_FUNCTION_FIELDS, "tool_choice.function",
+                            "'tool_choice.function'")
         name = choice["function"].get("name")
         if name not in names:
             raise InvalidRequest(f"'tool_choice' names {name!r}, which is not in 'tools'",
@@ -108,6 +119,8 @@ def _tool(raw: Any, param: str) -> str:
         raise InvalidRequest(f"{param} must be {{'type': 'function', 'function': {{...}}}}",
                              param)
     function = raw["function"]
+    refuse_unknown_keys(raw, TOOL_FIELDS, param, "a tool")
+    refuse_unknown_keys(function, FUNCTION_FIELDS, f"{param}.function", "a tool's function")
     name = function.get("name")
     if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
         raise InvalidRequest(f"{param}.function.name must be 1-64 letters, digits, '_' or '-'",
@@ -137,6 +150,13 @@ def parse_history_calls(raw: Any, param: str) -> tuple[ToolCall, ...]:
                 or not isinstance(function, dict) or not isinstance(call.get("id"), str):
             raise InvalidRequest(f"{where} must be {{'id': ..., 'type': 'function', "
                                  "'function': {'name': ..., 'arguments': ...}}", where)
+        refuse_unknown_keys(call, CALL_FIELDS, where, "a tool call")
+        refuse_unknown_keys(function, CALL_FUNCTION_FIELDS, f"{where}.function",
+                            "a tool call's function")
+        index = call.get("index")
+        if index is not None and (type(index) is not int or index != i):
+            raise InvalidRequest(f"{where}.index must be {i}, the call's place in tool_calls "
+                                 f"(got {index!r})", f"{where}.index")
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not name:
             raise InvalidRequest(f"{where}.function.name must be a string",

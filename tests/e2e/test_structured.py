@@ -237,6 +237,28 @@ async def test_auto_parses_a_tool_call_shaped_answer_and_takes_the_results_back(
         assert plain.choices[0].message.tool_calls is None
 
 
+async def test_strict_functions_under_auto_answer_text_or_valid_calls(cluster8):
+    """function.strict with tool_choice auto (what the OpenAI Agents SDK sends): each answer
+    is text that opens no call, or calls that validate; strict calls and a response_format
+    both deciding the output's form is a 400."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
+                                  max_retries=0) as client:
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=strict, max_tokens=48, temperature=1.0,
+            seed=seed) for seed in range(6)))
+        for reply in replies:
+            message = reply.choices[0].message
+            for call in message.tool_calls or []:
+                _valid_call(call)
+            assert "<tool_call>" not in (message.content or ""), message
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=strict, max_tokens=8,
+                response_format={"type": "json_object"})
+        assert "strict" in caught.value.body["message"], caught.value.body
+
+
 def _model_cluster(tmp_path_factory, name: str, make):
     """`strata up` on the checkpoint make(directory) writes, served as `name`."""
     tmp = tmp_path_factory.mktemp(name)

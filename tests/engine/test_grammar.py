@@ -383,3 +383,57 @@ def test_tools_for_a_template_without_a_call_syntax_are_refused_naming_those_kno
                                     messages=(("user", "hi"),),
                                     tools=ToolSpec(json.dumps(TOOLS), "auto", parallel=True)),
                       lambda event: None)
+
+
+def _takes(engine: Engine, constraint: OutputConstraint, text: str) -> tuple[bool, bool]:
+    """Whether the grammar takes `text` (as the engine's tokenizer splits it), and whether
+    the output may end there."""
+    guide = engine._guide(constraint)
+    for token in engine.runner.tokenizer.encode(text):
+        if token not in guide.allowed().nonzero().flatten().tolist():
+            return False, False
+        guide.consume(token)
+    return True, bool(guide.allowed()[list(engine.runner.tokenizer.eos_token_ids)].any())
+
+
+STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in GLM_TOOLS]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "qwen3_xml", "minimax_m2", "deepseek_v3",
+                                 "deepseek_v31", "kimi_k2", "harmony"])
+def test_a_strict_function_s_calls_are_held_under_tool_choice_auto(engine, syntax_engines,
+                                                                   harmony_engine, fmt):
+    """tools[].function.strict with tool_choice auto: the answer is free text, or text and
+    then calls in the template's syntax whose arguments follow the parameters (the text a
+    required call takes, after some words, is taken; the opening followed by anything else
+    is not). Without strict, auto holds nothing."""
+    from services.common.tool_calls import SECTION_MARKERS
+    from services.engine.grammar import tool_call_constraint
+    from services.engine.requests import ToolSpec
+
+    eng = {"hermes": engine, "harmony": harmony_engine}.get(fmt) or syntax_engines(fmt)
+    strict = ToolSpec(json.dumps(STRICT_TOOLS), "auto", parallel=False)
+    auto = eng._constraint(EngineRequest("s", GenerateParams(), messages=(("user", "hi"),),
+                                         tools=strict))
+    assert auto == tool_call_constraint(fmt, strict.tools_json, "auto", False)
+    plain = ToolSpec(json.dumps(GLM_TOOLS), "auto", parallel=False)
+    assert eng._constraint(EngineRequest("p", GenerateParams(), messages=(("user", "hi"),),
+                                         tools=plain)) is None
+    _, call = chat(eng, (("user", "weather in Oslo?"),), max_tokens=160, temperature=1.0,
+                   seed=3, tools=ToolSpec(json.dumps(STRICT_TOOLS), "get_weather",
+                                          parallel=False))
+    free = "Sunny, 21 C; a < b." if fmt != "harmony" else "<|channel|>final<|message|>Sunny."
+    assert _takes(eng, auto, free) == (True, True)
+    if fmt == "harmony":  # the answer is a message: its channel says which, from the start
+        assert _takes(eng, auto, call) == (True, True), call
+        assert _takes(eng, auto, "Sunny.") == (False, False)
+        return
+    # one call: the engine ends the answer where the call closes, before a section's end
+    may_end = fmt not in SECTION_MARKERS
+    assert _takes(eng, auto, "Let me look that up.\n" + call) == (True, may_end), call
+    opening = {"hermes": "<tool_call>", "glm45": "<tool_call>", "qwen3_xml": "<tool_call>",
+               "minimax_m2": "<minimax:tool_call>", "deepseek_v3": "<｜tool▁calls▁begin｜>",
+               "deepseek_v31": "<｜tool▁calls▁begin｜>",
+               "kimi_k2": "<|tool_calls_section_begin|>"}[fmt]
+    assert call.startswith(opening)
+    assert _takes(eng, auto, "Let me look that up.\n" + opening + " whatever I like")[0] is False

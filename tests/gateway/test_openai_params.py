@@ -150,6 +150,20 @@ async def test_deadline_exceeded_is_504(make_gateway, engine):
      "stream_options.continuous_usage_stats"),
     ({"user": 7}, "user"),
     ({"user": "u" * 257}, "user"),
+    # and at every depth: a tool's, tool_choice's and response_format's keys
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "cache_control": {}}]},
+     "tools[0].cache_control"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "examples": []}}]},
+     "tools[0].function.examples"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f", "strict": True}}},
+     "tool_choice.function.strict"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object"}, "description": "an answer"}}},
+     "response_format.json_schema.description"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schma": {}}}},
+     "response_format.json_schema.schma"),
 ])
 async def test_unsupported_or_out_of_bounds_is_a_clear_400(client, engine, patch, param):
     servicer, _ = engine
@@ -234,6 +248,17 @@ async def test_completions_n_choices_each_with_its_own_logprobs(client, engine, 
      "messages[1].reasoning_content", "invalid_value"),
     ({"role": "assistant", "content": "sure", "refusal": "no"}, "messages[1].refusal",
      "invalid_value"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"},
+         "extra_content": {}}]}, "messages[1].tool_calls[0].extra_content",
+     "unsupported_parameter"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}",
+                                                      "parsed": {}}}]},
+     "messages[1].tool_calls[0].function.parsed", "unsupported_parameter"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "index": 1, "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].tool_calls[0].index", "invalid_value"),
     ({"role": "user", "content": "hi", "name": ""}, "messages[1].name", "invalid_value"),
     ({"role": "user", "content": "hi", "name": 7}, "messages[1].name", "invalid_value"),
 ])

@@ -39,8 +39,17 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
     from services.gateway.schemas import (
         CHAT_FIELDS,
         COMPLETION_FIELDS,
+        JSON_SCHEMA_FIELDS,
         MESSAGE_FIELDS,
+        RESPONSE_FORMAT_FIELDS,
         TEXT_PART_FIELDS,
+    )
+    from services.gateway.tools import (
+        CALL_FIELDS,
+        CALL_FUNCTION_FIELDS,
+        CHOICE_FUNCTION_FIELDS,
+        FUNCTION_FIELDS,
+        TOOL_FIELDS,
     )
 
     async with aiohttp.ClientSession() as http:
@@ -62,6 +71,20 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
         assert message["additionalProperties"] is False and part["additionalProperties"] is False
         assert set(message["properties"]) == MESSAGE_FIELDS
         assert set(part["properties"]) == TEXT_PART_FIELDS
+        # the nested objects too: each closed, each listing exactly what the parser reads
+        chat = schemas["ChatCompletionRequest"]["properties"]
+        choice = chat["tool_choice"]["oneOf"][1]
+        plain, with_schema = chat["response_format"]["oneOf"][:2]
+        for obj, fields in ((schemas["Tool"], TOOL_FIELDS),
+                            (schemas["Tool"]["properties"]["function"], FUNCTION_FIELDS),
+                            (schemas["ToolCall"], CALL_FIELDS),
+                            (schemas["ToolCall"]["properties"]["function"],
+                             CALL_FUNCTION_FIELDS),
+                            (choice, TOOL_FIELDS),
+                            (choice["properties"]["function"], CHOICE_FUNCTION_FIELDS),
+                            (plain, {"type"}), (with_schema, RESPONSE_FORMAT_FIELDS),
+                            (with_schema["properties"]["json_schema"], JSON_SCHEMA_FIELDS)):
+            assert obj["additionalProperties"] is False and set(obj["properties"]) == fields
         for bad, param in (({"role": "user", "content": "hi", "audio": {"id": "a"}},
                             "messages[0].audio"),
                            ({"role": "user", "content": [{"type": "text", "text": "hi",

@@ -64,6 +64,12 @@ def test_a_history_with_calls_and_their_results_is_taken():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]})
     assistant, tool = spec.messages[1], spec.messages[2]
     assert assistant.tool_calls[0].name == "get_weather" and assistant.content == ""
+    # calls rebuilt from a stream's deltas keep their index: their place in tool_calls
+    rebuilt = parse_chat({"model": "m", "tools": [WEATHER], "messages": [
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{
+            "index": i, "id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}} for i in (0, 1)]}]})
+    assert [c.id for c in rebuilt.messages[1].tool_calls] == ["call_0", "call_1"]
     assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "sunny, 21 C")
     for bad, param in [({"role": "tool", "content": "x"}, "messages[1].tool_call_id"),
                        ({"role": "user", "content": "x", "tool_calls": []},

@@ -42,10 +42,12 @@ from services.engine.block_manager import BlockManager
 from services.engine.detokenize import TextStream
 from services.engine.driver import chunk_work
 from services.engine.grammar import (
+    JSON_KINDS,
     GrammarError,
     Grammars,
     Guide,
     OutputConstraint,
+    final_answer_constraint,
     tool_call_constraint,
 )
 from services.engine.requests import (
@@ -259,7 +261,11 @@ class Engine:
                                      f"{vocab}")
         if self._stopping:
             raise RuntimeError("engine is shutting down")
-        guide = self._guide(self._constraint(request))
+        try:
+            constraint = self._constraint(request)
+        except GrammarError as exc:  # a JSON schema that is no JSON, placed in a grammar
+            raise InvalidRequest(f"output constraint: {exc}") from None
+        guide = self._guide(constraint)
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
@@ -273,19 +279,31 @@ class Engine:
         return handle
 
     def _constraint(self, request: EngineRequest) -> OutputConstraint | None:
-        """What the output must match: the request's own constraint, or the tool-call syntax
-        when its tool_choice requires a call, or when a function is `strict` (its calls then
-        always parse and follow its parameters; text without a call stays free)."""
+        """What the output must match. A required or named tool choice: that call. A chat
+        answer held to JSON (response_format, guided_json) is the answer the template's shape
+        holds: with tools, the JSON or the calls; in harmony, the final message's content.
+        With a `strict` function the calls always parse and follow its parameters, the text
+        without a call staying free. A regex or Lark grammar holds the whole output as the
+        model writes it, calls included."""
         tools, constraint = request.tools, request.params.constraint
-        if tools is None or (tools.choice == "auto" and not tools.strict):
-            return constraint
-        if constraint is not None:
-            why = ("a required tool call" if tools.choice != "auto" else "a strict function's "
-                   "calls (tools[].function.strict)")
-            raise InvalidRequest(f"{why} and an output constraint both decide the output's "
-                                 "form; give one")
-        return tool_call_constraint(self.runner.tokenizer.tool_call_format, tools.tools_json,
-                                    tools.choice, tools.parallel)
+        fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
+        json_answer = (constraint is not None and constraint.kind in JSON_KINDS
+                       and request.messages is not None)
+        if tools is not None and tools.choice != "auto":
+            if constraint is not None:
+                raise InvalidRequest("a required tool call and an output constraint both "
+                                     "decide the output's form; give one")
+            return tool_call_constraint(fmt, tools.tools_json, tools.choice, tools.parallel)
+        if tools is not None and (tools.strict or json_answer):
+            if constraint is not None and not json_answer:
+                raise InvalidRequest("a strict function's calls (tools[].function.strict) and "
+                                     "a regex or grammar both decide the output's form; give "
+                                     "one")
+            return tool_call_constraint(fmt, tools.tools_json, "auto", tools.parallel,
+                                        constraint if json_answer else None)
+        if json_answer and fmt in CHANNELED:
+            return final_answer_constraint(constraint)  # type: ignore[arg-type]
+        return constraint
 
     def _guide(self, constraint: OutputConstraint | None) -> Guide | None:
         """The request's grammar matcher (constrained decoding); InvalidRequest naming the

@@ -93,20 +93,48 @@ def compile_grammar(kind: str, text: str) -> str:
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def tool_call_constraint(fmt: str, tools_json: str, choice: str,
-                         parallel: bool) -> OutputConstraint:
+JSON_KINDS = ("json_schema", "json_object")
+
+
+def json_answer(constraint: OutputConstraint) -> str:
+    """A JSON constraint (response_format, guided_json) as a Lark expression, laid out as
+    JSON_LAYOUT unless its schema says otherwise; GrammarError for a schema that is no JSON."""
+    try:
+        schema = json.loads(constraint.text if constraint.kind == "json_schema"
+                            else JSON_OBJECT_SCHEMA)
+    except ValueError as exc:
+        raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("the JSON schema must be an object")
+    return "%json " + json.dumps({"x-guidance": JSON_LAYOUT, **schema})
+
+
+def final_answer_constraint(constraint: OutputConstraint) -> OutputConstraint:
+    """harmony's chat answer held to a JSON constraint: its reasoning first if it wants (an
+    analysis message), then the final message, whose content is the JSON."""
+    return OutputConstraint("lark", "\n".join([
+        f'start: analysis? <|channel|> "final" <|message|> {json_answer(constraint)}',
+        HARMONY_ANALYSIS]) + "\n")
+
+
+def tool_call_constraint(fmt: str, tools_json: str, choice: str, parallel: bool,
+                         answer: OutputConstraint | None = None) -> OutputConstraint:
     """The output of a request with tools, held to the template's call syntax and each
     function's parameters schema.
 
     choice "required" or a function's name: one call block (several, newline-separated, with
     parallel calls), each naming one of the functions (the named one) with arguments its
-    parameters schema allows. choice "auto" (asked for where a function is `strict`): text
-    that never opens a call, or such text and then the calls, held as above."""
+    parameters schema allows. choice "auto" (asked for where a function is `strict`, or where
+    the answer is held to JSON): the calls, held as above, or instead the answer: `answer`
+    (a JSON constraint), else free text that never opens a call, which may also precede them.
+    """
     functions = [t["function"] for t in json.loads(tools_json)]
     if choice not in ("required", "auto"):
         functions = [f for f in functions if f["name"] == choice]
     if fmt == "harmony":
-        return _harmony_call(functions, free_text=choice == "auto")
+        final = None if choice != "auto" else "/(?s:.*)/" if answer is None \
+            else json_answer(answer)
+        return _harmony_call(functions, final)
     if fmt in KEY_VALUE_LAYOUTS:
         opening, rules = _key_value_calls(fmt, functions, parallel)
     elif fmt in SECTION_MARKERS:
@@ -115,6 +143,8 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str,
         opening, rules = _json_calls(fmt, functions, parallel)
     if choice != "auto":
         start = [f"start: {opening} after_opening"]
+    elif answer is not None:  # a JSON answer begins with "{", a call with its opening
+        start = [f"start: {json_answer(answer)} | {opening} after_opening"]
     elif opening.startswith("<|"):  # a special token: no text contains it
         start = [f"start: FREE? ({opening} after_opening)?", "FREE: /(?s:.+)/"]
     else:  # text up to the opening, taken lazily: the first time it appears, the calls begin
@@ -223,23 +253,25 @@ def _marked_calls(fmt: str, functions: list[dict], parallel: bool) -> tuple[str,
                          f"call: {calls}", *rules]
 
 
-def _harmony_call(functions: list[dict], free_text: bool = False) -> OutputConstraint:
+HARMONY_ANALYSIS = ('analysis: <|channel|> "analysis" <|message|> /[^<]*/ <|end|> <|start|> '
+                    '"assistant"')
+
+
+def _harmony_call(functions: list[dict], final: str | None = None) -> OutputConstraint:
     """harmony's call (gpt-oss): its reasoning first if it wants (an analysis message), then a
     commentary message to one of the functions whose body is JSON its parameters allow, or
-    (free_text) the final answer instead. One call: gpt-oss ends its turn at a call (<|call|>)
-    and takes the result in the next."""
+    the final message instead, its content `final` (a Lark expression) where given. One call:
+    gpt-oss ends its turn at a call (<|call|>) and takes the result in the next."""
     q = json.dumps
     calls = [f"call{i}: <|channel|> {q('commentary to=functions.' + f['name'] + ' ')} "
              f"<|constrain|> \"json\" <|message|> "
              f"%json {q({'x-guidance': JSON_LAYOUT, **(f.get('parameters') or NO_PARAMETERS)})}"
              for i, f in enumerate(functions)]
     names = " | ".join(f"call{i}" for i in range(len(functions)))
-    if free_text:
-        names += ' | <|channel|> "final" <|message|> /(?s:.*)/'
+    if final is not None:
+        names += f' | <|channel|> "final" <|message|> {final}'
     return OutputConstraint("lark", "\n".join([
-        f"start: analysis? ({names})",
-        'analysis: <|channel|> "analysis" <|message|> /[^<]*/ <|end|> <|start|> "assistant"',
-        *calls]) + "\n")
+        f"start: analysis? ({names})", HARMONY_ANALYSIS, *calls]) + "\n")
 
 
 class Grammars:

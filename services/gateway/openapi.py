@@ -77,8 +77,10 @@ _SAMPLING = {
                  "strict": {"type": ["boolean", "null"],
                             "description": "the output is held to the schema either way"}}}}},
         {"type": "null"}],
-        "description": "constrained decoding: the output parses as JSON (and validates); "
-                       "json_schema's description is refused (the model would not see it)"},
+        "description": "constrained decoding: the answer parses as JSON (and validates); on a "
+                       "chat request with tools, the JSON or the calls; gpt-oss: its final "
+                       "message; json_schema's description is refused (the model would not "
+                       "see it)"},
     "guided_json": {"type": ["object", "string", "null"],
                     "description": "vLLM extension: a JSON Schema the output follows"},
     "guided_regex": {"type": ["string", "null"], "minLength": 1,

@@ -239,8 +239,8 @@ async def test_auto_parses_a_tool_call_shaped_answer_and_takes_the_results_back(
 
 async def test_strict_functions_under_auto_answer_text_or_valid_calls(cluster8):
     """function.strict with tool_choice auto (what the OpenAI Agents SDK sends): each answer
-    is text that opens no call, or calls that validate; strict calls and a response_format
-    both deciding the output's form is a 400."""
+    is text that opens no call, or calls that validate; with response_format JSON, the JSON
+    or the calls; strict calls and a regex both deciding the output's form is a 400."""
     strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
     async with openai.AsyncOpenAI(base_url=cluster8.base_url, api_key="x",
                                   max_retries=0) as client:
@@ -252,10 +252,20 @@ async def test_strict_functions_under_auto_answer_text_or_valid_calls(cluster8):
             for call in message.tool_calls or []:
                 _valid_call(call)
             assert "<tool_call>" not in (message.content or ""), message
+        formatted = await asyncio.gather(*(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=strict, max_tokens=96, temperature=1.0, seed=seed,
+            response_format={"type": "json_object"}) for seed in range(4)))
+        for reply in formatted:
+            choice = reply.choices[0]
+            if choice.finish_reason == "tool_calls":
+                for call in choice.message.tool_calls:
+                    _valid_call(call)
+            elif choice.finish_reason == "stop":
+                assert isinstance(json.loads(choice.message.content), dict), choice
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
                 model=MODEL, messages=ASK, tools=strict, max_tokens=8,
-                response_format={"type": "json_object"})
+                extra_body={"guided_regex": "[a-z]+"})
         assert "strict" in caught.value.body["message"], caught.value.body
 
 

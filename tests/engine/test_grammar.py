@@ -437,3 +437,48 @@ def test_a_strict_function_s_calls_are_held_under_tool_choice_auto(engine, synta
                "kimi_k2": "<|tool_calls_section_begin|>"}[fmt]
     assert call.startswith(opening)
     assert _takes(eng, auto, "Let me look that up.\n" + opening + " whatever I like")[0] is False
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "kimi_k2", "harmony"])
+def test_a_json_answer_with_tools_is_the_json_or_the_calls(engine, syntax_engines,
+                                                          harmony_engine, fmt):
+    """response_format JSON with tools (choice auto): the answer is the JSON (in harmony, as
+    the final message) or the calls, held to their parameters, not text of any other form;
+    a strict function with a regex is a 400 naming both."""
+    from services.engine.requests import ToolSpec
+
+    eng = {"hermes": engine, "harmony": harmony_engine}.get(fmt) or syntax_engines(fmt)
+    tools = ToolSpec(json.dumps(GLM_TOOLS), "auto", parallel=False)
+    json_object = OutputConstraint("json_object")
+    held = eng._constraint(EngineRequest("j", GenerateParams(constraint=json_object),
+                                         messages=(("user", "hi"),), tools=tools))
+    _, call = chat(eng, (("user", "weather in Oslo?"),), max_tokens=160, temperature=1.0,
+                   seed=3, tools=ToolSpec(json.dumps(GLM_TOOLS), "get_weather", parallel=False))
+    final = "<|channel|>final<|message|>" if fmt == "harmony" else ""
+    assert _takes(eng, held, final + '{"city": "Oslo"}') == (True, True)
+    assert _takes(eng, held, final + "Sunny.")[0] is False
+    assert _takes(eng, held, call)[0] is True, call
+    strict = ToolSpec(json.dumps(STRICT_TOOLS), "auto", parallel=False)
+    with pytest.raises(InvalidRequest, match="strict.*regex or grammar"):
+        eng._constraint(EngineRequest("r", GenerateParams(constraint=OutputConstraint(
+            "regex", "[a-z]+")), messages=(("user", "hi"),), tools=strict))
+
+
+def test_a_harmony_json_answer_is_the_final_message(harmony_engine):
+    """gpt-oss with response_format JSON and no tools: it may reason first (analysis), and its
+    final message's content is the JSON; a raw completion is held to the JSON as written."""
+    from services.gateway.harmony import HarmonyParser
+
+    (end,) = harmony_engine.runner.tokenizer.encode("<|end|>")  # a random model's reasoning
+    for seed in (1, 2, 3):                                       # would not end by itself
+        events, text = chat(harmony_engine, (("user", "hi"),), OutputConstraint("json_object"),
+                            max_tokens=200, temperature=1.0, seed=seed,
+                            logit_bias=((end, 8.0),))
+        assert text.startswith("<|channel|>") and "<|channel|>final<|message|>{" in text, text
+        parser = HarmonyParser()
+        content = parser.feed(text)[0] + parser.finish()
+        if events[-1].reason == "stop":
+            assert isinstance(json.loads(content), dict), content
+    raw_text, _, _ = result(*submit(harmony_engine, "hi", OutputConstraint("json_object"),
+                                    max_tokens=60))
+    assert raw_text.startswith("{"), raw_text

@@ -287,22 +287,21 @@ class Engine:
         model writes it, calls included."""
         tools, constraint = request.tools, request.params.constraint
         fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
-        json_answer = (constraint is not None and constraint.kind in JSON_KINDS
-                       and request.messages is not None)
+        answer = constraint if (constraint is not None and constraint.kind in JSON_KINDS
+                                and request.messages is not None) else None
         if tools is not None and tools.choice != "auto":
             if constraint is not None:
                 raise InvalidRequest("a required tool call and an output constraint both "
                                      "decide the output's form; give one")
             return tool_call_constraint(fmt, tools.tools_json, tools.choice, tools.parallel)
-        if tools is not None and (tools.strict or json_answer):
-            if constraint is not None and not json_answer:
+        if tools is not None and (tools.strict or answer is not None):
+            if constraint is not None and answer is None:
                 raise InvalidRequest("a strict function's calls (tools[].function.strict) and "
                                      "a regex or grammar both decide the output's form; give "
                                      "one")
-            return tool_call_constraint(fmt, tools.tools_json, "auto", tools.parallel,
-                                        constraint if json_answer else None)
-        if json_answer and fmt in CHANNELED:
-            return final_answer_constraint(constraint)  # type: ignore[arg-type]
+            return tool_call_constraint(fmt, tools.tools_json, "auto", tools.parallel, answer)
+        if answer is not None and fmt in CHANNELED:
+            return final_answer_constraint(answer)
         return constraint
 
     def _guide(self, constraint: OutputConstraint | None) -> Guide | None:

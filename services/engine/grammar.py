@@ -18,6 +18,7 @@ trie from the checkpoint's tokenizer.json in a few milliseconds, and computes a 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -106,6 +107,11 @@ def json_answer(constraint: OutputConstraint) -> str:
         raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise GrammarError("the JSON schema must be an object")
+    return _json_rule(schema)
+
+
+def _json_rule(schema: dict) -> str:
+    """Lark's inline JSON Schema, laid out as JSON_LAYOUT unless the schema says otherwise."""
     return "%json " + json.dumps({"x-guidance": JSON_LAYOUT, **schema})
 
 
@@ -131,10 +137,10 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str, parallel: bool,
     functions = [t["function"] for t in json.loads(tools_json)]
     if choice not in ("required", "auto"):
         functions = [f for f in functions if f["name"] == choice]
-    if fmt == "harmony":
-        final = None if choice != "auto" else "/(?s:.*)/" if answer is None \
-            else json_answer(answer)
-        return _harmony_call(functions, final)
+    if fmt == "harmony":  # auto: the final message instead, free or the JSON answer
+        if choice != "auto":
+            return _harmony_call(functions)
+        return _harmony_call(functions, "/(?s:.*)/" if answer is None else json_answer(answer))
     if fmt in KEY_VALUE_LAYOUTS:
         opening, rules = _key_value_calls(fmt, functions, parallel)
     elif fmt in SECTION_MARKERS:
@@ -148,17 +154,13 @@ def tool_call_constraint(fmt: str, tools_json: str, choice: str, parallel: bool,
     elif opening.startswith("<|"):  # a special token: no text contains it
         start = [f"start: FREE? ({opening} after_opening)?", "FREE: /(?s:.+)/"]
     else:  # text up to the opening, taken lazily: the first time it appears, the calls begin
-        marker = _regex_literal(json.loads(opening))
+        import llguidance
+
+        marker = llguidance.regex_to_lark(re.escape(json.loads(opening)))
         start = ["start: FREE | before_calls after_opening",
                  f"before_calls[lazy]: /(?s:.*){marker}/",
                  f"FREE: /(?s:.*)/ & ~/(?s:.*{marker}.*)/"]
     return OutputConstraint("lark", "\n".join([*start, *rules]) + "\n")
-
-
-def _regex_literal(text: str) -> str:
-    """`text` as a literal inside a Lark /regex/ (Rust regex syntax; `/` ends the regex)."""
-    return "".join(f"\\{c}" if c in "\\.+*?()|[]{}^$#&-~/" else "\\n" if c == "\n" else c
-                   for c in text)
 
 
 def _json_calls(fmt: str, functions: list[dict], parallel: bool) -> tuple[str, list[str]]:
@@ -170,11 +172,11 @@ def _json_calls(fmt: str, functions: list[dict], parallel: bool) -> tuple[str, l
         "name": {"const": f["name"]},
         "arguments": f.get("parameters") or NO_PARAMETERS},
         "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    body = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    body = _json_rule(calls[0] if len(calls) == 1 else {"anyOf": calls})
     more = f" ({q(chr(10))} call)*" if parallel else ""
     return q(opening), [f"after_opening: {q(chr(10))} body {q(chr(10) + closing)}{more}",
                         f"call: {q(opening + chr(10))} body {q(chr(10) + closing)}",
-                        f"body: %json {q(body)}"]
+                        f"body: {body}"]
 
 
 # glm45 / qwen3_xml / minimax_m2: a call's text around its name, and around each argument's
@@ -218,7 +220,7 @@ def _key_value_calls(fmt: str, functions: list[dict],
                 value = ("TEXT" if not low and high is None
                          else f"/[^<]{{{low},{'' if high is None else int(high)}}}/")
             else:
-                value = "%json " + q({"x-guidance": JSON_LAYOUT, **prop})
+                value = _json_rule(prop)
             rules.append(f"f{i}_{j}: {q(key_text.format(key=key))} ({value}) {q(value_end)}")
             parts.append(f"f{i}_{j}" if key in required else f"f{i}_{j}?")
         tail = f" {q(after)}" if after else ""
@@ -238,8 +240,7 @@ def _marked_calls(fmt: str, functions: list[dict], parallel: bool) -> tuple[str,
     (begin, end), (opening, closing) = SECTION_MARKERS[fmt], TOOL_CALL_MARKERS[fmt]
     rules = []
     for i, f in enumerate(functions):
-        arguments = "%json " + q({"x-guidance": JSON_LAYOUT,
-                                  **(f.get("parameters") or NO_PARAMETERS)})
+        arguments = _json_rule(f.get("parameters") or NO_PARAMETERS)
         if fmt == "deepseek_v3":
             body = (f"{q('function')} {mark(DS_SEP)} {q(f['name'] + chr(10) + '```json' + chr(10))}"
                     f" {arguments} {q(chr(10) + '```')}")
@@ -265,7 +266,7 @@ def _harmony_call(functions: list[dict], final: str | None = None) -> OutputCons
     q = json.dumps
     calls = [f"call{i}: <|channel|> {q('commentary to=functions.' + f['name'] + ' ')} "
              f"<|constrain|> \"json\" <|message|> "
-             f"%json {q({'x-guidance': JSON_LAYOUT, **(f.get('parameters') or NO_PARAMETERS)})}"
+             f"{_json_rule(f.get('parameters') or NO_PARAMETERS)}"
              for i, f in enumerate(functions)]
     names = " | ".join(f"call{i}" for i in range(len(functions)))
     if final is not None:

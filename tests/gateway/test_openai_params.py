@@ -158,6 +158,9 @@ async def test_deadline_exceeded_is_504(make_gateway, engine):
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "f", "strict": True}}},
      "tool_choice.function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}, "allowed": ["f"]}},
+     "tool_choice.allowed"),
     ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object"}, "description": "an answer"}}},

@@ -385,11 +385,16 @@ static inline __attribute__((always_inline)) void dot_pass(const float *const *x
             for (int t = 0; t < NT; t++) /* vw is 4-aligned: an unaligned load of x */
                 acc[t][a] += *(const vw *)(xs[t] + k + a * VL) * w;
         }
-    for (int a = 0; k + VL <= in; k += VL, a++) {
+    /* the last 0-3 whole vectors into acc[0], acc[1], acc[2]: constant indices, so the
+     * accumulators stay in registers (a loop's running index kept them on the stack) */
+    for (int a = 0; a < 3; a++) {
+        if (k + VL > in)
+            break;
         vw w;
         load_w(&w, row, k, wt);
         for (int t = 0; t < NT; t++)
             acc[t][a] += *(const vw *)(xs[t] + k) * w;
+        k += VL;
     }
     float sums[DOT_TILE];
 #if defined(__AVX512F__)

@@ -68,6 +68,7 @@
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
 #define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
+#define PANEL_BYTES (128 << 10) /* W bytes a prefill's tiles of rows share in L2 (product_rows) */
 #define ROWS_UNIT_BYTES (256 << 10) /* the most weight bytes of one rows_units unit */
 #define THREADED_WEIGHTS (1 << 18) /* weights a call reads from which its work is shared among
                                     * the threads: below, waking them (and waiting for one
@@ -451,20 +452,29 @@ DOT_ROWS(dot_rows_bf16, WT_BF16)
 
 /* y[r][o - o0] (row stride ldy) = x_r . W[o] for outputs o in [o0, o0 + out) of W [N][in]
  * (type wt) and R rows x_r = x + r ldx, or x + (xrow[r] / xdiv) ldx (gathered by index), in
- * tiles of TOK_TILE rows. */
+ * tiles of TOK_TILE rows. More rows than a tile (prefill) take the outputs in panels of about
+ * PANEL_BYTES of W, every tile over one panel before the next: the panel is read from memory
+ * once and from L2 by the other tiles, where a pass of each tile over all of W read it from
+ * memory once a tile. */
 static void product_rows(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv,
                          int64_t R, const void *W, int wt, int64_t in, int64_t o0, int64_t out,
                          float *y, int64_t ldy)
 {
-    for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
-        const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
-        const float *xs[TOK_TILE];
-        float *ys[TOK_TILE];
-        for (int t = 0; t < nt; t++) {
-            xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
-            ys[t] = y + (r0 + t) * ldy - o0;
+    const int64_t row_bytes = in * (wt == WT_BF16 ? 2 : 4);
+    const int64_t panel = R <= TOK_TILE || row_bytes >= PANEL_BYTES ? (out > 0 ? out : 1)
+                                                                     : PANEL_BYTES / row_bytes;
+    for (int64_t p0 = o0; p0 < o0 + out; p0 += panel) {
+        const int64_t n = o0 + out - p0 < panel ? o0 + out - p0 : panel;
+        for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
+            const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
+            const float *xs[TOK_TILE];
+            float *ys[TOK_TILE];
+            for (int t = 0; t < nt; t++) {
+                xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
+                ys[t] = y + (r0 + t) * ldy - o0;
+            }
+            (wt == WT_BF16 ? dot_rows_bf16 : dot_rows_f32)(xs, nt, W, in, p0, n, ys);
         }
-        (wt == WT_BF16 ? dot_rows_bf16 : dot_rows_f32)(xs, nt, W, in, o0, out, ys);
     }
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -111,6 +112,11 @@ async def serve(config: EngineConfig) -> None:
     # of it so replays at other sizes start from the same ranking.
     runner.fill_cache(plan.pairs, source=plan.source)
     status.plan_version, status.plan_source = plan.version, plan.source
+    # What loading made lives as long as the process: out of the collector's sight, a full
+    # collection (every ~10 s of serving) walks only what serving made, not a ~70 ms stall of
+    # every stream while the loop thread walks the tokenizer, the model and the libraries.
+    gc.collect()
+    gc.freeze()
     engine.start()
     await set_serving(health, True)
     log.info("engine %s ready: model %s on %s, gRPC on %s:%d", engine_id, runner.model_name,

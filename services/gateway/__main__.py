@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -40,6 +41,8 @@ async def serve(config: GatewayConfig) -> None:
     # 128 a larger burst loses SYNs, and those clients retry a second later.
     site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
     await site.start()
+    gc.collect()  # startup's objects out of the collector's sight (see the engine's)
+    gc.freeze()
     log.info("gateway listening on http://%s:%d, engines %s%s", config.host, config.port,
              ",".join(config.engine_addrs) or "(none static)",
              f", registry {config.redis_url}" if config.redis_url else "")

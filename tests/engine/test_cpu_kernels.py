@@ -57,11 +57,11 @@ def expert_reference(x, top_idx, top_w, blobs, layout):
     return y
 
 
-def random_moe(seed, T, D, Fs, E, K):
-    """E random expert blobs of D x Fs, their addresses, and T rows routed to K of them:
-    (layout, blobs, addr, x, top_idx, top_w)."""
+def random_moe(seed, T, D, Fs, E, K, inputs_major=False):
+    """E random expert blobs of D x Fs (in the [in, out] layout with inputs_major), their
+    addresses, and T rows routed to K of them: (layout, blobs, addr, x, top_idx, top_w)."""
     g = torch.Generator().manual_seed(seed)
-    layout = ExpertLayout(D, Fs)
+    layout = ExpertLayout(D, Fs, inputs_major)
     blobs = torch.randn(E, layout.numel, generator=g) * 0.1
     addr = np.array([b.data_ptr() for b in blobs], dtype=np.int64)
     x = torch.randn(T, D, generator=g)
@@ -69,33 +69,51 @@ def random_moe(seed, T, D, Fs, E, K):
     return layout, blobs, addr, x, top_idx, torch.rand(T, K, generator=g)
 
 
-@pytest.mark.parametrize("T", [1, 4, 7])
-def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T):
+@pytest.mark.parametrize("weights", ["fp32", "fp32_io"])
+@pytest.mark.parametrize("T", [1, 4, 7, 40])
+def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T, weights):
     Fs = 64
-    layout, blobs, addr, x, top_idx, top_w = random_moe(T, T, 128, Fs, 16, 4)
-    y = cpu.moe(x, top_idx, top_w, addr, Fs, 2)
+    layout, blobs, addr, x, top_idx, top_w = random_moe(T, T, 128, Fs, 16, 4,
+                                                        weights.endswith("_io"))
+    y = cpu.moe(x, top_idx, top_w, addr, Fs, 2, weights=weights)
     torch.testing.assert_close(y, expert_reference(x, top_idx, top_w, blobs, layout),
                                rtol=1e-5, atol=1e-5)
-    assert torch.equal(y, rows_alone(lambda *a: cpu.moe(*a, addr, Fs, 2), x, top_idx, top_w))
+    assert torch.equal(y, rows_alone(lambda *a: cpu.moe(*a, addr, Fs, 2, weights=weights),
+                                     x, top_idx, top_w))
     # The same bytes at another address (a slot instead of the host store): the same result.
     copies = blobs.clone()
     moved = np.array([b.data_ptr() for b in copies], dtype=np.int64)
-    assert torch.equal(cpu.moe(x, top_idx, top_w, moved, Fs, 2), y)
+    assert torch.equal(cpu.moe(x, top_idx, top_w, moved, Fs, 2, weights=weights), y)
 
 
+@pytest.mark.parametrize("T", [1, 9])
+def test_moe_on_bf16_blobs_equals_fp32_on_them_widened_in_either_layout(cpu, T):
+    for inputs_major, suffix in ((False, ""), (True, "_io")):
+        _, blobs, _, x, top_idx, top_w = random_moe(20 + T, T, 128, 64, 16, 4, inputs_major)
+        half = blobs.bfloat16()
+        wide = half.float()
+        y16 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in half]), 64, 2,
+                      weights="bf16" + suffix)
+        y32 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in wide]), 64, 2,
+                      weights="fp32" + suffix)
+        assert torch.equal(y16, y32), inputs_major
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp32_io"])
 @pytest.mark.parametrize("T", [1, 8])
-def test_moe_gives_the_same_bits_with_any_number_of_threads(cpu, T):
+def test_moe_gives_the_same_bits_with_any_number_of_threads(cpu, T, weights):
     """Whole experts a unit (four or more a thread) or a matrix / a share of down's rows a
     unit: the same sums in the same order. At one row 8 experts are whole units on 1 and 2
     threads and finer ones on 3; at eight rows ~42 experts are whole units on each."""
     Fs = 128
-    _, _, addr, x, top_idx, top_w = random_moe(10 + T, T, 256, Fs, 64, 8)
+    _, _, addr, x, top_idx, top_w = random_moe(10 + T, T, 256, Fs, 64, 8,
+                                               weights.endswith("_io"))
     before = torch.get_num_threads()
     try:
         ys = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            ys.append(cpu.moe(x, top_idx, top_w, addr, Fs, 2))
+            ys.append(cpu.moe(x, top_idx, top_w, addr, Fs, 2, weights=weights))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])

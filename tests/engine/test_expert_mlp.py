@@ -48,6 +48,8 @@ def formats() -> dict[str, object]:
     return {
         "fp32": DenseFormat(D, Fs, torch.float32, GPT_OSS),
         "bf16": DenseFormat(D, Fs, torch.bfloat16, GPT_OSS),
+        "fp32_io": DenseFormat(D, Fs, torch.float32, GPT_OSS, inputs_major=True),
+        "bf16_io": DenseFormat(D, Fs, torch.bfloat16, GPT_OSS, inputs_major=True),
         "fp8": Fp8Format(D, Fs, (128, 128), GPT_OSS),
         "mxfp4": BlockFormat(D, Fs, {0: ("MXFP4",) * 3}, mlp=GPT_OSS),
         "q4_k+q8_0": BlockFormat(D, Fs, {0: ("Q4_K", "Q8_0", "Q8_0")}, mlp=GPT_OSS),
@@ -57,7 +59,10 @@ def formats() -> dict[str, object]:
 def test_biases_follow_the_weights_16_aligned_and_leave_them_in_place():
     for name, fmt in formats().items():
         plain = {"fp32": DenseFormat(D, Fs, torch.float32), "bf16": DenseFormat(
-            D, Fs, torch.bfloat16), "fp8": Fp8Format(D, Fs, (128, 128)),
+            D, Fs, torch.bfloat16), "fp32_io": DenseFormat(D, Fs, torch.float32,
+                                                            inputs_major=True),
+            "bf16_io": DenseFormat(D, Fs, torch.bfloat16, inputs_major=True),
+            "fp8": Fp8Format(D, Fs, (128, 128)),
             "mxfp4": BlockFormat(D, Fs, {0: ("MXFP4",) * 3}),
             "q4_k+q8_0": BlockFormat(D, Fs, {0: ("Q4_K", "Q8_0", "Q8_0")})}[name]
         assert fmt.bias_at >= plain.blob_bytes and fmt.bias_at % 16 == 0, name
@@ -105,3 +110,26 @@ def test_the_c_kernel_computes_the_clamped_swiglu_with_biases_as_the_reference(c
     y_nobias = cpu.moe(x, top_idx, top_w, addr, Fs, num_splits(D), weights=fmt.kernel_weights,
                        block_types=fmt.kernel_types, fp8_block=fmt.kernel_block, mlp=clamped)
     assert (y_nobias - y).abs().max() > 100 * (1e-4 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_inputs_major_blob_holds_the_transposed_matrices_and_computes_the_same(dtype):
+    """The [in, out] layout packs each matrix transposed, unpacks to the same weights and gives
+    the [out, in] layout's torch result."""
+    rows, cols = DenseFormat(D, Fs, dtype), DenseFormat(D, Fs, dtype, inputs_major=True)
+    g = torch.Generator().manual_seed(5)
+    gate, up, down = (torch.randn(Fs, D, generator=g), torch.randn(Fs, D, generator=g),
+                      torch.randn(D, Fs, generator=g))
+    a, b = torch.zeros(rows.numel, dtype=dtype), torch.zeros(cols.numel, dtype=dtype)
+    rows.pack(gate, up, down, a)
+    cols.pack(gate, up, down, b)
+    assert torch.equal(b[:D * Fs].view(D, Fs), gate.T.to(dtype))
+    assert torch.equal(b[2 * D * Fs:3 * D * Fs].view(Fs, D), down.T.to(dtype))
+    for wa, wb in zip(rows.weights(a, torch.float32), cols.weights(b, torch.float32),
+                      strict=True):
+        assert torch.equal(wa, wb)
+    x = torch.randn(3, D, generator=g)
+    want = rows.forward(x, a)  # torch's products in another order: equal to rounding
+    torch.testing.assert_close(cols.forward(x, b), want, rtol=1e-4,
+                               atol=1e-4 * float(want.abs().max()))
+    assert cols.kernel_weights == rows.kernel_weights + "_io"

@@ -24,7 +24,8 @@ what it may do with them:
       exact_on(device, kernel)    whether a hit, a miss read in place and a staged copy give
                                   the same bits there
 
-    DenseFormat     fp32 or bf16 weights in cache/layout.py's [out, in] layout
+    DenseFormat     fp32 or bf16 weights in cache/layout.py's [out, in] layout (small experts
+                    on the CPU: [in, out], inputs_major)
     QuantFormat     int8 / int4 weight-only quantization (model/quant.py), bytes
     Fp8Format       float8 e4m3 codes and block scales as an FP8 checkpoint stores them
     BlockFormat     GGUF block types (Q8_0, Q4_K, ...) as the file stores them: the pair's
@@ -203,17 +204,20 @@ class _Common:
 
 
 class DenseFormat(_Common):
-    """Unquantized weights (fp32 or bf16) in cache/layout.py's [out, in] layout."""
+    """Unquantized weights (fp32 or bf16) in cache/layout.py's [out, in] layout, or with
+    `inputs_major` its [in, out] one (small experts on the CPU: see inputs_major)."""
 
     def __init__(self, hidden_size: int, ffn_size: int, dtype: torch.dtype,
-                 mlp: ExpertMlp = SWIGLU):
+                 mlp: ExpertMlp = SWIGLU, inputs_major: bool = False):
         assert dtype in (torch.float32, torch.bfloat16), dtype
-        self.layout = ExpertLayout(hidden_size, ffn_size)
+        self.layout = ExpertLayout(hidden_size, ffn_size, inputs_major)
         self.hidden_size, self.ffn_size, self.dtype = hidden_size, ffn_size, dtype
         self.name = dtype_name(dtype)
         self.numel = self.layout.numel
         self.read_dtype = dtype
-        self.kernel_weights = self.name  # "fp32" | "bf16"
+        self.inputs_major = inputs_major
+        # "fp32" | "bf16", or "fp32_io" | "bf16_io" (the C kernel only: gpu_moe reads [out, in])
+        self.kernel_weights = self.name + ("_io" if inputs_major else "")
         self._with_mlp(mlp)
 
     def _mlp_forward(self, x: torch.Tensor, blob: torch.Tensor) -> torch.Tensor:
@@ -221,7 +225,24 @@ class DenseFormat(_Common):
         return super()._mlp_forward(x.to(blob.dtype), blob).to(x.dtype)
 
     def describe(self) -> str:
-        return f"{self.name} (unquantized)"
+        return f"{self.name} (unquantized{', stored [in, out]' if self.inputs_major else ''})"
+
+
+# The largest expert matrix (D x F weights, in bytes) kept inputs-major on the CPU. Below it a
+# matrix sits in L2 while a step's rows pass over it and the [out, in] kernel's time is its
+# lane sums as much as its FMAs; the [in, out] kernel has none: strata_moe at D 128 / F 64
+# (the default model) 1.6-1.7x at 8 and 36 rows, at 512 / 256 (the bench preset) 1.2-1.5x,
+# one row even or better (scripts/kernel_ab.py, docs/benchmarks.md, 2026-12-06). Larger
+# experts keep the checkpoint's orientation, one sequential stream a row.
+INPUTS_MAJOR_MAX_BYTES = 512 << 10
+
+
+def inputs_major(hidden_size: int, ffn_size: int, dtype: torch.dtype, device: torch.device,
+                 cpu_kernels: bool) -> bool:
+    """Whether unquantized experts of this shape are kept inputs-major: on the CPU, computed
+    by the C kernels, with matrices of at most INPUTS_MAJOR_MAX_BYTES."""
+    return (device.type == "cpu" and cpu_kernels
+            and hidden_size * ffn_size * dtype.itemsize <= INPUTS_MAJOR_MAX_BYTES)
 
 
 
@@ -404,18 +425,19 @@ class Fp8Format(_AsStored):
 def expert_format(hidden_size: int, ffn_size: int, dtype: torch.dtype,
                   expert_dtype: str = "auto", stored: dict[int, StackTypes] | None = None,
                   fp8_block: tuple[int, int] = (128, 128),
-                  mlp: ExpertMlp = SWIGLU) -> ExpertFormat:
+                  mlp: ExpertMlp = SWIGLU, inputs_major: bool = False) -> ExpertFormat:
     """The format of `--expert-dtype` for weights served in `dtype`: auto keeps the experts
     as they are stored — GGUF block types (`stored`: each MoE layer's stack types, from
-    CheckpointReader.expert_storage) as their bytes, else fp32 or bf16 — and int8 / int4
-    quantize them. `mlp`: what the model's experts compute (activation, biases)."""
+    CheckpointReader.expert_storage) as their bytes, else fp32 or bf16 (`inputs_major`: in
+    the [in, out] layout) — and int8 / int4 quantize them. `mlp`: what the model's experts
+    compute (activation, biases)."""
     if expert_dtype == "auto" and stored and all(
             t == (FP8_STORED,) * 3 for t in stored.values()):
         return Fp8Format(hidden_size, ffn_size, fp8_block, mlp)
     if expert_dtype == "auto" and stored:
         return BlockFormat(hidden_size, ffn_size, stored, mlp=mlp)
     if expert_dtype == "auto":
-        return DenseFormat(hidden_size, ffn_size, dtype, mlp)
+        return DenseFormat(hidden_size, ffn_size, dtype, mlp, inputs_major)
     if expert_dtype not in QUANT_SPECS:
         raise ValueError(f"unknown expert dtype {expert_dtype!r} (choose from {EXPERT_DTYPES})")
     return QuantFormat(hidden_size, ffn_size, expert_dtype, mlp)

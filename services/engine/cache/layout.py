@@ -10,7 +10,13 @@ A blob keeps the checkpoint's orientation, [out, in], as every weight of the eng
 the orientation the GGUF block types and FP8 blobs (cache/formats.py) are stored in as well.
 Each output is the dot product of the input with one contiguous weight row, so the CPU
 kernels (strata_moe) stream each matrix as one sequential read, at the memory's full rate
-(docs/benchmarks.md, "Weights as the checkpoint stores them"). Hit and miss paths both run
+(docs/benchmarks.md, "Weights as the checkpoint stores them"). Small experts on the CPU are
+kept *inputs-major*, each matrix transposed ([in, out]):
+
+    blob = [ gate^T (D x F) | up^T (D x F) | down^T (F x D) ]
+
+where the C kernel multiplies each input into a register tile of outputs with no lane sums
+(cache/formats.py's inputs_major says when). Hit and miss paths both run
 `expert_swiglu` on views of a blob (the torch reference, kernels/backend.py's TorchBackend),
 so their results are bit-identical on the same device; the C and Triton MoE kernels read the
 same bytes by address.
@@ -35,6 +41,7 @@ def num_splits(num_rows: int) -> int:
 class ExpertLayout:
     hidden_size: int  # D
     ffn_size: int  # F
+    inputs_major: bool = False  # each matrix stored [in, out] (the default: [out, in])
 
     @property
     def numel(self) -> int:
@@ -62,9 +69,13 @@ class ExpertLayout:
 
     def parts(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2, F, D], down [D, F]) views into a flat blob (whose tail may hold more:
-        biases, cache/formats.py): what forward runs."""
+        biases, cache/formats.py): what forward runs. Inputs-major, they are strided views of
+        the transposed matrices (writing them writes the blob)."""
         D, Fs = self.hidden_size, self.ffn_size
         split = 2 * D * Fs
+        if self.inputs_major:
+            return (blob[:split].view(2, D, Fs).transpose(1, 2),
+                    blob[split:self.numel].view(Fs, D).t())
         return blob[:split].view(2, Fs, D), blob[split:self.numel].view(D, Fs)
 
     def views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

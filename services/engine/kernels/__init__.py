@@ -55,7 +55,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 13  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 14  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -175,9 +175,11 @@ class CpuKernels:
     on the weight widened (`w.float()`), reading half the bytes. Outputs are new tensors."""
 
     WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_kernels.c's WT_F32, WT_BF16
-    # The dense expert blobs strata_moe reads (ExpertFormat.kernel_weights): WT_F32, WT_BF16;
-    # "blocks": GGUF block types as stored, their codes from the format (BlockFormat.kernel_types)
-    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "blocks": None, "fp8": 12}  # fp8: WT_FP8
+    # The dense expert blobs strata_moe reads (ExpertFormat.kernel_weights): WT_F32, WT_BF16,
+    # and the same stored [in][out] (WT_F32_IO, WT_BF16_IO); "blocks": GGUF block types as
+    # stored, their codes from the format (BlockFormat.kernel_types)
+    MOE_WEIGHTS = {"fp32": 0, "bf16": 1, "fp32_io": 13, "bf16_io": 14, "blocks": None,
+                   "fp8": 12}  # fp8: WT_FP8
 
     @classmethod
     def weight_type(cls, dtype: torch.dtype) -> int:
@@ -314,7 +316,8 @@ class CpuKernels:
             bias_at: int = -1) -> torch.Tensor:
         """Routed experts of one layer: x [T, D], top_idx [T, K] (int64), top_w [T, K] (fp32),
         blob_addr [E] (int64 address of each routed expert's blob: `weights` fp32 or bf16 in
-        cache/layout.py's [out, in] layout, "blocks": GGUF rows of blocks, gate's, up's and
+        cache/layout.py's [out, in] layout, fp32_io or bf16_io in its [in, out] one (an
+        ExpertLayout with inputs_major), "blocks": GGUF rows of blocks, gate's, up's and
         down's types `block_types`, or "fp8": float8 e4m3 codes then their scales per
         `fp8_block` block, cache/formats.py's Fp8Format; with mlp.bias, fp32 biases at byte
         `bias_at` of each) -> [T, D] weighted sums (fp32). `mlp`: the activation."""

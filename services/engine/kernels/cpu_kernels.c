@@ -18,7 +18,8 @@
  *
  * Numerics: every output element of an fp32 / bf16 product is one fp32 dot product,
  * accumulated over the input index in order with a fused multiply-add, starting from zero
- * (the [out][in] products, product_rows: in 4 x VL lanes, then a fixed tree over them);
+ * (the [out][in] products, product_rows: in 4 x VL lanes, then a fixed tree over them; the
+ * [in][out] ones, product: one accumulator);
  * a block-type product (product_blocks, below) is integer dots per block on 8-bit-rounded
  * activations, one float FMA per block, in order. Either way a row's result never depends
  * on which other rows share the call, on the tile it falls in, on the thread that computes
@@ -44,7 +45,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 13
+#define ABI_VERSION 14
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -58,6 +59,9 @@
 #define WT_MXFP4 10       /* OCP microscaling FP4 (E2M1 values, an E8M0 scale per 32) */
 #define WT_IQ4_XS 11      /* IQ4_NL's table in super-blocks of 256, 6-bit sub-block scales */
 #define WT_FP8 12         /* float8 e4m3 with an fp32 scale per bo x bi block (strata_moe) */
+#define WT_F32_IO 13      /* fp32 / bf16 expert blobs whose matrices are stored [in][out]
+                             (strata_moe: small experts, see its comment) */
+#define WT_BF16_IO 14
 #define TOK_TILE 4        /* rows sharing one pass over a weight block */
 #define BLOCK_TILE 8      /* rows sharing one unpacking of a block-type block (tile_blocks):
                              at 512 rows 1.37x (Q4_K) / 1.13x (Q6_K) over 4, Q8_0 even */
@@ -277,8 +281,9 @@ TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
  * hardware prefetcher follows poorly) are also prefetched in software, a chunk ahead. Else
  * (prefill) one chunk: the accumulators stay in registers. Either way each output is the same
  * FMA sequence (see tile_product_of). */
-static void product(const float *x, int64_t ldx, int64_t R, const void *W, int wt, int64_t K,
-                    int64_t ld, int64_t n, float *y, int64_t ldy)
+static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv, int64_t R,
+                    const void *W, int wt, int64_t K, int64_t ld, int64_t n, float *y,
+                    int64_t ldy)
 {
     const int64_t kc = R * n <= ACC_FLOATS ? K_CHUNK : K;
     const int pf = kc < K && n * (wt == WT_BF16 ? 2 : 4) <= SHORT_ROW;
@@ -290,7 +295,7 @@ static void product(const float *x, int64_t ldx, int64_t R, const void *W, int w
             const float *xs[TOK_TILE];
             float *ys[TOK_TILE];
             for (int t = 0; t < nt; t++) {
-                xs[t] = x + (r0 + t) * ldx;
+                xs[t] = x + (xrow ? xrow[r0 + t] / xdiv : r0 + t) * ldx;
                 ys[t] = y + (r0 + t) * ldy;
             }
             if (wt == WT_BF16)
@@ -1216,7 +1221,7 @@ static void linear_units(const float *x, int64_t T, int64_t K, int64_t ldx, cons
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; u++) {
         const int64_t c = u * width, w = N - c < width ? N - c : width;
-        product(x, ldx, T, welem(W, c, wt), wt, K, N, w, y + c, ldy);
+        product(x, ldx, NULL, 1, T, welem(W, c, wt), wt, K, N, w, y + c, ldy);
     }
 }
 
@@ -1782,10 +1787,16 @@ static inline const float *expert_bias(const int64_t *blob_addr, int64_t e, int6
  * bias_at >= 0: each blob holds fp32 biases at that byte offset, [gate F | up F | down D],
  * added to the gate, up and down products (gpt-oss's experts); bias_at < 0: none.
  * blob_addr[e] is the address of expert e's blob (a slot or a host-store row). Every type
- * stores the matrices as the checkpoint does, [out][in], and each of the S down units is D/S
- * of down's rows. For wtypes WT_F32 / WT_BF16 (all three alike) the elements are of that
- * type (offsets count elements; products by product_rows):
+ * but WT_F32_IO / WT_BF16_IO stores the matrices as the checkpoint does, [out][in], and each
+ * of the S down units is D/S of down's rows. For wtypes WT_F32 / WT_BF16 (all three alike)
+ * the elements are of that type (offsets count elements; products by product_rows):
  *   [gate F x D | up F x D | down D x F]                                   (cache/layout.py)
+ * WT_F32_IO / WT_BF16_IO: the same elements, each matrix stored [in][out] (products by
+ * product: per input, its weights to a pass's outputs broadcast-multiplied into registers,
+ * no lane sums), the down units a share of down's columns:
+ *   [gate^T D x F | up^T D x F | down^T F x D]
+ * what small experts are kept in on the CPU (cache/formats.py's inputs_major): a dot
+ * product's lane sums then cost about as much as its FMAs.
  * For block types (wtypes[0..2]: gate's, up's, down's), the GGUF's rows of blocks as stored
  * (cache/formats.py's BlockFormat):
  *   [gate F rows of D | up F rows of D | down D rows of F]
@@ -1798,7 +1809,7 @@ struct moe_call {
     const float *x;
     int64_t D, F, S, K, Dc;
     const int64_t *top_idx, *blob_addr;
-    int wt, fp8, blocks, gt, ut, dt;
+    int wt, io, fp8, blocks, gt, ut, dt;
     int64_t bo, bi, gate_scales, gate_bytes, up_bytes, down_row_bytes;
     int64_t act, bias_at;
     float alpha, limit;
@@ -1824,7 +1835,10 @@ static void moe_gate_up(const struct moe_call *m, int64_t e, int which)
                        bt, F, dst, F);
     } else {
         const void *W = welem((const void *)(intptr_t)m->blob_addr[e], which * D * F, m->wt);
-        product_rows(m->x, D, m->order + r0, m->K, n, W, m->wt, D, 0, F, dst, F);
+        if (m->io)
+            product(m->x, D, m->order + r0, m->K, n, W, m->wt, D, F, F, dst, F);
+        else
+            product_rows(m->x, D, m->order + r0, m->K, n, W, m->wt, D, 0, F, dst, F);
     }
 }
 
@@ -1869,7 +1883,11 @@ static void moe_down(const struct moe_call *m, int64_t e, int64_t s)
         product_blocks(&he, NULL, 1, n, W, m->dt, Dc, dst, D);
     } else {
         const void *W = welem((const void *)(intptr_t)m->blob_addr[e], 2 * D * F, m->wt);
-        product_rows(m->h + r0 * F, F, NULL, 1, n, W, m->wt, F, s * Dc, Dc, dst, D);
+        if (m->io) /* down [F][D]: its columns s Dc .. */
+            product(m->h + r0 * F, F, NULL, 1, n, welem(W, s * Dc, m->wt), m->wt, F, D, Dc, dst,
+                    D);
+        else
+            product_rows(m->h + r0 * F, F, NULL, 1, n, W, m->wt, F, s * Dc, Dc, dst, D);
     }
 }
 
@@ -1894,7 +1912,9 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
                 float *y, float *work, int64_t *iwork)
 {
     const int64_t A = T * K, Dc = D / S;
-    const int wt = (int)wtypes[0], fp8 = wt == WT_FP8, blocks = wt >= WT_Q8_0 && !fp8;
+    const int io = wtypes[0] == WT_F32_IO || wtypes[0] == WT_BF16_IO;
+    const int wt = io ? (int)wtypes[0] - WT_F32_IO : (int)wtypes[0], fp8 = wt == WT_FP8;
+    const int blocks = wt >= WT_Q8_0 && !fp8;
     const int gt = (int)wtypes[0], ut = (int)wtypes[1], dt = (int)wtypes[2];
     int64_t *start = iwork;           /* [E + 1] first grouped position of each expert */
     int64_t *cursor = start + E + 1;  /* [E] */
@@ -1927,7 +1947,7 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
     const int64_t bo = fp8 ? wtypes[3] : 1, bi = fp8 ? wtypes[4] : 1;
     const struct moe_call m = {
         .x = x, .D = D, .F = F, .S = S, .K = K, .Dc = Dc, .top_idx = top_idx,
-        .blob_addr = blob_addr, .wt = wt, .fp8 = fp8, .blocks = blocks, .gt = gt, .ut = ut,
+        .blob_addr = blob_addr, .wt = wt, .io = io, .fp8 = fp8, .blocks = blocks, .gt = gt, .ut = ut,
         .dt = dt, .bo = bo, .bi = bi,
         .gate_scales = ((F + bo - 1) / bo) * ((D + bi - 1) / bi), /* also up's */
         /* block-type blobs: [gate F rows of D | up F rows of D | down D rows of F] */

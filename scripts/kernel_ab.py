@@ -3,6 +3,7 @@
     python scripts/kernel_ab.py OLD.c NEW.c [D F] [--types Q8_0,Q4_K,F32] [--experts 32]
                                 [--routed 8] [--rows 1 4] [--layers 1] [--linear N]
                                 [--attention HEAD_DIM [--heads H G] [--positions N]]
+                                [--inputs-major new|old,new]
     git show HEAD:services/engine/kernels/cpu_kernels.c > /tmp/old.c   # e.g. HEAD vs the tree
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c
     python scripts/kernel_ab.py /tmp/old.c services/engine/kernels/cpu_kernels.c 512 256 \
@@ -16,7 +17,10 @@ alike. `--layers L` cycles the calls over L layers' experts (L x E blobs: more t
 hold, as in a decode step); `--linear N` also times `strata_linear` of D inputs to N fp32
 outputs (an lm_head); `--attention HEAD_DIM` also times `strata_decode_attention` (`--heads H
 G` query and KV heads, 4 and 2 by default; each row a third of `--positions` to all of it deep).
-Prints the best round's GB/s of each and whether their outputs are bit-identical. Threads:
+`--inputs-major new` gives the new build the dense experts transposed (cache/layout.py's
+[in, out] layout, as small experts are kept on the CPU): the same weights, the outputs equal
+to rounding; `--inputs-major old,new` gives it both. Prints the best round's GB/s of each and whether their outputs are
+bit-identical (else their largest difference). Threads:
 torch's (OMP_NUM_THREADS).
 """
 
@@ -49,6 +53,16 @@ def experts(t: str, E: int, D: int, F: int, rng: np.random.Generator) -> torch.T
     return (torch.randn(E, ExpertLayout(D, F).numel) * 0.05).to(dtype)
 
 
+def inputs_major(blobs: torch.Tensor, D: int, F: int) -> torch.Tensor:
+    """[E, blob] dense blobs in cache/layout.py's [out, in] layout, repacked [in, out]."""
+    rows, cols = ExpertLayout(D, F), ExpertLayout(D, F, inputs_major=True)
+    out = torch.empty_like(blobs)
+    for blob, dst in zip(blobs, out, strict=True):
+        gate_up, down = rows.parts(blob)
+        cols.pack(gate_up[0], gate_up[1], down, dst)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", type=Path)
@@ -69,6 +83,8 @@ def main() -> None:
                    help="decode attention's query and KV heads")
     p.add_argument("--positions", type=int, default=300, help="decode attention's deepest row "
                    "(each row a third of it to all of it)")
+    p.add_argument("--inputs-major", default="", help="the builds (new, or old,new) that read "
+                   "the dense experts in the [in, out] layout (the same weights, transposed)")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     libs = {}
@@ -81,6 +97,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     types = a.types.split(",")
     blobs = {t: [experts(t, E, D, F, rng) for _ in range(a.layers)] for t in types}
+    # what each build reads: the new one, with --new-inputs-major, the dense blobs transposed
+    side = {(t, name): (layers, DENSE.get(t, "blocks")) for t, layers in blobs.items()
+            for name in ("old", "new")}
+    for name in filter(None, a.inputs_major.split(",")):
+        for t in set(types) & set(DENSE):
+            side[t, name] = ([inputs_major(b, D, F) for b in blobs[t]], DENSE[t] + "_io")
     lm_head = torch.randn(a.linear, D) * 0.05 if a.linear else None  # [N, D]
     for T in a.rows:
         x = torch.randn(T, D)
@@ -92,12 +114,12 @@ def main() -> None:
         gbs: dict[str, float] = {}
         for _ in range(a.rounds):
             for t, layers in blobs.items():
-                weights = DENSE.get(t, "blocks")
                 kind = {} if t in DENSE else {"block_types": (t,) * 3}
-                addrs = [np.array([blob.data_ptr() for blob in b], dtype=np.int64)
-                         for b in layers]
                 gbs[t] = routed * layers[0][0].numel() * layers[0].element_size() / 1e9
                 for name, cpu in libs.items():
+                    read, weights = side[t, name]
+                    addrs = [np.array([blob.data_ptr() for blob in b], dtype=np.int64)
+                             for b in read]
                     outputs[t, name] = cpu.moe(x, top_idx, top_w, addrs[0], F, num_splits(D),
                                                weights=weights, **kind)
                     t0 = time.perf_counter()
@@ -133,13 +155,15 @@ def main() -> None:
                         (time.perf_counter() - t0) / a.calls)
         for t, gb in gbs.items():
             old, new = min(times[t, "old"]), min(times[t, "new"])
-            same = torch.equal(outputs[t, "old"], outputs[t, "new"])
+            o, n = outputs[t, "old"], outputs[t, "new"]
+            same = "identical" if torch.equal(o, n) else (
+                f"DIFFER (max {float((o - n).abs().max() / o.abs().max()):.1e} of the largest)")
             what = {"linear": f"linear {D} x {a.linear}",
                     "attention": f"decode attention, head dim {a.attention}"}.get(
                         t, f"{t} ({routed} experts)")
             print(f"T={T} {what}: old {gb / old:.1f} GB/s ({old * 1e3:.2f} ms), new "
                   f"{gb / new:.1f} GB/s ({new * 1e3:.2f} ms), new/old {old / new:.2f}x, "
-                  f"outputs {'identical' if same else 'DIFFER'}")
+                  f"outputs {same}")
 
 
 if __name__ == "__main__":

@@ -117,6 +117,45 @@ int strata_abi_version(void) { return ABI_VERSION; }
 typedef float vw __attribute__((vector_size(4 * VL), aligned(4)));    /* VL floats, unaligned ok */
 typedef uint16_t vh __attribute__((vector_size(2 * VL), aligned(2))); /* VL bf16 bit patterns */
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+
+/* Lane-wise a < b ? a : b and a > b ? a : b (what the scalar forms give, NaN included). */
+static inline __attribute__((always_inline)) vw vmin(vw a, vw b)
+{
+    const vi m = a < b;
+    return (vw)(((vi)a & m) | ((vi)b & ~m));
+}
+
+static inline __attribute__((always_inline)) vw vmax(vw a, vw b)
+{
+    const vi m = a > b;
+    return (vw)(((vi)a & m) | ((vi)b & ~m));
+}
+
+/* e^x in VL lanes (the experts' activation; libm's expf takes one lane a call), within 1 ulp
+ * over [-87, 88] (x clamped to it; 0.93 ulp at most against exp in double on every 7th float
+ * there): x = n ln2 + r,
+ * |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by its Taylor polynomial to r^7 (the
+ * remainder under 1e-8 relative), times 2^n by adding n to the exponent. The same arithmetic
+ * for every lane, so a value's result does not depend on its lane or its neighbours. */
+static inline __attribute__((always_inline)) vw vexp(vw x)
+{
+    x = vmax(vmin(x, (vw){0} + 88.0f), (vw){0} + -87.0f);
+    const vw t = x * 1.44269504088896341f;
+    const vi half = (vi)((vw){0} + 0.5f) | ((vi)t & (int32_t)0x80000000); /* 0.5 with t's sign */
+    const vi n = __builtin_convertvector(t + (vw)half, vi);               /* round half away */
+    const vw nf = __builtin_convertvector(n, vw);
+    const vw r = (x - nf * 0.693145751953125f) - nf * 1.428606820309417232e-6f;
+    vw p = (vw){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (vw)((vi)p + (n << 23));
+}
 
 /* Element i of a weight of type wt, as a pointer (an fp32 element is 4 bytes, a bf16 one 2). */
 static inline const void *welem(const void *W, int64_t i, int wt)
@@ -1850,19 +1889,28 @@ static void moe_activate(const struct moe_call *m, int64_t p)
         : expert_bias(m->blob_addr, m->top_idx[m->order[p]], m->bias_at);
     const float *restrict g = m->gate + p * F, *restrict v = m->up + p * F;
     float *restrict hp = m->h + p * F;
-    for (int64_t j = 0; j < F; j++) {
-        float gj = g[j], uj = v[j];
+    for (int64_t j = 0; j < F; j += VL) { /* VL lanes at a time, the last vector padded */
+        const int64_t w = F - j < VL ? F - j : VL;
+        vw gj = {0}, uj = {0};
+        memcpy(&gj, g + j, (size_t)w * sizeof(float));
+        memcpy(&uj, v + j, (size_t)w * sizeof(float));
         if (bg) {
-            gj += bg[j];
-            uj += bg[F + j];
+            vw b = {0}, c = {0};
+            memcpy(&b, bg + j, (size_t)w * sizeof(float));
+            memcpy(&c, bg + F + j, (size_t)w * sizeof(float));
+            gj += b;
+            uj += c;
         }
+        vw h;
         if (m->act == ACT_CLAMPED) {
-            gj = gj < m->limit ? gj : m->limit;
-            uj = uj < -m->limit ? -m->limit : (uj > m->limit ? m->limit : uj);
-            hp[j] = gj / (1.0f + expf(-m->alpha * gj)) * (uj + 1.0f);
+            const vw limit = (vw){0} + m->limit;
+            gj = vmin(gj, limit);
+            uj = vmax(vmin(uj, limit), -limit);
+            h = gj / (1.0f + vexp(-m->alpha * gj)) * (uj + 1.0f);
         } else {
-            hp[j] = gj / (1.0f + expf(-gj)) * uj;
+            h = gj / (1.0f + vexp(-gj)) * uj;
         }
+        memcpy(hp + j, &h, (size_t)w * sizeof(float));
     }
 }
 

@@ -228,13 +228,15 @@ class DenseFormat(_Common):
         return f"{self.name} (unquantized{', stored [in, out]' if self.inputs_major else ''})"
 
 
-# The largest expert matrix (D x F weights, in bytes) kept inputs-major on the CPU. Below it a
-# matrix sits in L2 while a step's rows pass over it and the [out, in] kernel's time is its
-# lane sums as much as its FMAs; the [in, out] kernel has none: strata_moe at D 128 / F 64
-# (the default model) 1.6-1.7x at 8 and 36 rows, at 512 / 256 (the bench preset) 1.2-1.5x,
-# one row even or better (scripts/kernel_ab.py, docs/benchmarks.md, 2026-12-06). Larger
-# experts keep the checkpoint's orientation, one sequential stream a row.
-INPUTS_MAJOR_MAX_BYTES = 512 << 10
+# The largest expert matrix (D x F weights, in bytes) kept inputs-major on the CPU. Up to it a
+# product is bound by arithmetic, not bytes, and the [out, in] kernel's lane sums cost about
+# what its FMAs do; the [in, out] kernel has none: strata_moe at D 128 / F 64 bf16 (the
+# default model) 1.2-1.4x at 8 and 36 rows (scripts/kernel_ab.py --inputs-major new), at
+# 256 / 128 1.3-1.6x (fp32 at one row even). Larger experts keep the checkpoint's
+# orientation, one sequential stream a row: at 512 / 256 fp32 (the bench preset, read from
+# DRAM) [in, out] was even on an AVX-512 host and 20-25% slower on an AVX2 one
+# (docs/benchmarks.md, 2026-12-03 and 2026-12-06).
+INPUTS_MAJOR_MAX_BYTES = 128 << 10
 
 
 def inputs_major(hidden_size: int, ffn_size: int, dtype: torch.dtype, device: torch.device,

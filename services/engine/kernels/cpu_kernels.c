@@ -134,10 +134,10 @@ static inline __attribute__((always_inline)) vw vmax(vw a, vw b)
 
 /* e^x in VL lanes (the experts' activation; libm's expf takes one lane a call), within 1 ulp
  * over [-87, 88] (x clamped to it; 0.93 ulp at most against exp in double on every 7th float
- * there): x = n ln2 + r,
- * |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by its Taylor polynomial to r^7 (the
- * remainder under 1e-8 relative), times 2^n by adding n to the exponent. The same arithmetic
- * for every lane, so a value's result does not depend on its lane or its neighbours. */
+ * there): x = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by its Taylor
+ * polynomial to r^7 (the remainder under 1e-8 relative), times 2^n by adding n to the
+ * exponent. The same arithmetic for every lane, so a value's result does not depend on its
+ * lane or its neighbours. */
 static inline __attribute__((always_inline)) vw vexp(vw x)
 {
     x = vmax(vmin(x, (vw){0} + 88.0f), (vw){0} + -87.0f);
@@ -310,7 +310,8 @@ TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
 #undef TILE_PRODUCT
 
 /* y[r][0:n] (row stride ldy) = x_r @ W[0:K][0:n] (W row stride ld, type wt) for R rows x_r =
- * x + r ldx, W stored [in][out] (pre-transposed: strata_matmul's). The rows run in tiles of
+ * x + r ldx, or x + (xrow[r] / xdiv) ldx (gathered by index, as in product_rows), W stored
+ * [in][out] (pre-transposed: strata_matmul's, and small experts'). The rows run in tiles of
  * TOK_TILE. When the R x n accumulators fit ACC_FLOATS (decode), the inputs run in chunks of
  * K_CHUNK, every tile's passes over a chunk before the next chunk, the accumulators waiting in
  * y (in cache) between chunks: W is then read a few rows' [0, n) at a time, not a pass's few
@@ -1995,8 +1996,8 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
     const int64_t bo = fp8 ? wtypes[3] : 1, bi = fp8 ? wtypes[4] : 1;
     const struct moe_call m = {
         .x = x, .D = D, .F = F, .S = S, .K = K, .Dc = Dc, .top_idx = top_idx,
-        .blob_addr = blob_addr, .wt = wt, .io = io, .fp8 = fp8, .blocks = blocks, .gt = gt, .ut = ut,
-        .dt = dt, .bo = bo, .bi = bi,
+        .blob_addr = blob_addr, .wt = wt, .io = io, .fp8 = fp8, .blocks = blocks, .gt = gt,
+        .ut = ut, .dt = dt, .bo = bo, .bi = bi,
         .gate_scales = ((F + bo - 1) / bo) * ((D + bi - 1) / bi), /* also up's */
         /* block-type blobs: [gate F rows of D | up F rows of D | down D rows of F] */
         .gate_bytes = blocks ? F * row_bytes_of(gt, D) : 0,

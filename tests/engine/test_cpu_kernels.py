@@ -99,6 +99,75 @@ def test_moe_on_bf16_blobs_equals_fp32_on_them_widened_in_either_layout(cpu, T):
         assert torch.equal(y16, y32), inputs_major
 
 
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":")[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@needs_compiler
+def test_the_avx2_build_computes_the_products_as_the_reference(tmp_path):
+    """The kernels built for AVX2 (8 lanes, where this host may have AVX-512's 16) on this
+    host: the experts in both layouts and the linear product match torch, bf16 gives fp32's
+    bits on the weights widened, and a clamped SwiGLU with biases and a last vector only
+    partly full matches the format's reference. (The portable 4-lane build, -march=x86-64,
+    passes the same checks but takes GCC 90 s to compile: not run here.)"""
+    import platform
+    import subprocess
+
+    from services.engine.cache.formats import DenseFormat
+    from services.engine.model.layers.mlp import ExpertMlp
+
+    if platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("the AVX2 build runs on x86-64 hosts with AVX2 and FMA")
+    lib = tmp_path / "kernels-avx2.so"
+    flags = ["-march=haswell" if f.startswith("-march") else f for f in kernels.FLAGS]
+    subprocess.run([kernels.find_compiler(), *flags, "-o", str(lib), str(kernels.SOURCE)],
+                   check=True, capture_output=True)
+    cpu = kernels.CpuKernels(lib)
+    for weights in ("fp32", "fp32_io"):
+        for T in (1, 5, 40):
+            layout, blobs, addr, x, top_idx, top_w = random_moe(T, T, 128, 64, 16, 4,
+                                                                weights.endswith("_io"))
+            y = cpu.moe(x, top_idx, top_w, addr, 64, 2, weights=weights)
+            torch.testing.assert_close(y, expert_reference(x, top_idx, top_w, blobs, layout),
+                                       rtol=1e-5, atol=1e-5)
+            half = blobs.bfloat16()
+            wide = half.float()
+            y16 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in half]), 64, 2,
+                          weights=weights.replace("fp32", "bf16"))
+            y32 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in wide]), 64, 2,
+                          weights=weights)
+            assert torch.equal(y16, y32)
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(100, 96, generator=g), torch.randn(5, 96, generator=g)
+    torch.testing.assert_close(cpu.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    mlp = ExpertMlp("clamped", alpha=1.702, limit=0.6, bias=True)
+    D, Fs, E = 128, 60, 6  # F = 60: the activation's last vector partly full
+    for inputs_major in (False, True):
+        fmt = DenseFormat(D, Fs, torch.float32, mlp, inputs_major=inputs_major)
+        blobs = torch.zeros(E, fmt.numel)
+        for blob in blobs:
+            fmt.pack(torch.randn(Fs, D, generator=g) * 0.1, torch.randn(Fs, D, generator=g) * 0.1,
+                     torch.randn(D, Fs, generator=g) * 0.1, blob)
+            fmt.biases(blob).copy_(torch.randn(fmt.bias_numel, generator=g))
+        x = torch.randn(7, D, generator=g)
+        top_idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(7)])
+        top_w = torch.rand(7, 2, generator=g)
+        y = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in blobs]), Fs, 2,
+                    weights=fmt.kernel_weights, mlp=mlp, bias_at=fmt.bias_at)
+        want = torch.zeros(7, D)
+        for t in range(7):
+            for k in sorted(range(2), key=lambda k: int(top_idx[t, k])):
+                blob = blobs[int(top_idx[t, k])]
+                want[t] += top_w[t, k] * mlp.forward(x[t:t + 1], *fmt.weights(blob, x.dtype),
+                                                     fmt.biases(blob))[0]
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("weights", ["fp32", "fp32_io"])
 @pytest.mark.parametrize("T", [1, 8])
 def test_moe_gives_the_same_bits_with_any_number_of_threads(cpu, T, weights):

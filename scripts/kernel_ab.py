@@ -19,9 +19,9 @@ outputs (an lm_head); `--attention HEAD_DIM` also times `strata_decode_attention
 G` query and KV heads, 4 and 2 by default; each row a third of `--positions` to all of it deep).
 `--inputs-major new` gives the new build the dense experts transposed (cache/layout.py's
 [in, out] layout, as small experts are kept on the CPU): the same weights, the outputs equal
-to rounding; `--inputs-major old,new` gives it both. Prints the best round's GB/s of each and whether their outputs are
-bit-identical (else their largest difference). Threads:
-torch's (OMP_NUM_THREADS).
+to rounding; `--inputs-major old,new` gives it both. Prints the best round's GB/s of each and
+whether their outputs are bit-identical (else their largest difference). Threads: torch's
+(OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     types = a.types.split(",")
     blobs = {t: [experts(t, E, D, F, rng) for _ in range(a.layers)] for t in types}
-    # what each build reads: the new one, with --new-inputs-major, the dense blobs transposed
+    # what each build reads: with --inputs-major, the dense blobs transposed
     side = {(t, name): (layers, DENSE.get(t, "blocks")) for t, layers in blobs.items()
             for name in ("old", "new")}
     for name in filter(None, a.inputs_major.split(",")):

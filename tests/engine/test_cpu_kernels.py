@@ -69,9 +69,9 @@ def random_moe(seed, T, D, Fs, E, K, inputs_major=False):
     return layout, blobs, addr, x, top_idx, torch.rand(T, K, generator=g)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp32_io"])
-@pytest.mark.parametrize("T", [1, 4, 7, 40])
-def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T, weights):
+def check_experts(cpu, T, weights):
+    """strata_moe on random experts (`weights`: their layout) equals the per-expert torch path,
+    row by row and at another address alike."""
     Fs = 64
     layout, blobs, addr, x, top_idx, top_w = random_moe(T, T, 128, Fs, 16, 4,
                                                         weights.endswith("_io"))
@@ -86,8 +86,9 @@ def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T, 
     assert torch.equal(cpu.moe(x, top_idx, top_w, moved, Fs, 2, weights=weights), y)
 
 
-@pytest.mark.parametrize("T", [1, 9])
-def test_moe_on_bf16_blobs_equals_fp32_on_them_widened_in_either_layout(cpu, T):
+def check_bf16_is_fp32_widened(cpu, T):
+    """bf16 expert blobs give the fp32 kernel's bits on the same weights widened, in either
+    layout."""
     for inputs_major, suffix in ((False, ""), (True, "_io")):
         _, blobs, _, x, top_idx, top_w = random_moe(20 + T, T, 128, 64, 16, 4, inputs_major)
         half = blobs.bfloat16()
@@ -97,6 +98,17 @@ def test_moe_on_bf16_blobs_equals_fp32_on_them_widened_in_either_layout(cpu, T):
         y32 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in wide]), 64, 2,
                       weights="fp32" + suffix)
         assert torch.equal(y16, y32), inputs_major
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp32_io"])
+@pytest.mark.parametrize("T", [1, 4, 7, 40])
+def test_moe_matches_the_per_expert_torch_path_and_rows_are_independent(cpu, T, weights):
+    check_experts(cpu, T, weights)
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_moe_on_bf16_blobs_equals_fp32_on_them_widened_in_either_layout(cpu, T):
+    check_bf16_is_fp32_widened(cpu, T)
 
 
 def cpu_flags() -> set[str]:
@@ -119,7 +131,7 @@ def test_the_avx2_build_computes_the_products_as_the_reference(tmp_path):
     import subprocess
 
     from services.engine.cache.formats import DenseFormat
-    from services.engine.model.layers.mlp import ExpertMlp
+    from tests.engine.test_expert_mlp import GPT_OSS, reference
 
     if platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("the AVX2 build runs on x86-64 hosts with AVX2 and FMA")
@@ -128,27 +140,16 @@ def test_the_avx2_build_computes_the_products_as_the_reference(tmp_path):
     subprocess.run([kernels.find_compiler(), *flags, "-o", str(lib), str(kernels.SOURCE)],
                    check=True, capture_output=True)
     cpu = kernels.CpuKernels(lib)
-    for weights in ("fp32", "fp32_io"):
-        for T in (1, 5, 40):
-            layout, blobs, addr, x, top_idx, top_w = random_moe(T, T, 128, 64, 16, 4,
-                                                                weights.endswith("_io"))
-            y = cpu.moe(x, top_idx, top_w, addr, 64, 2, weights=weights)
-            torch.testing.assert_close(y, expert_reference(x, top_idx, top_w, blobs, layout),
-                                       rtol=1e-5, atol=1e-5)
-            half = blobs.bfloat16()
-            wide = half.float()
-            y16 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in half]), 64, 2,
-                          weights=weights.replace("fp32", "bf16"))
-            y32 = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in wide]), 64, 2,
-                          weights=weights)
-            assert torch.equal(y16, y32)
+    for T in (1, 5, 40):
+        for weights in ("fp32", "fp32_io"):
+            check_experts(cpu, T, weights)
+        check_bf16_is_fp32_widened(cpu, T)
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(100, 96, generator=g), torch.randn(5, 96, generator=g)
     torch.testing.assert_close(cpu.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
-    mlp = ExpertMlp("clamped", alpha=1.702, limit=0.6, bias=True)
     D, Fs, E = 128, 60, 6  # F = 60: the activation's last vector partly full
     for inputs_major in (False, True):
-        fmt = DenseFormat(D, Fs, torch.float32, mlp, inputs_major=inputs_major)
+        fmt = DenseFormat(D, Fs, torch.float32, GPT_OSS, inputs_major=inputs_major)
         blobs = torch.zeros(E, fmt.numel)
         for blob in blobs:
             fmt.pack(torch.randn(Fs, D, generator=g) * 0.1, torch.randn(Fs, D, generator=g) * 0.1,
@@ -158,13 +159,11 @@ def test_the_avx2_build_computes_the_products_as_the_reference(tmp_path):
         top_idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(7)])
         top_w = torch.rand(7, 2, generator=g)
         y = cpu.moe(x, top_idx, top_w, np.array([b.data_ptr() for b in blobs]), Fs, 2,
-                    weights=fmt.kernel_weights, mlp=mlp, bias_at=fmt.bias_at)
+                    weights=fmt.kernel_weights, mlp=GPT_OSS, bias_at=fmt.bias_at)
         want = torch.zeros(7, D)
         for t in range(7):
             for k in sorted(range(2), key=lambda k: int(top_idx[t, k])):
-                blob = blobs[int(top_idx[t, k])]
-                want[t] += top_w[t, k] * mlp.forward(x[t:t + 1], *fmt.weights(blob, x.dtype),
-                                                     fmt.biases(blob))[0]
+                want[t] += top_w[t, k] * reference(fmt, blobs[int(top_idx[t, k])], x[t:t + 1])[0]
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 

@@ -215,7 +215,6 @@ class DenseFormat(_Common):
         self.name = dtype_name(dtype)
         self.numel = self.layout.numel
         self.read_dtype = dtype
-        self.inputs_major = inputs_major
         # "fp32" | "bf16", or "fp32_io" | "bf16_io" (the C kernel only: gpu_moe reads [out, in])
         self.kernel_weights = self.name + ("_io" if inputs_major else "")
         self._with_mlp(mlp)
@@ -225,7 +224,8 @@ class DenseFormat(_Common):
         return super()._mlp_forward(x.to(blob.dtype), blob).to(x.dtype)
 
     def describe(self) -> str:
-        return f"{self.name} (unquantized{', stored [in, out]' if self.inputs_major else ''})"
+        stored = ", stored [in, out]" if self.layout.inputs_major else ""
+        return f"{self.name} (unquantized{stored})"
 
 
 # The largest expert matrix (D x F weights, in bytes) kept inputs-major on the CPU. Up to it a

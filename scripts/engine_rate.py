@@ -2,18 +2,19 @@
 N concurrent requests, of the checkout on PYTHONPATH: what HTTP serving is measured against.
 
     PYTHONPATH=CHECKOUT python scripts/engine_rate.py MODEL [--clients 1 8] [--max-tokens 128]
-                                                      [--device cuda]
+                                [--device cuda] [--temperature T [--top-p P] [--top-k K]]
 
 Loads MODEL with every pair cached (on the CPU: the C kernels on, 2 threads) into an `Engine`,
 then for each client count submits that many `ignore_eos` requests at once (distinct prompts)
 and prints the median over three rounds of completion tokens per second from submission to the
-last Finished (TTFT included). Unlike scripts/decode_rate.py (the runner alone), the loop's
+last Finished (TTFT included); greedy unless --temperature (then seeded draws). Unlike scripts/decode_rate.py (the runner alone), the loop's
 Python per step and per request is in it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import threading
 import time
@@ -23,9 +24,11 @@ import torch
 from services.bench.quant_bench import load_runner
 from services.engine.core import Engine
 from services.engine.requests import Delta, EngineRequest, Finished, GenerateParams
+from services.engine.sampling import SamplingConfig
 
 
-def rate(engine: Engine, clients: int, max_tokens: int, tag: str) -> float:
+def rate(engine: Engine, clients: int, max_tokens: int, tag: str,
+         sampling: SamplingConfig) -> float:
     done = threading.Semaphore(0)
     tokens = [0]
 
@@ -37,8 +40,9 @@ def rate(engine: Engine, clients: int, max_tokens: int, tag: str) -> float:
 
     started = time.perf_counter()
     for i in range(clients):
-        engine.submit(EngineRequest(f"{tag}-{i}", GenerateParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True),
+        engine.submit(EngineRequest(f"{tag}-{i}", GenerateParams(
+                                        max_tokens=max_tokens, ignore_eos=True,
+                                        sampling=dataclasses.replace(sampling, seed=i)),
                                     prompt=f"Request {i} of {tag}: tell me about the sea."),
                       sink)
     for _ in range(clients):
@@ -53,6 +57,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     runner = load_runner(a.model, "auto", device=a.device,  # every pair cached
@@ -60,9 +67,10 @@ def main() -> None:
     engine = Engine(runner, max_running=max(16, *a.clients))
     engine.start()
     try:
-        rate(engine, 2, 8, "warm-up")
+        sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+        rate(engine, 2, 8, "warm-up", sampling)
         for n in a.clients:
-            rates = [rate(engine, n, a.max_tokens, f"c{n}-r{r}") for r in range(3)]
+            rates = [rate(engine, n, a.max_tokens, f"c{n}-r{r}", sampling) for r in range(3)]
             print(f"{n} requests: {statistics.median(rates):.0f} tok/s", flush=True)
     finally:
         engine.stop()

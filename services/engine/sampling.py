@@ -13,7 +13,9 @@ Processing, in vLLM's order (each off at its neutral value):
                          last, so that nothing outside the grammar can win)
 
 The penalties read the request's own history, so a Sampler is per request: observe() is told
-every token it emits. Draws use a per-request torch.Generator on the CPU, so a seeded request
+every token it emits. Top-p keeps each token whose more probable tokens' mass is below top_p
+(equally probable tokens all in or all out). A draw is one uniform number from a per-request
+torch.Generator on the CPU, inverted through the support's cumulative sum, so a seeded request
 is reproducible regardless of the device or of other requests.
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -70,6 +73,16 @@ class SamplingConfig:
     @property
     def processes(self) -> bool:
         return self.history_dependent or bool(self.logit_bias)
+
+
+def argmax_ids(logits: torch.Tensor) -> list[int]:
+    """logits [V] or [R, V] -> each row's highest id (the first of equals; a NaN counts as the
+    highest), as torch.argmax picks it. On the CPU through numpy's vectorized argmax: a
+    32000-token row in 4 us against torch's 51, a 151936-token one in 12 against 234."""
+    if logits.device.type != "cpu":
+        return torch.argmax(logits, dim=-1).reshape(-1).tolist()
+    rows = logits.detach().float().numpy()
+    return np.argmax(rows, axis=-1).reshape(-1).tolist()
 
 
 class Sampler:
@@ -147,12 +160,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] -> one token id."""
         if self.cfg.greedy:
-            return int(torch.argmax(self.process(logits)))
-        return self.draw(self.probs(logits))
+            [token_id] = argmax_ids(self.process(logits))
+            return token_id
+        ids, p = self._support(logits)
+        return int(ids[self._pick(p)]) if ids is not None else self._pick(p)
 
     def draw(self, probs: torch.Tensor) -> int:
         """One token id from probs [V] (sums to 1), with this request's generator."""
-        return int(torch.multinomial(probs, 1, generator=self._gen))
+        return self._pick(probs.detach().float().cpu().numpy())
 
     def uniform(self) -> float:
         """One draw from U[0, 1) with this request's generator (speculative acceptance)."""
@@ -161,20 +176,67 @@ class Sampler:
     def probs(self, logits: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """The distribution drawn from: [V] fp32, zero outside the top-k / top-p / min-p
         support (`row`: the verification row it is, for a grammar's mask)."""
-        scaled = self.process(logits, row).detach().float().cpu() / self.cfg.temperature  # [V]
-        if 0 < self.cfg.top_k < scaled.shape[0]:
-            keep = torch.topk(scaled, self.cfg.top_k).indices
-            cut = torch.full_like(scaled, float("-inf"))
-            cut[keep] = scaled[keep]
-            scaled = cut
-        probs = torch.softmax(scaled, dim=-1)
-        if self.cfg.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-            sorted_p[before >= self.cfg.top_p] = 0.0  # the first token always stays
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-            probs = probs / probs.sum()
-        if self.cfg.min_p > 0.0:
-            probs = torch.where(probs >= self.cfg.min_p * probs.max(), probs, 0.0)
-            probs = probs / probs.sum()
-        return probs
+        ids, p = self._support(logits, row)
+        if ids is None:
+            return torch.from_numpy(p)
+        dense = torch.zeros(logits.shape[-1], dtype=torch.float32)
+        dense[torch.from_numpy(ids)] = torch.from_numpy(p)
+        return dense
+
+    def _support(self, logits: torch.Tensor, row: int | None = None
+                 ) -> tuple[np.ndarray | None, np.ndarray]:
+        """The distribution as (ids, p): the tokens it may draw and their probabilities
+        (float32, summing to 1); ids None: p is over the whole vocabulary. Nothing here sorts
+        the vocabulary: top-k partitions it, top-p sorts only the most probable tokens, as
+        many as its mass needs (torch.sort and torch.multinomial took 11 and 3 ms a row at
+        151936 tokens)."""
+        cfg = self.cfg
+        x = (self.process(logits, row).detach().float().cpu() / cfg.temperature).numpy()  # [V]
+        V = x.shape[0]
+        ids = None
+        if 0 < cfg.top_k < V:
+            ids = np.argpartition(x, V - cfg.top_k)[V - cfg.top_k:]
+            x = x[ids]
+        highest = x.max()  # NaN if any is
+        if not np.isfinite(highest):
+            raise ValueError(f"no token can be drawn: the highest logit is {highest}")
+        p = np.exp(x - highest)
+        p /= p.sum()
+        if cfg.top_p < 1.0:
+            keep = _nucleus(p, cfg.top_p)
+            ids = keep if ids is None else ids[keep]
+            p = p[keep]
+        if cfg.min_p > 0.0:
+            keep = np.flatnonzero(p >= cfg.min_p * p.max())
+            ids = keep if ids is None else ids[keep]
+            p = p[keep]
+        if ids is not None:
+            p = p / p.sum()
+        return ids, p
+
+    def _pick(self, p: np.ndarray) -> int:
+        """An index of p (probabilities, not necessarily normalized) drawn with this
+        request's generator: the inverse of the cumulative sum (float64) at one uniform
+        draw. A zero never is picked; ValueError when nothing can be (all zero, or NaN)."""
+        cdf = torch.cumsum(torch.from_numpy(p), 0, dtype=torch.float64)  # numpy's: 6x slower
+        total = float(cdf[-1])
+        if not total > 0.0:
+            raise ValueError(f"no token can be drawn: the probabilities sum to {total}")
+        u = torch.rand(1, generator=self._gen, dtype=torch.float64)
+        return min(int(torch.searchsorted(cdf, u * total, right=True)), len(p) - 1)
+
+
+def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p over p [N] (sums to 1) -> the indices kept: each token whose more probable
+    tokens' mass is < top_p (the most probable always; equals all in or all out). Sorts the
+    values of the 256 most probable, 8 times more while all of them stay in; no indices are
+    sorted (numpy's argsort is 5x its sort)."""
+    n = p.shape[0]
+    m = min(n, 256)
+    while True:
+        top = np.sort(np.partition(p, n - m)[n - m:] if m < n else p)[::-1]  # [m] descending
+        before = np.cumsum(top.astype(np.float64)) - top  # the mass above each
+        kept = int(np.count_nonzero(before < top_p))  # a prefix: `before` never decreases
+        if m == n or kept < m:  # the cut falls within these: the rest are out too
+            return np.flatnonzero(p >= top[kept - 1])
+        m = min(n, m * 8)

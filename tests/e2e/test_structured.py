@@ -350,7 +350,7 @@ async def test_harmony_answers_split_reasoning_answer_and_calls(harmony_cluster)
                     "reasoning_content") or ""
         assert (content, thought) == (message.content, reasoning)
         kwargs = dict(model="gpt-oss-tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                      max_tokens=160, temperature=1.0, seed=3, parallel_tool_calls=False)
+                      max_tokens=160, temperature=1.0, seed=4, parallel_tool_calls=False)
         choice = (await client.chat.completions.create(**kwargs)).choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls

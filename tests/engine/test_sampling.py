@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.sampling import Sampler, SamplingConfig
+from services.engine.sampling import Sampler, SamplingConfig, argmax_ids
 
 
 def logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:
@@ -18,13 +18,31 @@ def test_greedy_is_argmax():
         assert sampler.sample(logits(seed)) == int(logits(seed).argmax())
 
 
+def test_argmax_ids_picks_as_torch_argmax_does():
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(6, 32000, generator=g)
+    rows[1, [5, 900, 31999]] = 50.0  # equal highest: the first
+    rows[2] = float("-inf")  # nothing allowed: id 0, as torch says
+    rows[3, [17, 4000]] = float("nan")  # a NaN is the highest
+    rows[4, 31999] = 1e30  # the last id
+    expected = torch.argmax(rows, dim=-1).tolist()
+    assert expected[1:5] == [5, 0, 17, 31999]
+    assert argmax_ids(rows) == expected
+    assert [argmax_ids(row) for row in rows] == [[e] for e in expected]  # [V]: one id
+    assert argmax_ids(rows.to(torch.bfloat16)) == torch.argmax(
+        rows.to(torch.bfloat16).float(), dim=-1).tolist()
+    strided = torch.randn(32000, 3, generator=g).t()  # rows that are not contiguous
+    assert argmax_ids(strided) == torch.argmax(strided, dim=-1).tolist()
+    assert argmax_ids(rows[:, :1000]) == torch.argmax(rows[:, :1000], dim=-1).tolist()
+
+
 def test_seeded_sampling_is_reproducible():
     cfg = SamplingConfig(temperature=1.0, seed=1234)
     a = [Sampler(cfg).sample(logits(i)) for i in range(20)]
     s1, s2 = Sampler(cfg), Sampler(cfg)
     assert [s1.sample(logits(i)) for i in range(20)] == [s2.sample(logits(i)) for i in range(20)]
     draws = Sampler(SamplingConfig(temperature=1.0, seed=1234))
-    assert len({draws.sample(logits(0)) for _ in range(50)}) > 3  # really random
+    assert len({draws.sample(logits(0)) for _ in range(500)}) > 3  # really random
     assert a == [Sampler(cfg).sample(logits(i)) for i in range(20)]
 
 
@@ -45,6 +63,17 @@ def test_top_p_restricts_support():
     assert {sampler.sample(x) for _ in range(200)} == {0, 1}
     tiny = Sampler(SamplingConfig(temperature=1.0, top_p=0.01, seed=0))
     assert {tiny.sample(x) for _ in range(20)} == {0}  # the top token always survives
+
+
+def test_top_p_keeps_equals_together():
+    """A token is kept when its more probable tokens' mass is < top_p: equally probable
+    tokens are all in or all out, whatever order a sort would put them in."""
+    x = torch.tensor([1.0, 0.0, 0.0, 0.0, -9.0]).log_softmax(-1)  # p ~ [0.48, 0.17 x 3, ~0]
+    probs = Sampler(SamplingConfig(temperature=1.0, top_p=0.5)).probs(x)
+    assert (probs[:4] > 0).all() and probs[4] == 0
+    assert probs[1] == probs[2] == probs[3]
+    probs = Sampler(SamplingConfig(temperature=1.0, top_p=0.4)).probs(x)
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_top_k_then_top_p():
@@ -93,3 +122,67 @@ def test_logit_bias_min_tokens_and_min_p():
     assert abs(float(keep.sum()) - 1.0) < 1e-6
     assert SamplingConfig(min_tokens=1).history_dependent
     assert not SamplingConfig(logit_bias=((1, 1.0),)).history_dependent
+
+
+def reference_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                    min_p: float) -> torch.Tensor:
+    """The definitions, the plain way: the whole vocabulary sorted."""
+    scaled = x.float() / temperature
+    if 0 < top_k < len(x):
+        cut = torch.full_like(scaled, float("-inf"))
+        keep = torch.topk(scaled, top_k).indices
+        cut[keep] = scaled[keep]
+        scaled = cut
+    probs = torch.softmax(scaled.double(), dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        sorted_p[torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    if min_p > 0.0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+    return (probs / probs.sum()).float()
+
+
+@pytest.mark.parametrize("vocab", [64, 5000])
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (0.7, 40, 1.0, 0.0), (1.3, 50, 0.95, 0.0),
+    (0.7, 0, 1.0, 0.05), (1.0, 20, 0.8, 0.1), (2.0, 0, 0.999, 0.0)])
+def test_probs_follow_the_definitions(vocab, temperature, top_k, top_p, min_p):
+    """The support and probabilities equal the sort-everything reference (a support that
+    needs more than the first 256 tokens sorted included: vocab 5000 at temperature 2)."""
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    for seed in range(4):
+        x = logits(seed, vocab)
+        want = reference_probs(x, temperature, top_k, top_p, min_p)
+        got = Sampler(cfg).probs(x)
+        assert torch.equal(got > 0, want > 0), (seed, int((got > 0).sum()), int((want > 0).sum()))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    if (vocab, temperature, top_p) == (5000, 2.0, 0.999):
+        assert int((want > 0).sum()) > 2048  # the top-p support outgrew two partitions
+
+
+def test_draws_follow_the_distribution():
+    """Sampled frequencies match probs (a chi-square bound, mean + 7 sigma, that a correct
+    sampler all but never exceeds), with top-k / top-p cutting and without."""
+    n = 20000
+    for cfg in (SamplingConfig(temperature=1.5, seed=3),
+                SamplingConfig(temperature=1.0, top_k=12, top_p=0.9, seed=4)):
+        x = logits(5, 40) / 3  # unit scale: a broad distribution
+        sampler = Sampler(cfg)
+        p = sampler.probs(x).double()
+        counts = torch.bincount(torch.tensor([sampler.sample(x) for _ in range(n)]),
+                                minlength=40).double()
+        assert not counts[p == 0].any()  # nothing outside the support
+        big = n * p >= 5  # the chi-square's bins: these tokens, and the rest of the support
+        observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+        expected = n * torch.cat([p[big], p[~big].sum().reshape(1)])
+        assert int(big.sum()) >= 8
+        chi2 = float(((observed - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+        dof = int(big.sum())
+        assert chi2 < dof + 7 * (2 * dof) ** 0.5, (chi2, dof)
+    draws = Sampler(SamplingConfig(temperature=1.0, seed=0))
+    with pytest.raises(ValueError, match="no token can be drawn"):
+        draws.draw(torch.zeros(8))
+    for bad in (float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match="no token can be drawn"):
+            draws.sample(torch.full((8,), bad))

@@ -54,6 +54,7 @@ from services.engine.model.families import family, weight_names
 from services.engine.model.families.base import Tensors
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.step import Span
+from services.engine.sampling import argmax_ids
 from services.engine.spec.base import DraftRequest, DraftSource
 
 log = logging.getLogger("strata.engine")
@@ -304,6 +305,7 @@ class CheckpointMtp(DraftSource):
                 positions += range(first, first + count)
                 rows += count
             out, logits = self._forward(ids, positions, spans, torch.cat(hidden))
+            best = argmax_ids(logits)
             for j, i in enumerate(active):
                 r, st = requests[i], self._seqs[requests[i].seq_id]
                 if k == 0:  # the pairs of positions < n are real: kept
@@ -313,7 +315,7 @@ class CheckpointMtp(DraftSource):
                     st.start, st.hidden = n, st.hidden[drop:]
                     st.hidden_tokens = st.hidden_tokens[drop:]
                 g[i] = out[j]
-                drafts[i].append(int(torch.argmax(logits[j])))
+                drafts[i].append(best[j])
         return drafts
 
     def _main_norm(self, h: torch.Tensor) -> torch.Tensor:

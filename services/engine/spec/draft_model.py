@@ -28,6 +28,7 @@ from services.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from services.engine.model.checkpoint import load_model_config, open_checkpoint
 from services.engine.model.families import weight_names
 from services.engine.model.paged_kv import PagedKVCache
+from services.engine.sampling import argmax_ids
 from services.engine.spec.base import DraftRequest, DraftSource
 
 DRAFT_KV_WINDOWS = 4  # the draft's KV pool: this many of its context windows
@@ -123,7 +124,7 @@ class DraftModel(DraftSource):
                 st = self._seqs[requests[i].seq_id]
                 st.token_ids[w.pos_start :] = w.token_ids
                 st.num_computed = w.pos_start + len(w.token_ids)
-                drafts[i].append(int(torch.argmax(logits)))
+                drafts[i].extend(argmax_ids(logits))
         return drafts
 
     def release(self, seq_id: int) -> None:

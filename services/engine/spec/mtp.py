@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from services.engine.sampling import argmax_ids
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.mtp_head import MtpHead, load_mtp_config, load_mtp_head
 
@@ -122,8 +123,9 @@ class MtpDraft(DraftSource):
         for k in range(rounds):
             active = [s for s in live if requests[s[0]].max_tokens > k]
             g, logits = self._step(active)  # [B, D], [B, V]
+            best = argmax_ids(logits)
             for j, (i, _, h, tokens) in enumerate(active):
-                token = int(torch.argmax(logits[j]))
+                token = best[j]
                 drafts[i].append(token)
                 h.append(g[j])  # the head's hidden stands in for the main model's
                 tokens.append(token)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.sampling import Sampler
+from services.engine.sampling import Sampler, argmax_ids
 
 
 def accept_tokens(
@@ -35,7 +35,7 @@ def accept_tokens(
     k = len(draft)
     assert logits.shape[0] == k + 1, (logits.shape, k)
     if sampler.cfg.greedy:
-        targets = torch.argmax(sampler.process(logits), dim=-1).tolist()  # [k+1]
+        targets = argmax_ids(sampler.process(logits))  # [k+1]
         kept = 0
         while kept < k and targets[kept] == draft[kept]:
             kept += 1

@@ -97,7 +97,11 @@ class Sampler:
         # Made when first drawn from (a greedy request never does), and the tensors only when
         # their option is set: a Sampler took 13.7 us to make, on the gRPC thread, now 0.3.
         self._generator: torch.Generator | None = None
-        self._prompt = sorted(set(prompt_ids)) if cfg.repetition_penalty != 1.0 else []
+        # repetition_penalty's tokens: the prompt's and the output's so far, each once (the
+        # tensor grows by the new ones when next processed: no set rebuilt a token)
+        self._seen = set(prompt_ids) if cfg.repetition_penalty != 1.0 else set()
+        self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        self._newly_seen: list[int] = []
         self._end = torch.tensor(sorted(set(end_ids)), dtype=torch.long) \
             if cfg.min_tokens and end_ids else None
         if cfg.logit_bias:
@@ -122,6 +126,9 @@ class Sampler:
         self.generated += 1
         if self.cfg.history_dependent:
             self._counts[token_id] = self._counts.get(token_id, 0) + 1
+            if self.cfg.repetition_penalty != 1.0 and token_id not in self._seen:
+                self._seen.add(token_id)
+                self._newly_seen.append(token_id)
         if self.guide is not None:
             self.guide.consume(token_id)
 
@@ -138,7 +145,10 @@ class Sampler:
         if self.generated < cfg.min_tokens and self._end is not None:
             out[..., self._end] = float("-inf")
         if cfg.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(self._prompt) | set(self._counts)), dtype=torch.long)
+            if self._newly_seen:
+                self._seen_ids = torch.cat([self._seen_ids, torch.tensor(self._newly_seen)])
+                self._newly_seen = []
+            seen = self._seen_ids
             if len(seen):
                 picked = out[..., seen]
                 out[..., seen] = torch.where(picked > 0, picked / cfg.repetition_penalty,
@@ -176,22 +186,23 @@ class Sampler:
     def probs(self, logits: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """The distribution drawn from: [V] fp32, zero outside the top-k / top-p / min-p
         support (`row`: the verification row it is, for a grammar's mask)."""
-        ids, p = self._support(logits, row)
+        ids, w = self._support(logits, row)
+        p = torch.from_numpy(w / w.sum())
         if ids is None:
-            return torch.from_numpy(p)
+            return p
         dense = torch.zeros(logits.shape[-1], dtype=torch.float32)
-        dense[torch.from_numpy(ids)] = torch.from_numpy(p)
+        dense[torch.from_numpy(ids)] = p
         return dense
 
     def _support(self, logits: torch.Tensor, row: int | None = None
                  ) -> tuple[np.ndarray | None, np.ndarray]:
-        """The distribution as (ids, p): the tokens it may draw and their probabilities
-        (float32, summing to 1); ids None: p is over the whole vocabulary. Nothing here sorts
-        the vocabulary: top-k partitions it, top-p sorts only the most probable tokens, as
-        many as its mass needs (torch.sort and torch.multinomial took 11 and 3 ms a row at
-        151936 tokens)."""
+        """The distribution as (ids, w): the tokens it may draw and weights proportional to
+        their probabilities (float32, the most probable 1); ids None: w is over the whole
+        vocabulary. Nothing here sorts the vocabulary: top-k partitions it, top-p sorts only
+        the most probable tokens, as many as its mass needs (torch.sort and
+        torch.multinomial took 11 and 3 ms a row at 151936 tokens)."""
         cfg = self.cfg
-        x = (self.process(logits, row).detach().float().cpu() / cfg.temperature).numpy()  # [V]
+        x = self.process(logits, row).detach().float().cpu().numpy()  # [V] (maybe the caller's)
         V = x.shape[0]
         ids = None
         if 0 < cfg.top_k < V:
@@ -200,43 +211,62 @@ class Sampler:
         highest = x.max()  # NaN if any is
         if not np.isfinite(highest):
             raise ValueError(f"no token can be drawn: the highest logit is {highest}")
-        p = np.exp(x - highest)
-        p /= p.sum()
+        w = x - highest
+        if cfg.temperature != 1.0:
+            w /= cfg.temperature
+        np.exp(w, out=w)
         if cfg.top_p < 1.0:
-            keep = _nucleus(p, cfg.top_p)
+            keep = _nucleus(w, cfg.top_p * float(w.sum()))
             ids = keep if ids is None else ids[keep]
-            p = p[keep]
-        if cfg.min_p > 0.0:
-            keep = np.flatnonzero(p >= cfg.min_p * p.max())
+            w = w[keep]
+        if cfg.min_p > 0.0:  # of the most probable's weight, 1
+            keep = np.flatnonzero(w >= cfg.min_p)
             ids = keep if ids is None else ids[keep]
-            p = p[keep]
-        if ids is not None:
-            p = p / p.sum()
-        return ids, p
+            w = w[keep]
+        return ids, w
 
-    def _pick(self, p: np.ndarray) -> int:
-        """An index of p (probabilities, not necessarily normalized) drawn with this
-        request's generator: the inverse of the cumulative sum (float64) at one uniform
-        draw. A zero never is picked; ValueError when nothing can be (all zero, or NaN)."""
-        cdf = torch.cumsum(torch.from_numpy(p), 0, dtype=torch.float64)  # numpy's: 6x slower
-        total = float(cdf[-1])
+    def _pick(self, w: np.ndarray) -> int:
+        """An index of w (weights, float32) drawn with this request's generator: one uniform
+        number through the inverse of their cumulative sum (float64): over blocks of
+        _PICK_BLOCK first, then within the block it falls in (a cumulative sum of the whole
+        vocabulary cost 6x). A zero weight never is picked; ValueError when nothing can be
+        (all zero, or NaN)."""
+        n = len(w)
+        full = n // _PICK_BLOCK * _PICK_BLOCK
+        sums = w[:full].reshape(-1, _PICK_BLOCK).sum(axis=1, dtype=np.float64)
+        if full < n:
+            sums = np.append(sums, w[full:].sum(dtype=np.float64))
+        ends = np.cumsum(sums)  # [blocks] the mass up to each block's end
+        total = ends[-1] if len(ends) else 0.0
         if not total > 0.0:
-            raise ValueError(f"no token can be drawn: the probabilities sum to {total}")
-        u = torch.rand(1, generator=self._gen, dtype=torch.float64)
-        return min(int(torch.searchsorted(cdf, u * total, right=True)), len(p) - 1)
+            raise ValueError(f"no token can be drawn: the weights sum to {total}")
+        x = float(torch.rand(1, generator=self._gen, dtype=torch.float64)) * total
+        b = min(int(np.searchsorted(ends, x, side="right")), len(ends) - 1)
+        while sums[b] == 0.0:  # only past the end, by rounding: the last block with mass
+            b -= 1
+        first = b * _PICK_BLOCK
+        block = w[first:first + _PICK_BLOCK]
+        cdf = np.cumsum(block.astype(np.float64))
+        i = int(np.searchsorted(cdf, x - (ends[b - 1] if b else 0.0), side="right"))
+        if i >= len(block):  # rounding again: the block's last token with weight
+            i = int(np.flatnonzero(block)[-1])
+        return first + i
 
 
-def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
-    """Top-p over p [N] (sums to 1) -> the indices kept: each token whose more probable
-    tokens' mass is < top_p (the most probable always; equals all in or all out). Sorts the
-    values of the 256 most probable, 8 times more while all of them stay in; no indices are
-    sorted (numpy's argsort is 5x its sort)."""
-    n = p.shape[0]
+_PICK_BLOCK = 1024  # weights summed per block by _pick before it reads one block's cumsum
+
+
+def _nucleus(w: np.ndarray, mass: float) -> np.ndarray:
+    """Top-p over weights w [N] (mass: top_p of their sum) -> the indices kept: each token
+    whose more probable tokens' weight is < mass (the most probable always; equals all in or
+    all out). Sorts the values of the 256 heaviest, 8 times more while all of them stay in;
+    no indices are sorted (numpy's argsort is 5x its sort)."""
+    n = w.shape[0]
     m = min(n, 256)
     while True:
-        top = np.sort(np.partition(p, n - m)[n - m:] if m < n else p)[::-1]  # [m] descending
-        before = np.cumsum(top.astype(np.float64)) - top  # the mass above each
-        kept = int(np.count_nonzero(before < top_p))  # a prefix: `before` never decreases
+        top = np.sort(np.partition(w, n - m)[n - m:] if m < n else w)[::-1]  # [m] descending
+        before = np.cumsum(top.astype(np.float64)) - top  # the weight above each
+        kept = int(np.count_nonzero(before < mass))  # a prefix: `before` never decreases
         if m == n or kept < m:  # the cut falls within these: the rest are out too
-            return np.flatnonzero(p >= top[kept - 1])
+            return np.flatnonzero(w >= top[kept - 1])
         m = min(n, m * 8)

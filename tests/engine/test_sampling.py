@@ -105,6 +105,9 @@ def test_penalties_follow_their_definitions():
     r = Sampler(SamplingConfig(repetition_penalty=2.0), prompt_ids=[1, 4])
     r.observe(3)
     assert torch.equal(r.process(logits), torch.tensor([2.0, -2.0, 0.5, 1.5, 0.5]))
+    for t in (3, 1, 0):  # seen again, or in the prompt: once; new: from now on
+        r.observe(t)
+    assert torch.equal(r.process(logits), torch.tensor([1.0, -2.0, 0.5, 1.5, 0.5]))
     assert Sampler(SamplingConfig()).process(logits) is logits  # nothing to do: untouched
 
 
@@ -181,6 +184,12 @@ def test_draws_follow_the_distribution():
         dof = int(big.sum())
         assert chi2 < dof + 7 * (2 * dof) ** 0.5, (chi2, dof)
     draws = Sampler(SamplingConfig(temperature=1.0, seed=0))
+    spread = torch.zeros(5000)  # mass in four blocks of the draw's 1024, the rest none
+    spread[[3, 1500, 1501, 4999]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    picks = torch.bincount(torch.tensor([draws.draw(spread) for _ in range(n)]), minlength=5000)
+    assert set(torch.nonzero(picks).flatten().tolist()) == {3, 1500, 1501, 4999}
+    observed, expected = picks[[3, 1500, 1501, 4999]].double(), n * spread[[3, 1500, 1501, 4999]]
+    assert float(((observed - expected) ** 2 / expected).sum()) < 3 + 7 * 6 ** 0.5
     with pytest.raises(ValueError, match="no token can be drawn"):
         draws.draw(torch.zeros(8))
     for bad in (float("-inf"), float("nan")):

@@ -7,8 +7,8 @@ N concurrent requests, of the checkout on PYTHONPATH: what HTTP serving is measu
 Loads MODEL with every pair cached (on the CPU: the C kernels on, 2 threads) into an `Engine`,
 then for each client count submits that many `ignore_eos` requests at once (distinct prompts)
 and prints the median over three rounds of completion tokens per second from submission to the
-last Finished (TTFT included); greedy unless --temperature (then seeded draws). Unlike scripts/decode_rate.py (the runner alone), the loop's
-Python per step and per request is in it.
+last Finished (TTFT included); greedy unless --temperature (then seeded draws). Unlike
+scripts/decode_rate.py (the runner alone), the loop's Python per step and per request is in it.
 """
 
 from __future__ import annotations

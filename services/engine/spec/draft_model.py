@@ -124,7 +124,8 @@ class DraftModel(DraftSource):
                 st = self._seqs[requests[i].seq_id]
                 st.token_ids[w.pos_start :] = w.token_ids
                 st.num_computed = w.pos_start + len(w.token_ids)
-                drafts[i].extend(argmax_ids(logits))
+                [token] = argmax_ids(logits)  # logits [V]
+                drafts[i].append(token)
         return drafts
 
     def release(self, seq_id: int) -> None:

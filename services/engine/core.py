@@ -66,7 +66,7 @@ from services.engine.requests import (
     TopLogprob,
 )
 from services.engine.runner import ChunkWork
-from services.engine.sampling import Sampler
+from services.engine.sampling import Sampler, top_ids
 from services.engine.scheduler import Chunk, Scheduler, SeqState, Step
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.verify import accept_tokens
@@ -557,7 +557,8 @@ class Engine:
 
     def _logprobs(self, logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
         """Log-probabilities under the model's distribution (before temperature/top-p)."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        x = logits.float()  # [V]
+        lse = torch.logsumexp(x, dim=-1)  # the log_softmax of the ids asked for only
         tokenizer = self.runner.tokenizer
 
         def describe(tid: int) -> tuple[str, bytes]:
@@ -566,12 +567,13 @@ class Engine:
 
         top = []
         if num_top:
-            values, ids = torch.topk(logprobs, num_top)
-            for value, tid in zip(values.tolist(), ids.tolist(), strict=True):
+            ids = top_ids(x, num_top)
+            values = (x[ids] - lse).tolist()
+            for value, tid in zip(values, ids, strict=True):
                 top_token, top_raw = describe(tid)
                 top.append(TopLogprob(tid, top_token, value, top_raw))
         token, raw = describe(token_id)
-        return TokenLogprob(token_id, token, float(logprobs[token_id]), raw, tuple(top))
+        return TokenLogprob(token_id, token, float(x[token_id] - lse), raw, tuple(top))
 
     def _log_request(self, s: RequestStats) -> None:
         d = s.decode

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.sampling import Sampler, SamplingConfig, argmax_ids
+from services.engine.sampling import Sampler, SamplingConfig, argmax_ids, top_ids
 
 
 def logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:
@@ -34,6 +34,14 @@ def test_argmax_ids_picks_as_torch_argmax_does():
     strided = torch.randn(32000, 3, generator=g).t()  # rows that are not contiguous
     assert argmax_ids(strided) == torch.argmax(strided, dim=-1).tolist()
     assert argmax_ids(rows[:, :1000]) == torch.argmax(rows[:, :1000], dim=-1).tolist()
+
+
+def test_top_ids_are_the_highest_first_and_equals_by_id():
+    x = torch.randn(32000, generator=torch.Generator().manual_seed(3))
+    assert top_ids(x, 20) == torch.topk(x, 20).indices.tolist()
+    x[[9, 4, 31000]] = 40.0  # three equal highest: by id
+    assert top_ids(x, 4) == [4, 9, 31000, int(torch.topk(x, 4).indices[3])]
+    assert top_ids(x[:3], 10) == torch.argsort(x[:3], descending=True).tolist()  # k > V
 
 
 def test_seeded_sampling_is_reproducible():

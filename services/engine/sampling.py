@@ -109,10 +109,9 @@ class Sampler:
         # their option is set: a Sampler took 13.7 us to make, on the gRPC thread, now 0.3.
         self._generator: torch.Generator | None = None
         # repetition_penalty's tokens: the prompt's and the output's so far, each once (the
-        # tensor grows by the new ones when next processed: no set rebuilt a token)
+        # tensor grows by a token the first time it is seen: no set rebuilt a token)
         self._seen = set(prompt_ids) if cfg.repetition_penalty != 1.0 else set()
         self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
-        self._newly_seen: list[int] = []
         self._end = torch.tensor(sorted(set(end_ids)), dtype=torch.long) \
             if cfg.min_tokens and end_ids else None
         if cfg.logit_bias:
@@ -139,7 +138,7 @@ class Sampler:
             self._counts[token_id] = self._counts.get(token_id, 0) + 1
             if self.cfg.repetition_penalty != 1.0 and token_id not in self._seen:
                 self._seen.add(token_id)
-                self._newly_seen.append(token_id)
+                self._seen_ids = torch.cat([self._seen_ids, torch.tensor([token_id])])
         if self.guide is not None:
             self.guide.consume(token_id)
 
@@ -156,9 +155,6 @@ class Sampler:
         if self.generated < cfg.min_tokens and self._end is not None:
             out[..., self._end] = float("-inf")
         if cfg.repetition_penalty != 1.0:
-            if self._newly_seen:
-                self._seen_ids = torch.cat([self._seen_ids, torch.tensor(self._newly_seen)])
-                self._newly_seen = []
             seen = self._seen_ids
             if len(seen):
                 picked = out[..., seen]

@@ -73,9 +73,9 @@
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
 #define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
 #define PANEL_BYTES (128 << 10) /* W bytes a prefill's tiles of rows share in L2 (product_rows) */
-#define ROWS_L1_BYTES (16 << 10) /* x bytes of up to two tiles that product_rows keeps in L1
-                                  while each row of W passes both (hidden 512 in fp32: 8 rows) */
-#define ROWS_PF 2 /* W rows ahead that those two-tile passes prefetch (the hardware's stream
+#define ROWS_L1_BYTES (16 << 10) /* x bytes of up to two tiles for which product_rows takes
+                                  panels of one W row (hidden 512 in fp32: 8 rows) */
+#define ROWS_PF 2 /* W rows ahead that those one-row panels prefetch (the hardware's stream
                      alone fell behind while two tiles computed: an lm_head of 8 rows 1.4x) */
 #define ROWS_UNIT_BYTES (256 << 10) /* the most weight bytes of one rows_units unit */
 #define THREADED_WEIGHTS (1 << 18) /* weights a call reads from which its work is shared among
@@ -499,51 +499,31 @@ DOT_ROWS(dot_rows_f32, WT_F32)
 DOT_ROWS(dot_rows_bf16, WT_BF16)
 #undef DOT_ROWS
 
-/* Output row o of W for TOK_TILE < nt <= 2 TOK_TILE rows: a tile of TOK_TILE, then the rest
- * (the row read from L1 the second time), row o + ROWS_PF prefetched first (a prefetch
- * never faults: past the end of W is harmless). */
-#define DOT_ROWS2(name, wt)                                                                    \
-    static void name(const float *const *xs, int nt, const void *W, int64_t in, int64_t o,    \
-                     float *const *ys)                                                       \
-    {                                                                                        \
-        const char *next = (const char *)welem(W, (o + ROWS_PF) * in, wt);                   \
-        for (int64_t b = 0; b < in * (wt == WT_BF16 ? 2 : 4); b += 64)                       \
-            __builtin_prefetch(next + b, 0, 3);                                              \
-        dot_rows_of(xs, TOK_TILE, W, wt, in, o, 1, ys);                                      \
-        dot_rows_of(xs + TOK_TILE, nt - TOK_TILE, W, wt, in, o, 1, ys + TOK_TILE);           \
-    }
-DOT_ROWS2(dot_rows2_f32, WT_F32)
-DOT_ROWS2(dot_rows2_bf16, WT_BF16)
-#undef DOT_ROWS2
-
 /* y[r][o - o0] (row stride ldy) = x_r . W[o] for outputs o in [o0, o0 + out) of W [N][in]
  * (type wt) and R rows x_r = x + r ldx, or x + (xrow[r] / xdiv) ldx (gathered by index), in
- * tiles of TOK_TILE rows. Up to two tiles whose rows fit ROWS_L1_BYTES (a decode step's)
- * take each row of W in turn, both tiles against it while it is in L1: W streams from
- * memory once, the products overlapping the stream. More rows (prefill) take the outputs in
- * panels of about PANEL_BYTES of W, every tile over one panel before the next: the panel is
- * read from memory once and from L2 by the other tiles, where a pass of each tile over all of
- * W read it from memory once a tile. */
+ * tiles of TOK_TILE rows, the outputs in panels, every tile over one panel before the next.
+ * One tile: the whole range is one panel. Two tiles whose rows fit ROWS_L1_BYTES (a decode
+ * step's): a panel is one row of W, read from memory by the first tile and from L1 by the
+ * second, the row ROWS_PF ahead prefetched meanwhile (a prefetch never faults: past the end
+ * of W is harmless). More rows (prefill): panels of about PANEL_BYTES of W, read from memory
+ * once and from L2 by the other tiles, where a pass of each tile over all of W read it from
+ * memory once a tile. */
 static void product_rows(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv,
                          int64_t R, const void *W, int wt, int64_t in, int64_t o0, int64_t out,
                          float *y, int64_t ldy)
 {
-    if (R > TOK_TILE && R <= 2 * TOK_TILE && R * in * 4 <= ROWS_L1_BYTES) {
-        const float *xs[2 * TOK_TILE];
-        float *ys[2 * TOK_TILE];
-        for (int t = 0; t < R; t++) {
-            xs[t] = x + (xrow ? xrow[t] / xdiv : t) * ldx;
-            ys[t] = y + t * ldy - o0;
-        }
-        for (int64_t o = o0; o < o0 + out; o++)
-            (wt == WT_BF16 ? dot_rows2_bf16 : dot_rows2_f32)(xs, (int)R, W, in, o, ys);
-        return;
-    }
     const int64_t row_bytes = in * (wt == WT_BF16 ? 2 : 4);
-    const int64_t panel = R <= TOK_TILE || row_bytes >= PANEL_BYTES ? (out > 0 ? out : 1)
-                                                                     : PANEL_BYTES / row_bytes;
+    const int two_tiles = R > TOK_TILE && R <= 2 * TOK_TILE && R * in * 4 <= ROWS_L1_BYTES;
+    const int64_t panel = two_tiles ? 1
+                          : R <= TOK_TILE || row_bytes >= PANEL_BYTES ? (out > 0 ? out : 1)
+                                                                      : PANEL_BYTES / row_bytes;
     for (int64_t p0 = o0; p0 < o0 + out; p0 += panel) {
         const int64_t n = o0 + out - p0 < panel ? o0 + out - p0 : panel;
+        if (two_tiles) {
+            const char *ahead = (const char *)welem(W, (p0 + ROWS_PF) * in, wt);
+            for (int64_t b = 0; b < row_bytes; b += 64)
+                __builtin_prefetch(ahead + b, 0, 3);
+        }
         for (int64_t r0 = 0; r0 < R; r0 += TOK_TILE) {
             const int nt = R - r0 < TOK_TILE ? (int)(R - r0) : TOK_TILE;
             const float *xs[TOK_TILE];

@@ -90,7 +90,8 @@ async def serve(config: EngineConfig) -> None:
     draft_source = _draft_source(config, runner, device)  # in the room reserved above
     engine = Engine(runner, max_running=config.max_running,
                     max_step_tokens=config.prefill_chunk, draft_source=draft_source,
-                    spec_tokens=config.spec_tokens, prefix_reuse=config.prefix_reuse)
+                    spec_tokens=config.spec_tokens, prefix_reuse=config.prefix_reuse,
+                    gather_ms=config.gather_ms)
     status = StatusSource(engine, "", runner.model_name, device)
     meter_provider, tracer_provider = _telemetry(config)
     server, port, health = await start_server(engine, status, config.host, config.port,

@@ -10,6 +10,7 @@ from typing import Any
 from services.common.settings import (
     Setting,
     choice,
+    non_negative_float,
     non_negative_int,
     optional_str,
     parse_bool,
@@ -105,6 +106,10 @@ SETTINGS = (
             "sequences decoded together in one step (continuous batching); more wait"),
     Setting("prefill_chunk", "STRATA_PREFILL_CHUNK", positive_int, 512,
             "tokens per engine step: decode tokens first, then prefill chunks up to this"),
+    Setting("gather_ms", "STRATA_GATHER_MS", non_negative_float, 10.0,
+            "the longest an idle engine holds its first step for the requests a gateway says "
+            "it is still forwarding (a burst then starts in one step; a lone request never "
+            "waits; 0: never hold)"),
     Setting("kv_memory", "STRATA_KV_MEMORY", parse_bytes, None,
             "device memory for the paged KV cache (default: 4 context windows' worth)"),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", positive_int, 16,
@@ -187,6 +192,7 @@ class EngineConfig:
     advertise: str | None = None
     max_running: int = 8
     prefill_chunk: int = 512
+    gather_ms: float = 10.0
     kv_memory: int | None = None
     kv_block_size: int = 16
     dtype: str = "auto"

@@ -169,8 +169,11 @@ class Engine:
 
     def __init__(self, runner: Runner, *, max_running: int = 8, max_step_tokens: int = 512,
                  draft_source: DraftSource | None = None, spec_tokens: int = 0,
-                 prefix_reuse: bool = True):
+                 prefix_reuse: bool = True, gather_ms: float = 0.0):
         self.runner = runner
+        # An idle engine's first step waits this long at most for the requests its first
+        # arrivals say follow them (EngineRequest.following): a burst starts in one step.
+        self.gather_s = gather_ms / 1e3
         # Speculative decoding: up to spec_tokens drafts per decoding sequence and step.
         self.draft_source = draft_source if spec_tokens > 0 else None
         self.spec_tokens = spec_tokens if draft_source is not None else 0
@@ -368,6 +371,8 @@ class Engine:
                 while not (self._intake or self._between_steps or self._stopping
                            or sched.has_work):
                     self._wakeup.wait()
+                if self.gather_s > 0 and self._intake and not sched.has_work:
+                    self._gather()
                 if self._stopping:
                     return
                 chores = list(self._between_steps)
@@ -388,6 +393,22 @@ class Engine:
             except Exception:  # the loop must outlive any one step
                 log.exception("engine step failed outside the model; the engine keeps serving")
             self.after_step()
+
+    def _gather(self) -> None:
+        """Hold an idle engine's first step (the wakeup lock held) until the requests that its
+        arrivals say follow them have arrived too, or gather_s has passed: a gateway forwards a
+        burst one request after another, and a request that misses the first step waits a whole
+        step (a prefill reads most experts) for its first token."""
+        deadline = time.perf_counter() + self.gather_s
+        expected = seen = 0
+        while True:
+            for seq in itertools.islice(self._intake, seen, None):
+                seen += 1  # this arrival, and those it says follow it
+                expected = max(expected, seen + seq.payload.handle.request.following)
+            left = deadline - time.perf_counter()
+            if seen >= expected or left <= 0 or self._stopping:
+                return
+            self._wakeup.wait(left)
 
     def _step(self) -> None:
         self._propose_drafts()

@@ -106,6 +106,7 @@ class EngineRequest:
     messages: tuple[tuple[str, str] | ChatTurn, ...] | None = None
     prompt: str | None = None  # raw completion prompt
     tools: ToolSpec | None = None
+    following: int = 0  # requests the sender sends next (GenerateRequest.following)
 
 
 class _DraftFigures:

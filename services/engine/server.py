@@ -96,9 +96,10 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
             for m in chat.messages)
         tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
                          chat.parallel_tool_calls) if chat.tools_json else None
-        return EngineRequest(request_id, params, messages=messages, tools=tools)
+        return EngineRequest(request_id, params, messages=messages, tools=tools,
+                             following=msg.following)
     if which == "prompt":
-        return EngineRequest(request_id, params, prompt=msg.prompt)
+        return EngineRequest(request_id, params, prompt=msg.prompt, following=msg.following)
     raise InvalidRequest("request has neither chat messages nor a prompt")
 
 

@@ -70,6 +70,7 @@ class Ticket:
     entered_at: float
     engine: str | None = None
     granted_at: float | None = None
+    forwarded: bool = False  # its engine call was made (Admission.forward)
     released: bool = False
     _granted: asyncio.Future[str] | None = field(default=None, repr=False)
 
@@ -87,6 +88,7 @@ class Admission:
         self.limits = ledger.limits
         self._ready = dict.fromkeys(engines, initially_ready)
         self._inflight = dict.fromkeys(self._ready, 0)  # this gateway's granted tickets
+        self._unforwarded: dict[str, int] = {}  # granted, engine call not yet made
         self._waiting: OrderedDict[int, Ticket] = OrderedDict()
         self._ids = itertools.count()
         self._lease_prefix = uuid.uuid4().hex[:12]  # this gateway's leases in a shared ledger
@@ -171,6 +173,7 @@ class Admission:
         if not self._inflight.get(engine):
             self._ready.pop(engine, None)
             self._inflight.pop(engine, None)
+            self._unforwarded.pop(engine, None)
 
     # -- draining ------------------------------------------------------------------------------
 
@@ -253,6 +256,20 @@ class Admission:
             self.release(ticket)  # also hands on a slot granted in the meantime
             raise
 
+    def forward(self, ticket: Ticket) -> int:
+        """The granted ticket's engine call is being made; returns how many requests this
+        gateway has taken in for the same engine and forwards after it (granted ones, and
+        those whose admission is still being decided when that engine is the only one ready):
+        the engine's GenerateRequest.following."""
+        assert ticket.engine is not None
+        if not ticket.forwarded:
+            ticket.forwarded = True
+            self._unforwarded[ticket.engine] -= 1
+        following = self._unforwarded[ticket.engine]
+        if self.ready_engines == [ticket.engine]:
+            following += self._entering
+        return following
+
     def release(self, ticket: Ticket, *, observed: bool = False) -> None:
         """End the ticket (idempotent). `observed`: its duration feeds Retry-After."""
         if ticket.released:
@@ -263,6 +280,8 @@ class Admission:
             ticket._granted.cancel()
         if ticket.engine is not None:
             self._inflight[ticket.engine] -= 1
+            if not ticket.forwarded:
+                self._unforwarded[ticket.engine] -= 1
             assert self._inflight[ticket.engine] >= 0
             if observed and ticket.granted_at is not None:
                 duration_s = max(self._clock() - ticket.granted_at, 1e-3)
@@ -276,6 +295,7 @@ class Admission:
 
     def _grant(self, ticket: Ticket, engine: str) -> None:
         self._inflight[engine] = self._inflight.get(engine, 0) + 1
+        self._unforwarded[engine] = self._unforwarded.get(engine, 0) + 1
         ticket.engine = engine
         ticket.granted_at = self._clock()
         self._idle.clear()

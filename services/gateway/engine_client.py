@@ -151,8 +151,8 @@ def _logprob(pb: engine_pb2.TokenLogprob) -> TokenLogprob:
                               for t in pb.top))
 
 
-def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
-             ) -> engine_pb2.GenerateRequest:
+def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
+             following: int = 0) -> engine_pb2.GenerateRequest:
     s = spec.sampling
     sampling = engine_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
@@ -163,7 +163,8 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float
     if s.seed is not None:
         sampling.seed = s.seed
     request = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
-                                         stream_interval_ms=stream_interval_ms)
+                                         stream_interval_ms=stream_interval_ms,
+                                         following=following)
     if spec.is_chat:
         request.chat.CopyFrom(engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(
             role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
@@ -396,9 +397,11 @@ class EnginePool:
     def generate(self, address: str, spec: GenerateInput, request_id: str, *,
                  metadata: Sequence[tuple[str, str]] = (),
                  timeout_s: float | None = None,
-                 stream_interval_ms: float = 0.0) -> GenerateCall:
+                 stream_interval_ms: float = 0.0, following: int = 0) -> GenerateCall:
+        """`following`: requests this gateway forwards to the engine right after this one
+        (GenerateRequest.following)."""
         call = self._stubs[address].Generate(
-            _request(spec, request_id, stream_interval_ms), timeout=timeout_s,
+            _request(spec, request_id, stream_interval_ms, following), timeout=timeout_s,
             metadata=(("x-request-id", request_id), *metadata))
         return GenerateCall(call, address, self)
 

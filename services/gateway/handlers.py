@@ -209,11 +209,13 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                                                      deadline - clock()))
         engine_used = True
         renderer = renderer_cls(request_id(request), spec.model)
+        following = admission.forward(ticket)  # requests this gateway forwards after this one
         async with contextlib.AsyncExitStack() as calls:
             runs = []
             for i in range(spec.n):  # n choices: n engine requests, seeds apart
                 call = await calls.enter_async_context(pool.generate(
                     engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
+                    following=following + spec.n - 1 - i,
                     metadata=request[TRACE].metadata(),
                     timeout_s=max(deadline - clock(), 0.001),
                     # a whole answer is held at the engine to its end: one message, not one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -74,9 +75,11 @@ def run_all(engine: Engine, requests: list[EngineRequest]) -> list[Client]:
 def engine_factory(tiny_dir):
     engines = []
 
-    def make(max_running=8, max_step_tokens=64, prefix_reuse=True, **runner_kwargs) -> Engine:
+    def make(max_running=8, max_step_tokens=64, prefix_reuse=True, gather_ms=0.0,
+             **runner_kwargs) -> Engine:
         engine = Engine(make_runner(tiny_dir, **runner_kwargs), max_running=max_running,
-                        max_step_tokens=max_step_tokens, prefix_reuse=prefix_reuse)
+                        max_step_tokens=max_step_tokens, prefix_reuse=prefix_reuse,
+                        gather_ms=gather_ms)
         engine.start()
         engines.append(engine)
         return engine
@@ -97,6 +100,51 @@ def test_batched_decode_gives_each_sequence_the_tokens_it_gets_alone(engine_fact
     for c in clients:
         s = c.finished.stats
         assert s.hits + s.spilled == s.lookups > 0 and s.prefill_lookups > 0
+
+
+def recording_steps(engine: Engine) -> list[int]:
+    """The number of chunks of each step the engine runs from now on."""
+    sizes: list[int] = []
+    step = engine.runner.step
+
+    def recorded(work, *args, **kwargs):
+        sizes.append(len(work))
+        return step(work, *args, **kwargs)
+
+    engine.runner.step = recorded
+    return sizes
+
+
+def test_an_idle_engine_starts_the_requests_said_to_follow_in_one_step(engine_factory):
+    engine = engine_factory(gather_ms=60_000)
+    sizes = recording_steps(engine)
+    first, second = Client(), Client()
+    engine.submit(replace(request(PROMPTS[0], max_tokens=4), following=1), first)
+    time.sleep(0.3)  # the follower comes well after the first: the step still waits for it
+    engine.submit(request(PROMPTS[1], max_tokens=4), second)
+    first.wait(timeout_s=30), second.wait(timeout_s=30)
+    assert sizes[0] == 2, f"the first step ran {sizes[0]} request(s), not the burst of 2"
+
+
+def test_gathering_never_holds_a_lone_request_nor_a_busy_engine_past_its_limit(engine_factory):
+    # a lone request (following 0) starts at once: a wait of gather_ms (a minute) would
+    # outlast the client's timeout
+    engine = engine_factory(gather_ms=60_000)
+    sizes = recording_steps(engine)
+    lone = Client()
+    engine.submit(request(PROMPTS[0], max_tokens=40, ignore_eos=True), lone)
+    while not isinstance(lone.events.get(timeout=30), Delta):
+        pass
+    # while it runs, a request announcing followers that never come joins the next step
+    late = Client()
+    engine.submit(replace(request(PROMPTS[1], max_tokens=4), following=3), late)
+    late.wait(timeout_s=30), lone.wait(timeout_s=30)
+    assert sizes[0] == 1
+    # idle again: followers that never come hold the first step gather_ms at most
+    short = engine_factory(gather_ms=200)
+    orphan = Client()
+    short.submit(replace(request(PROMPTS[2], max_tokens=4), following=5), orphan)
+    assert orphan.wait(timeout_s=30).finished.reason == "length"
 
 
 def test_prefix_reuse_gives_identical_output_and_reports_the_reused_tokens(engine_factory):

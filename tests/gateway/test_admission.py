@@ -132,6 +132,25 @@ async def test_least_loaded_engine_and_readiness():
     assert info.value.reason == "no_engine"
 
 
+async def test_forward_counts_the_requests_this_gateway_sends_the_same_engine_next():
+    admission = make(("e0", "e1"), max_inflight=3, max_queue=2)
+    tickets = [await admission.enter() for _ in range(4)]
+    on_e0 = [t for t in tickets if t.engine == "e0"]
+    assert len(on_e0) == 2
+    assert admission.forward(on_e0[0]) == 1  # the other e0 request; e1's are not counted
+    assert admission.forward(on_e0[0]) == 1  # forwarding twice counts once
+    admission.release(on_e0[1])  # left before it was forwarded: nothing follows any more
+    assert admission.forward(on_e0[0]) == 0
+    admission.set_ready("e1", False)  # the only ready engine: requests still entering follow
+    admission._entering = 2  # two enter() calls waiting for the ledger (Redis)
+    assert admission.forward(on_e0[0]) == 2
+    admission._entering = 0
+    for t in tickets:
+        admission.release(t)
+    await settle()
+    assert admission._unforwarded == {"e0": 0, "e1": 0}
+
+
 async def test_engine_coming_back_serves_the_queue():
     admission = make(("e0", "e1"), max_inflight=1, max_queue=1)
     admission.set_ready("e1", False)

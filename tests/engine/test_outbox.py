@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from services.engine import server
 from services.engine.requests import Delta, Finished, RequestStats, Started
 from services.engine.server import Inbox, Outbox, message_of
 
@@ -134,3 +135,31 @@ async def test_an_abort_from_another_thread_follows_what_waits_for_the_step():
     stopping.join()
     events = await asyncio.wait_for(inbox.take(), 5)
     assert events[0] == Started(1, 8) and events[1].reason == "abort"
+
+
+async def test_a_flush_with_first_messages_returns_once_they_are_written(monkeypatch):
+    monkeypatch.setattr(server, "FIRST_MESSAGE_WAIT_S", 60.0)  # longer than any join below
+    outbox = Outbox(asyncio.get_running_loop())
+    first, running = Inbox(), Inbox()
+
+    def step() -> None:
+        outbox.flush()  # the stepping thread's first after_step
+        outbox.put(running, Delta("b", (2,)))  # a running request's tokens: nothing to wait for
+        outbox.put(first, Started(3, 64))
+        outbox.put(first, Delta("a", (1,)))
+        outbox.flush()
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    assert await asyncio.wait_for(first.take(), 5) == [Started(3, 64), Delta("a", (1,))]
+    await asyncio.sleep(0.05)
+    assert stepping.is_alive()  # its first message is taken, not yet written
+    first.first_out()  # the gRPC writer wrote it
+    await asyncio.to_thread(stepping.join, 10)
+    assert not stepping.is_alive()
+    # a step with no request's first message returns at once
+    again = threading.Thread(target=lambda: (outbox.put(running, Delta("c", (3,))),
+                                             outbox.flush()))
+    again.start()
+    await asyncio.to_thread(again.join, 10)
+    assert not again.is_alive()

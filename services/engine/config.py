@@ -108,8 +108,8 @@ SETTINGS = (
             "tokens per engine step: decode tokens first, then prefill chunks up to this"),
     Setting("gather_ms", "STRATA_GATHER_MS", non_negative_float, 10.0,
             "the longest an idle engine holds its first step for the requests a gateway says "
-            "it is still forwarding (a burst then starts in one step; a lone request never "
-            "waits; 0: never hold)"),
+            "it is still forwarding, and never longer than its recent steps took (a burst then "
+            "starts in one step; a lone request never waits; 0: never hold)"),
     Setting("kv_memory", "STRATA_KV_MEMORY", parse_bytes, None,
             "device memory for the paged KV cache (default: 4 context windows' worth)"),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", positive_int, 16,

@@ -174,6 +174,7 @@ class Engine:
         # An idle engine's first step waits this long at most for the requests its first
         # arrivals say follow them (EngineRequest.following): a burst starts in one step.
         self.gather_s = gather_ms / 1e3
+        self._step_s = self.gather_s  # recent steps' duration (moving average)
         # Speculative decoding: up to spec_tokens drafts per decoding sequence and step.
         self.draft_source = draft_source if spec_tokens > 0 else None
         self.spec_tokens = spec_tokens if draft_source is not None else 0
@@ -396,10 +397,11 @@ class Engine:
 
     def _gather(self) -> None:
         """Hold an idle engine's first step (the wakeup lock held) until the requests that its
-        arrivals say follow them have arrived too, or gather_s has passed: a gateway forwards a
-        burst one request after another, and a request that misses the first step waits a whole
-        step (a prefill reads most experts) for its first token."""
-        deadline = time.perf_counter() + self.gather_s
+        arrivals say follow them have arrived too: a gateway forwards a burst one request after
+        another, and a request that misses the first step waits that whole step for its first
+        token. At most gather_s, and at most a step's time: a follower later than that does
+        better in the next step than the others waiting for it."""
+        deadline = time.perf_counter() + min(self.gather_s, self._step_s)
         expected = seen = 0
         while True:
             for seq in itertools.islice(self._intake, seen, None):
@@ -425,10 +427,12 @@ class Engine:
         for chunk in step.chunks:  # grammar masks: computed while the forward runs
             if chunk.samples and (guide := chunk.seq.payload.sampler.guide) is not None:
                 guide.start_mask()
+        started = time.perf_counter()
         try:
             results: list = self.runner.step(work)  # type: ignore[attr-defined]
         except Exception as exc:
             results = self._isolate(work, exc)
+        self._step_s += 0.25 * (time.perf_counter() - started - self._step_s)
         ran = [c for c, r in zip(step.chunks, results, strict=True) if r is not None]
         self.scheduler.complete(Step(tuple(ran)))
         for chunk, w, result in zip(step.chunks, work, results, strict=True):

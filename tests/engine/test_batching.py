@@ -122,7 +122,8 @@ def test_an_idle_engine_starts_the_requests_said_to_follow_in_one_step(engine_fa
     engine.submit(replace(request(PROMPTS[0], max_tokens=4), following=1), first)
     time.sleep(0.3)  # the follower comes well after the first: the step still waits for it
     engine.submit(request(PROMPTS[1], max_tokens=4), second)
-    first.wait(timeout_s=30), second.wait(timeout_s=30)
+    first.wait(timeout_s=30)
+    second.wait(timeout_s=30)
     assert sizes[0] == 2, f"the first step ran {sizes[0]} request(s), not the burst of 2"
 
 
@@ -138,7 +139,8 @@ def test_gathering_never_holds_a_lone_request_nor_a_busy_engine_past_its_limit(e
     # while it runs, a request announcing followers that never come joins the next step
     late = Client()
     engine.submit(replace(request(PROMPTS[1], max_tokens=4), following=3), late)
-    late.wait(timeout_s=30), lone.wait(timeout_s=30)
+    late.wait(timeout_s=30)
+    lone.wait(timeout_s=30)
     assert sizes[0] == 1
     # idle again: followers that never come hold the first step gather_ms at most
     short = engine_factory(gather_ms=200)

@@ -284,8 +284,9 @@ class Inbox:
                 self._ready.clear()
             await self._ready.wait()
 
-    def first_out(self) -> None:  # the event loop, once the first message was written
-        self._first_out.set()
+    def first_out(self) -> None:  # the event loop, after each message it wrote
+        if not self._first_out.is_set():  # a flag read, not the Event's lock, every message
+            self._first_out.set()
 
     def wait_first_out(self, timeout_s: float) -> None:  # the engine's loop thread
         self._first_out.wait(timeout_s)

@@ -2,11 +2,11 @@
 N concurrent requests, of the checkout on PYTHONPATH: what HTTP serving is measured against.
 
     PYTHONPATH=CHECKOUT python scripts/engine_rate.py MODEL [--clients 1 8] [--max-tokens 128]
-                                [--device cuda] [--temperature T [--top-p P] [--top-k K]]
+                                [--device cuda] [--temperature T [--top-p P] [--top-k K]] [--rounds R]
 
 Loads MODEL with every pair cached (on the CPU: the C kernels on, 2 threads) into an `Engine`,
 then for each client count submits that many `ignore_eos` requests at once (distinct prompts)
-and prints the median over three rounds of completion tokens per second from submission to the
+and prints the median over R rounds (3) of completion tokens per second from submission to the
 last Finished (TTFT included); greedy unless --temperature (then seeded draws). Unlike
 scripts/decode_rate.py (the runner alone), the loop's Python per step and per request is in it.
 """
@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     runner = load_runner(a.model, "auto", device=a.device,  # every pair cached
@@ -70,7 +71,7 @@ def main() -> None:
         sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
         rate(engine, 2, 8, "warm-up", sampling)
         for n in a.clients:
-            rates = [rate(engine, n, a.max_tokens, f"c{n}-r{r}", sampling) for r in range(3)]
+            rates = [rate(engine, n, a.max_tokens, f"c{n}-r{r}", sampling) for r in range(a.rounds)]
             print(f"{n} requests: {statistics.median(rates):.0f} tok/s", flush=True)
     finally:
         engine.stop()

@@ -86,6 +86,23 @@ async def test_dead_gateway_leases_expire(redis_server):
     await alive.close()
 
 
+async def test_released_leases_leave_nothing_in_redis(redis_server):
+    limits = Limits(max_inflight=1, max_queue=1, max_queued_tokens=100)
+    a = RedisLedger(redis_server.url, limits, lease_ttl_s=30)
+    b = RedisLedger(redis_server.url, limits, lease_ttl_s=30)
+    assert (await a.enter("a:1", ["e0"], 1)).engine == "e0"
+    assert (await b.enter("b:1", ["e0"], 7)).queued
+    assert (await b.enter("b:2", ["e0"], 1)).rejected  # slot and queue taken
+    await b.release("b:1", None)  # left the queue
+    await a.release("a:1", "e0")  # finished
+    r = a.redis
+    assert (await r.zcard(a.inflight_key("e0")), await r.zcard(a._queue_keys[0]),
+            await r.hlen(a._queue_keys[1])) == (0, 0, 0)
+    assert (await b.enter("b:3", ["e0"], 1)).engine == "e0"  # the slot is free again
+    await a.close()
+    await b.close()
+
+
 async def test_engines_found_in_the_registry(redis_server, make_gateway):
     servicer = ScriptedEngine()
     server, port = await start_engine(servicer)

@@ -21,6 +21,7 @@ from services.bench.client import Gateway, discover
 from services.bench.dataset import HIT_EDGES, SPILL_EDGES, pair_lines, summarize
 from services.bench.report import Report, header, machine, resources_section
 from services.bench.sampler import ResourceSampler
+from services.common.settings import positive_int
 
 BENCHES = ("run", "sweep", "soak", "overload", "longctx", "dataset")
 _BULKY = ("requests", "records", "samples", "rejected", "points", "checks")
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     sweep.add_argument("--requests-per-client", type=int, default=2)
     sweep.add_argument("--max-tokens", type=int, default=64)
+    sweep.add_argument("--rounds", type=positive_int, default=1, help="run the levels in turn this many "
+                       "times and report each level's median (a drifting host hits all alike)")
     soak = sub.add_parser("soak", parents=both, help="steady load for a while")
     soak.add_argument("--duration-s", type=float, default=600.0)
     soak.add_argument("--concurrency", type=int, default=1)
@@ -110,7 +113,7 @@ async def _dispatch(ctx: suites.BenchContext, a: argparse.Namespace) -> dict:
     if a.bench == "sweep":
         return await load.bench_sweep(ctx, levels=a.levels,
                                       requests_per_client=a.requests_per_client,
-                                      max_tokens=a.max_tokens)
+                                      max_tokens=a.max_tokens, rounds=a.rounds)
     if a.bench == "soak":
         return await load.bench_soak(ctx, duration_s=a.duration_s, concurrency=a.concurrency,
                                      max_tokens=a.max_tokens)

@@ -35,36 +35,81 @@ async def _worker(ctx: BenchContext, prompt_tokens: int, max_tokens: int, seed: 
 
 async def bench_sweep(ctx: BenchContext, *, levels: Sequence[int] = (1, 2, 4, 8, 16),
                       requests_per_client: int = 2, prompt_tokens: int = 32,
-                      max_tokens: int = 64) -> dict:
+                      max_tokens: int = 64, rounds: int = 1) -> dict:
+    """Each level: as many clients, each sending `requests_per_client` requests back to back.
+    With rounds > 1 the levels run in turn that many times (1, 2, 4, ..., 1, 2, 4, ...), so
+    that a drift in the host's speed hits every level alike; a level then reports the median
+    of its rounds, and `scaling` each level's aggregate over the first level's in the same
+    round (median, min, max)."""
+    levels = list(dict.fromkeys(levels))  # a level named twice runs once a round
     rows = []
     address = ctx.engine.get("address")
-    for level in levels:
-        before = await asyncio.to_thread(engine_status, address) if address else None
-        t0 = time.perf_counter()
-        per_client = await asyncio.gather(*(
-            _worker(ctx, prompt_tokens, max_tokens, level * 100 + c, requests_per_client, None)
-            for c in range(level)))
-        wall_s = time.perf_counter() - t0
-        outcomes = [o for client in per_client for o in client]
-        summary = summarize(outcomes)
-        after = await asyncio.to_thread(engine_status, address) if address else None
-        row = {"concurrency": level, "wall_s": wall_s, **summary,
-               "aggregate_tok_s": summary["completion_tokens"] / wall_s if wall_s else None,
-               "distinct_pairs_per_layer_step": _distinct_per_layer_step(before, after),
-               "requests": [o.to_dict() for o in outcomes]}
-        rows.append(row)
-        ctx.progress(f"concurrency {level}: {summary['num_ok']}/{len(outcomes)} ok, aggregate "
-                     f"{row['aggregate_tok_s']:.1f} tok/s, TTFT p50 "
-                     f"{_ms(summary['ttft_s_p50'])} p95 {_ms(summary['ttft_s_p95'])}")
-    return {"bench": "sweep", "requests_per_client": requests_per_client,
-            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "levels": rows,
-            "concurrency": {str(r["concurrency"]): {
-                "aggregate_tok_s": r["aggregate_tok_s"],
-                "per_client_tok_s": r["client_decode_tok_s_p50"],
-                "ttft_p50_s": r["ttft_s_p50"], "ttft_p95_s": r["ttft_s_p95"],
-                "hit_rate": r["hit_rate_p50"],
-                "distinct_pairs_per_layer_step": r["distinct_pairs_per_layer_step"]}
-                for r in rows}}
+    for r in range(rounds):
+        for level in levels:
+            before = await asyncio.to_thread(engine_status, address) if address else None
+            t0 = time.perf_counter()
+            per_client = await asyncio.gather(*(  # new prompts each round: no prefix reuse
+                _worker(ctx, prompt_tokens, max_tokens, r * 100_000 + level * 100 + c,
+                        requests_per_client, None)
+                for c in range(level)))
+            wall_s = time.perf_counter() - t0
+            outcomes = [o for client in per_client for o in client]
+            summary = summarize(outcomes)
+            after = await asyncio.to_thread(engine_status, address) if address else None
+            row = {"concurrency": level, "round": r + 1, "wall_s": wall_s, **summary,
+                   "aggregate_tok_s": summary["completion_tokens"] / wall_s if wall_s else None,
+                   "distinct_pairs_per_layer_step": _distinct_per_layer_step(before, after),
+                   "requests": [o.to_dict() for o in outcomes]}
+            rows.append(row)
+            ctx.progress(f"{f'round {r + 1}/{rounds}, ' if rounds > 1 else ''}concurrency "
+                         f"{level}: {summary['num_ok']}/{len(outcomes)} ok, aggregate "
+                         f"{row['aggregate_tok_s']:.1f} tok/s, TTFT p50 "
+                         f"{_ms(summary['ttft_s_p50'])} p95 {_ms(summary['ttft_s_p95'])}")
+    by_level = {level: [row for row in rows if row["concurrency"] == level] for level in levels}
+    merged = [_merge_rounds(level_rows) for level_rows in by_level.values()]
+    result = {"bench": "sweep", "requests_per_client": requests_per_client,
+              "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "rounds": rounds,
+              "levels": merged,
+              "scaling": {str(level): _scaling(by_level[level], by_level[levels[0]])
+                          for level in levels[1:]},
+              "concurrency": {str(lv["concurrency"]): {
+                  "aggregate_tok_s": lv["aggregate_tok_s"],
+                  "per_client_tok_s": lv["client_decode_tok_s_p50"],
+                  "ttft_p50_s": lv["ttft_s_p50"], "ttft_p95_s": lv["ttft_s_p95"],
+                  "hit_rate": lv["hit_rate_p50"],
+                  "distinct_pairs_per_layer_step": lv["distinct_pairs_per_layer_step"]}
+                  for lv in merged}}
+    if rounds > 1:
+        result["by_round"] = [{k: v for k, v in row.items() if k != "requests"} for row in rows]
+    return result
+
+
+_SUMMED = frozenset({"wall_s", "num_requests", "num_ok", "num_failed", "completion_tokens"})
+
+
+def _merge_rounds(rows: list[dict]) -> dict:
+    """One level's rounds as one row: counts summed, every other figure the rounds' median,
+    every request kept."""
+    if len(rows) == 1:
+        return {k: v for k, v in rows[0].items() if k != "round"}
+    merged: dict = {"concurrency": rows[0]["concurrency"], "rounds": len(rows)}
+    for key in rows[0]:
+        if key in ("concurrency", "round", "requests"):
+            continue
+        values = [row[key] for row in rows if row[key] is not None]
+        merged[key] = sum(values) if key in _SUMMED else median(values)
+    merged["requests"] = [request for row in rows for request in row["requests"]]
+    return merged
+
+
+def _scaling(rows: list[dict], base: list[dict]) -> dict:
+    """A level's aggregate over the base level's, round by round."""
+    ratios = [row["aggregate_tok_s"] / b["aggregate_tok_s"] for row, b in zip(rows, base,
+                                                                               strict=True)
+              if row["aggregate_tok_s"] and b["aggregate_tok_s"]]
+    return {"over": base[0]["concurrency"], "median": median(ratios),
+            "min": min(ratios, default=None), "max": max(ratios, default=None),
+            "per_round": ratios}
 
 
 def _distinct_per_layer_step(before: dict | None, after: dict | None) -> float | None:

@@ -47,10 +47,13 @@ def render_run(report: Report, r: dict) -> None:
 
 def render_sweep(report: Report, r: dict) -> None:
     levels = r["levels"]
-    report.section("Concurrency sweep", table(
-        ["clients", "requests ok", "aggregate tok/s", "per-request decode tok/s p50",
-         "TTFT ms p50", "TTFT ms p95", "latency s p95"],
+    rounds = r.get("rounds", 1)
+    title = "Concurrency sweep" + (f" (medians of {rounds} rounds)" if rounds > 1 else "")
+    report.section(title, table(
+        ["clients", "requests ok", "aggregate tok/s", f"over {_clients(levels[0]['concurrency'])}",
+         "per-request decode tok/s p50", "TTFT ms p50", "TTFT ms p95", "latency s p95"],
         [[lv["concurrency"], f"{lv['num_ok']}/{lv['num_requests']}", lv["aggregate_tok_s"],
+          _scaled(r.get("scaling", {}).get(str(lv["concurrency"])), rounds),
           lv["decode_tok_s_p50"], _ms(lv["ttft_s_p50"]), _ms(lv["ttft_s_p95"]),
           lv["latency_s_p95"]] for lv in levels]))
     c = [lv["concurrency"] for lv in levels]
@@ -68,6 +71,20 @@ def render_sweep(report: Report, r: dict) -> None:
            title="TTFT vs concurrency")
     ax.legend()
     report.figure("ttft", fig, "TTFT vs concurrency")
+
+
+def _clients(n: int) -> str:
+    return f"{n} client" + ("s" if n != 1 else "")
+
+
+def _scaled(scaling: dict | None, rounds: int) -> str:
+    """A level's aggregate over the first level's: the rounds' median (and range)."""
+    if scaling is None:
+        return "1.00"
+    if scaling["median"] is None:
+        return "-"
+    spread = f" ({scaling['min']:.2f}-{scaling['max']:.2f})" if rounds > 1 else ""
+    return f"{scaling['median']:.2f}{spread}"
 
 
 def render_soak(report: Report, r: dict) -> None:

@@ -80,6 +80,29 @@ def test_longctx_over_window_is_a_clean_400_and_dataset_pairs_the_log(cluster, t
     assert data["num_requests"] == served > 0 and data["num_rejected"] == 0
 
 
+def test_sweep_rounds_run_the_levels_in_turn_and_report_their_medians(cluster, tmp_path,
+                                                                        capsys):
+    result = run_json(["sweep", "--url", cluster.base_url, "--out", str(tmp_path),
+                       "--levels", "1", "2", "--rounds", "2", "--requests-per-client", "1",
+                       "--max-tokens", "4", "--sample-interval-s", "0.5"], capsys)
+    rows = {(row["round"], row["concurrency"]): row for row in result["by_round"]}
+    assert list(rows) == [(1, 1), (1, 2), (2, 1), (2, 2)]  # in turn, not level by level
+    one, two = result["levels"]
+    assert (one["rounds"], one["num_requests"], one["num_ok"]) == (2, 2, 2)
+    assert (two["num_requests"], two["num_ok"], two["completion_tokens"]) == (4, 4, 16)
+    assert two["aggregate_tok_s"] == pytest.approx(  # the median of two rounds: their mean
+        (rows[1, 2]["aggregate_tok_s"] + rows[2, 2]["aggregate_tok_s"]) / 2)
+    ratios = [rows[r, 2]["aggregate_tok_s"] / rows[r, 1]["aggregate_tok_s"] for r in (1, 2)]
+    scaling = result["scaling"]["2"]
+    assert scaling["over"] == 1 and scaling["per_round"] == pytest.approx(ratios)
+    assert (scaling["min"], scaling["median"], scaling["max"]) == pytest.approx(
+        (min(ratios), sum(ratios) / 2, max(ratios)))
+    assert result["concurrency"]["2"]["aggregate_tok_s"] == two["aggregate_tok_s"]
+    full = json.loads(Path(result["report"]["json"]).read_text())
+    assert len(full["levels"][1]["requests"]) == 4
+    assert "medians of 2 rounds" in Path(result["report"]["markdown"]).read_text()
+
+
 def test_a_gateway_url_is_taken_with_or_without_v1():
     from services.bench.client import api_base
 

@@ -63,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     sweep.add_argument("--requests-per-client", type=int, default=2)
     sweep.add_argument("--max-tokens", type=int, default=64)
-    sweep.add_argument("--rounds", type=positive_int, default=1, help="run the levels in turn this many "
-                       "times and report each level's median (a drifting host hits all alike)")
+    sweep.add_argument("--rounds", type=positive_int, default=1,
+                       help="run the levels in turn this many times and report each level's "
+                            "median (a drifting host hits all alike)")
     soak = sub.add_parser("soak", parents=both, help="steady load for a while")
     soak.add_argument("--duration-s", type=float, default=600.0)
     soak.add_argument("--concurrency", type=int, default=1)

@@ -53,7 +53,8 @@ def render_sweep(report: Report, r: dict) -> None:
         ["clients", "requests ok", "aggregate tok/s", f"over {_clients(levels[0]['concurrency'])}",
          "per-request decode tok/s p50", "TTFT ms p50", "TTFT ms p95", "latency s p95"],
         [[lv["concurrency"], f"{lv['num_ok']}/{lv['num_requests']}", lv["aggregate_tok_s"],
-          _scaled(r.get("scaling", {}).get(str(lv["concurrency"])), rounds),
+          "1.00" if lv is levels[0] else _scaled(r.get("scaling", {}).get(
+              str(lv["concurrency"])), rounds),
           lv["decode_tok_s_p50"], _ms(lv["ttft_s_p50"]), _ms(lv["ttft_s_p95"]),
           lv["latency_s_p95"]] for lv in levels]))
     c = [lv["concurrency"] for lv in levels]
@@ -79,9 +80,7 @@ def _clients(n: int) -> str:
 
 def _scaled(scaling: dict | None, rounds: int) -> str:
     """A level's aggregate over the first level's: the rounds' median (and range)."""
-    if scaling is None:
-        return "1.00"
-    if scaling["median"] is None:
+    if scaling is None or scaling["median"] is None:  # a result from before --rounds
         return "-"
     spread = f" ({scaling['min']:.2f}-{scaling['max']:.2f})" if rounds > 1 else ""
     return f"{scaling['median']:.2f}{spread}"

@@ -38,6 +38,7 @@ UNAVAILABLE_REASONS = (NO_ENGINE, DRAINING)  # 503; the rest are 429
 
 _MAX_RETRY_AFTER_S = 600
 _EWMA_WEIGHT = 0.2  # of the newest request duration in the running mean
+_RELEASE_WAIT_S = 1.0  # the longest a rejected entry waits for this gateway's releases to land
 
 
 # Admission estimates a request's prompt tokens from its body size, before anything parses or
@@ -210,7 +211,9 @@ class Admission:
         engines = self.ready_engines
         if not engines:
             return self._no_engine()
-        if self.ledger.refuses(engines, tokens, self._entering):
+        # (while a release of this gateway's is still on its way to the ledger, the counts
+        # here may hold a slot already given back: then enter() waits for it)
+        if self.ledger.refuses(engines, tokens, self._entering) and not self._background:
             return self._queue_full(self.num_waiting + self._entering, tokens)
         return None
 
@@ -224,6 +227,12 @@ class Admission:
         self._entering += 1  # until the ledger answers, it counts against the limits here
         try:
             entered = await self.ledger.enter(ticket.lease, engines, tokens)
+            if entered.rejected and self._background:
+                # A release runs after its response is written, so a client's next request can
+                # reach the ledger first and find its own slot still taken: let this gateway's
+                # releases land, then ask once more.
+                await asyncio.wait(set(self._background), timeout=_RELEASE_WAIT_S)
+                entered = await self.ledger.enter(ticket.lease, engines, tokens)
         finally:
             self._entering -= 1
         self._shared_waiting = entered.num_waiting

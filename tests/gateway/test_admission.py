@@ -26,6 +26,19 @@ async def settle():
         await asyncio.sleep(0)
 
 
+async def test_a_slot_given_back_is_not_refused_while_its_release_is_on_its_way():
+    """A release reaches the ledger in a task, after the response that ended it: a client's
+    next request can come first, and must not be refused for the slot it just gave back."""
+    admission = make(max_inflight=1, max_queue=0)
+    first = await admission.enter()
+    admission.release(first)
+    second = await admission.enter()  # the ledger has not heard of the release yet
+    assert second.engine == "e0"
+    with pytest.raises(Rejected):  # and the cap still holds
+        await admission.enter()
+    admission.release(second)
+
+
 async def test_exact_caps_and_fifo_handoff():
     admission = make(max_inflight=1, max_queue=2)
     running = await admission.enter()

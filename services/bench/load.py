@@ -90,8 +90,6 @@ _SUMMED = frozenset({"wall_s", "num_requests", "num_ok", "num_failed", "completi
 def _merge_rounds(rows: list[dict]) -> dict:
     """One level's rounds as one row: counts summed, every other figure the rounds' median,
     every request kept."""
-    if len(rows) == 1:
-        return {k: v for k, v in rows[0].items() if k != "round"}
     merged: dict = {"concurrency": rows[0]["concurrency"], "rounds": len(rows)}
     for key in rows[0]:
         if key in ("concurrency", "round", "requests"):

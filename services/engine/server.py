@@ -11,7 +11,6 @@ naming its request id and trace id and one record in the GenAI request metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -196,7 +195,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if self._outbox is None:
             self._outbox = Outbox(asyncio.get_running_loop())
             self._engine.after_step = self._outbox.flush
-        inbox = Inbox()
+        inbox = Inbox(max(request.stream_interval_ms, 0.0) / 1e3)
         try:
             handle = self._engine.submit(request_from_proto(request),
                                          functools.partial(self._outbox.put, inbox))
@@ -208,18 +207,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except RuntimeError as exc:
             call.error_type = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        interval_s = max(request.stream_interval_ms, 0.0) / 1e3
-        loop = asyncio.get_running_loop()
-        sent_at = -math.inf  # when tokens last went out: the first ones are never held
         try:
             while True:
-                if (wait := sent_at + interval_s - loop.time()) > 0:
-                    # hold: the steps' tokens pile up in the inbox (no wake-up per step) until
-                    # the interval has passed or the request finished
-                    await inbox.finished_within(wait)
                 events = await inbox.take()  # what piled up, or else the next step's
-                if any(isinstance(e, Delta) for e in events):
-                    sent_at = loop.time()
                 yield message_of(events, self._status.engine_id)
                 inbox.first_out()
                 for event in events:
@@ -239,46 +229,52 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 class Inbox:
     """One call's events, in order. The Outbox adds them (the engine's loop thread at the end
-    of a step, other threads at once); the call's coroutine takes them. It is woken only when
-    it waits for events (`take` found none) or when its Finished arrives: a coroutine holding
-    its tokens (a stream interval) reads what piled up when the hold ends, and the steps in
-    between wake nothing."""
+    of a step, other threads at once); the call's coroutine takes them.
 
-    def __init__(self) -> None:
+    Tokens are held for the call's stream interval: after a message with tokens, the next
+    ones may be taken interval_s later (the first at once; a Finished, with what came before
+    it, at once). The coroutine is woken only when it waits and there is something it may
+    take: the steps in between wake nothing, and whether held tokens have come due is judged
+    by the engine's loop thread at each step's end (Outbox.flush), so no call runs a timer and
+    every message leaves between steps, not in the middle of one."""
+
+    def __init__(self, interval_s: float = 0.0) -> None:
+        self._interval_s = interval_s
+        self._due = -math.inf  # held tokens may be taken from this time.monotonic() on
         self._lock = threading.Lock()
         self._events: list[Event] = []
-        self._waiting = False  # take() found nothing: the next event wakes the coroutine
-        self._ended = False  # a Finished was added
+        self._waiting = False  # take() found nothing it may take: poll() wakes it
+        self.ended = False  # a Finished was added
         self._ready = asyncio.Event()
-        self._finished = asyncio.Event()
         self._first_out = threading.Event()  # the call's first message went to gRPC
 
-    def add(self, event: Event) -> bool:  # any thread
-        """Queue an event; True when the coroutine must be woken (`wake`) for it."""
+    def add(self, event: Event) -> None:  # any thread; poll() says whether to wake
         with self._lock:
             self._events.append(event)
-            wake = self._waiting or isinstance(event, Finished)
+            self.ended = self.ended or isinstance(event, Finished)
+
+    def _takeable(self) -> bool:  # the lock held
+        return bool(self._events) and (self.ended or time.monotonic() >= self._due)
+
+    def poll(self) -> bool:  # any thread
+        """True when the coroutine waits and may now take events: it must be woken (`wake`)."""
+        with self._lock:
+            if not (self._waiting and self._takeable()):
+                return False
             self._waiting = False
-            self._ended = self._ended or isinstance(event, Finished)
-            return wake
+            return True
 
     def wake(self) -> None:  # the event loop
         self._ready.set()
-        if self._ended:
-            self._finished.set()
-
-    async def finished_within(self, timeout_s: float) -> bool:
-        """Wait up to timeout_s for the call's Finished event to arrive (True if it did)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._finished.wait(), timeout_s)
-        return self._finished.is_set()
 
     async def take(self) -> list[Event]:
-        """Every event added since the last take (waits for one)."""
+        """Every event added since the last take, once they may go (waits for that)."""
         while True:
             with self._lock:
-                if self._events:
+                if self._takeable():
                     events, self._events = self._events, []
+                    if self._interval_s and any(isinstance(e, Delta) for e in events):
+                        self._due = time.monotonic() + self._interval_s
                     return events
                 self._waiting = True
                 self._ready.clear()
@@ -303,15 +299,19 @@ class Outbox:
     thread emits wait for the end of its step (`flush`, the engine's after_step), and so does a
     request's Started once the loop thread is stepping (it goes out with the first tokens
     instead of alone, in the middle of the step that computes them); then the event loop is
-    woken only for inboxes whose coroutine waits (Inbox.add). Events from any other thread
-    (shutdown's aborts) go to their inbox at once, after any that wait for a step's end. A
-    flush that hands over requests' first messages returns once they are written (or after
-    FIRST_MESSAGE_WAIT_S), so that they do not wait for a CPU behind the next step."""
+    woken only for inboxes whose coroutine waits and may take what they hold (Inbox.poll):
+    each flush polls every inbox the loop thread has filled and that has not ended, so held
+    tokens leave at the first step's end after their interval, whether or not that step added
+    any. Events from any other thread (shutdown's aborts) go to their inbox at once, after any
+    that wait for a step's end. A flush that hands over requests' first messages returns once
+    they are written (or after FIRST_MESSAGE_WAIT_S), so that they do not wait for a CPU behind
+    the next step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._pending: list[tuple[Inbox, Event]] = []  # the step's, until its flush
+        self._open: dict[Inbox, None] = {}  # inboxes the loop thread filled, until they end
         self._wake: list[Inbox] = []
         self._scheduled = False
         # the engine loop's thread, once it flushed (the object: a dead thread's ident may be
@@ -331,7 +331,10 @@ class Outbox:
         with self._lock:
             self._stepping_thread = threading.current_thread()
             pending, self._pending = self._pending, []
-        self._hand_over(pending)
+        for box, _ in pending:
+            self._open[box] = None
+        self._hand_over(pending, self._open)
+        self._open = {box: None for box in self._open if not box.ended}
         # A request's first message (its Started, with the first tokens) leaves before the
         # next step takes the cores: sent while that step runs, it waited for a CPU for up to
         # several ms (c1 TTFT p50 2-8 ms more on the bench preset), all of it time to first token.
@@ -341,9 +344,15 @@ class Outbox:
             for box in firsts:
                 box.wait_first_out(max(deadline - time.perf_counter(), 0.0))
 
-    def _hand_over(self, pending: list[tuple[Inbox, Event]]) -> None:
-        """Events into their inboxes; one wake-up of the event loop for those that wait."""
-        wake = [box for box, event in pending if box.add(event)]
+    def _hand_over(self, pending: list[tuple[Inbox, Event]],
+                   boxes: Iterable[Inbox] | None = None) -> None:
+        """Events into their inboxes; one wake-up of the event loop for the boxes (by default
+        the events' own) whose coroutine waits and may now take them."""
+        for box, event in pending:
+            box.add(event)
+        if boxes is None:
+            boxes = dict.fromkeys(box for box, _ in pending)
+        wake = [box for box in boxes if box.poll()]
         if not wake:
             return
         with self._lock:

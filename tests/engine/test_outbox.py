@@ -87,36 +87,39 @@ async def test_a_started_waits_for_the_step_that_computes_its_first_tokens():
     assert await asyncio.wait_for(inbox.take(), 5) == [Started(1, 8), Delta("a", (5,))]
 
 
-async def test_steps_wake_only_a_coroutine_that_waits_for_events():
+async def test_held_tokens_wake_nothing_until_a_step_ends_after_their_interval():
     """A call holding its tokens (a stream interval) is not woken by the steps that emit
-    them: they pile up in its inbox, and only its Finished (or a take() that found nothing)
-    wakes the event loop for it."""
+    them: they pile up in its inbox until the first step's end after the interval, even a
+    step that added none of its events; its Finished wakes it at once."""
     loop = asyncio.get_running_loop()
     outbox = Outbox(loop)
-    inbox = Inbox()
+    inbox, other = Inbox(interval_s=1.0), Inbox()
     wakes = []
     deliver = outbox._deliver
     outbox._deliver = lambda: (wakes.append(1), deliver())[1]
 
-    def steps(n: int, first: int, finish: bool = False) -> None:  # the engine's loop thread
-        for i in range(first, first + n):
-            outbox.put(inbox, Delta(str(i), (i,)))
+    def steps(n: int, first: int, box: Inbox = inbox, finish: bool = False) -> None:
+        for i in range(first, first + n):  # the engine's loop thread: emit, then after_step
+            outbox.put(box, Delta(str(i), (i,)))
             if finish and i == first + n - 1:
-                outbox.put(inbox, Finished("length", RequestStats(completion_tokens=i + 1)))
+                outbox.put(box, Finished("length", RequestStats(completion_tokens=i + 1)))
             outbox.flush()
 
     taking = asyncio.ensure_future(inbox.take())  # waits: the first step wakes it
     await asyncio.sleep(0)
     await asyncio.to_thread(steps, 1, 0)
     assert await asyncio.wait_for(taking, 5) == [Delta("0", (0,))] and len(wakes) == 1
+    holding = asyncio.ensure_future(inbox.take())
     await asyncio.to_thread(steps, 5, 1)  # held: five steps, no wake-up
     await asyncio.sleep(0.05)
-    assert len(wakes) == 1
-    assert [e.text for e in await asyncio.wait_for(inbox.take(), 5)] == ["1", "2", "3", "4", "5"]
-    holding = asyncio.ensure_future(inbox.finished_within(30))
-    await asyncio.to_thread(steps, 2, 6, finish=True)  # the Finished ends the hold
-    assert await asyncio.wait_for(holding, 5) is True and len(wakes) == 2
-    events = inbox.take_nowait()
+    assert not holding.done() and len(wakes) == 1
+    await asyncio.sleep(1.0)  # the interval has passed: still no timer wakes it ...
+    assert not holding.done() and len(wakes) == 1
+    await asyncio.to_thread(steps, 1, 0, other)  # ... but the next step's end does
+    assert [e.text for e in await asyncio.wait_for(holding, 5)] == ["1", "2", "3", "4", "5"]
+    holding = asyncio.ensure_future(inbox.take())
+    await asyncio.to_thread(steps, 2, 6, finish=True)  # the Finished ends the hold at once
+    events = await asyncio.wait_for(holding, 5)
     assert [e.text for e in events[:-1]] == ["6", "7"] and isinstance(events[-1], Finished)
 
 

@@ -101,7 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
             "shared-limit leases of a gateway that dies expire after this long"),
     Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", port, 9465,
             "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
-    Setting("stream_interval_ms", "STRATA_STREAM_INTERVAL_MS", non_negative_float, 20.0,
+    Setting("stream_interval_ms", "STRATA_STREAM_INTERVAL_MS", non_negative_float, 50.0,
             "the longest the engine holds a generated token so that tokens produced close "
             "together travel as one gRPC message and one SSE event (0: each engine step's "
             "tokens at once; tokens that pile up while a client reads slowly are merged "
@@ -128,7 +128,7 @@ class GatewayConfig:
     health_cache_s: float = 5.0
     lease_ttl_s: float = 15.0
     metrics_port: int = 9465  # 0: no Prometheus endpoint (set up by `serve`, not `init_app`)
-    stream_interval_ms: float = 20.0
+    stream_interval_ms: float = 50.0
     # Not operator settings: tests shorten them.
     health_interval_s: float = 2.0  # engine probes and registry reads
     engine_timeout_s: float = 2.0  # for GetStatus probes

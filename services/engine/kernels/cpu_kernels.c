@@ -72,6 +72,7 @@
 #define K_CHUNK 8         /* inputs per chunk of a decode-size product (see product) */
 #define ACC_FLOATS 16384  /* accumulators a chunked product keeps in cache (64 KB) */
 #define SHORT_ROW 4096    /* bytes of a W row up to which a chunked product prefetches */
+#define CACHED_W_BYTES (32 << 10) /* a W this small is read from L1/L2 in any order: no chunks */
 #define PANEL_BYTES (128 << 10) /* W bytes a prefill's tiles of rows share in L2 (product_rows) */
 #define ROWS_L1_BYTES (16 << 10) /* x bytes of up to two tiles for which product_rows takes
                                   panels of one W row (hidden 512 in fp32: 8 rows) */
@@ -323,13 +324,16 @@ TILE_PRODUCT(tile_product_bf16_pf, WT_BF16, 1)
  * and a cold hardware-prefetch stream each, whatever their size, so bf16 would gain nothing).
  * W rows of up to SHORT_ROW bytes (a work unit's columns, where a chunk spans a few pages the
  * hardware prefetcher follows poorly) are also prefetched in software, a chunk ahead. Else
- * (prefill) one chunk: the accumulators stay in registers. Either way each output is the same
- * FMA sequence (see tile_product_of). */
+ * (prefill), or when W is small enough to stay in L1/L2 whatever the order it is read in (a
+ * small model's experts: chunks there only store and reload the accumulators; a batch of
+ * eight 33-token prompts prefilled 1.06x faster without them), one chunk: the accumulators
+ * stay in registers. Either way each output is the same FMA sequence (see tile_product_of). */
 static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xdiv, int64_t R,
                     const void *W, int wt, int64_t K, int64_t ld, int64_t n, float *y,
                     int64_t ldy)
 {
-    const int64_t kc = R * n <= ACC_FLOATS ? K_CHUNK : K;
+    const int64_t kc = R * n <= ACC_FLOATS && K * n * (wt == WT_BF16 ? 2 : 4) > CACHED_W_BYTES
+                       ? K_CHUNK : K;
     const int pf = kc < K && n * (wt == WT_BF16 ? 2 : 4) <= SHORT_ROW;
     int64_t k0 = 0;
     do { /* at least one chunk: K = 0 writes zeros */

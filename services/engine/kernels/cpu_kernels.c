@@ -332,9 +332,9 @@ static void product(const float *x, int64_t ldx, const int64_t *xrow, int64_t xd
                     const void *W, int wt, int64_t K, int64_t ld, int64_t n, float *y,
                     int64_t ldy)
 {
-    const int64_t kc = R * n <= ACC_FLOATS && K * n * (wt == WT_BF16 ? 2 : 4) > CACHED_W_BYTES
-                       ? K_CHUNK : K;
-    const int pf = kc < K && n * (wt == WT_BF16 ? 2 : 4) <= SHORT_ROW;
+    const int64_t row_bytes = n * (wt == WT_BF16 ? 2 : 4);
+    const int64_t kc = R * n <= ACC_FLOATS && K * row_bytes > CACHED_W_BYTES ? K_CHUNK : K;
+    const int pf = kc < K && row_bytes <= SHORT_ROW;
     int64_t k0 = 0;
     do { /* at least one chunk: K = 0 writes zeros */
         const int64_t k1 = K - k0 <= kc ? K : k0 + kc;

@@ -189,7 +189,7 @@ class ExpertCache:
         top = top_idx if isinstance(top_idx, np.ndarray) else top_idx.cpu().numpy()  # [T, K]
         counts = np.asarray(counts)  # [E]
         if self._all_resident() and not (self._any_decode and self._predictions.pending(layer)):
-            self._count_hits([layer], top[None], counts[None])
+            self._count_hits(slice(layer, layer + 1), top[None], counts[None])
             slot_of = self.residency.lookup
             self._plan = {} if by_table else {
                 e: (_SLOT, slot_of((layer, e))) for e in np.flatnonzero(counts).tolist()}
@@ -269,9 +269,12 @@ class ExpertCache:
         layer instead of 42-109 (scripts/lookup_cost.py, 1 and 8 rows)."""
         return self.residency.num_resident == self._num_pairs and self.recorder is None
 
-    def _count_hits(self, layers: list[int], top: np.ndarray, counts: np.ndarray) -> None:
-        """The lookups of `layers` ([n] MoE layers; top [n, T, K] their top-K, counts [n, E]
-        rows routed to each expert) when all of them hit: the figures route() keeps."""
+    def _count_hits(self, layers: slice | list[int], top: np.ndarray, counts: np.ndarray
+                    ) -> None:
+        """The lookups of `layers` (n MoE layers, a slice of the layers when they are
+        consecutive: the routing counts' rows as a view, not an index; top [n, T, K] their
+        top-K, counts [n, E] rows routed to each expert) when all of them hit: the figures
+        route() keeps."""
         n, _, K = top.shape
         decode = self._layer_counts(top[:, ~self._prefill_rows]) if self._any_prefill else counts
         distinct = int(np.count_nonzero(counts))
@@ -404,7 +407,9 @@ class ExpertCache:
         already run). The step read every miss in place; the fills the policy admits serve the
         later steps."""
         if self._all_resident():  # (a table step never has next-layer predictions)
-            self._count_hits(list(moe_layers), top_idx, self._layer_counts(top_idx))
+            every = len(moe_layers) == self.num_layers  # (ascending, none twice)
+            self._count_hits(slice(None) if every else list(moe_layers), top_idx,
+                             self._layer_counts(top_idx))
             self._plan = {}
             return
         for j, layer in enumerate(moe_layers):

@@ -52,6 +52,7 @@ class Decoder:
         self.moe_layers = [layer.index for layer in layers if layer.moe is not None]
         self.fusable = backend.fused_decode_layer and all(layer.fusable for layer in layers)
         self._structs: tuple[PagedKVCache, ctypes.Array] | None = None
+        self._fused: FusedDecode | None = None  # the fused decode step's buffers, kept
         self.last_hidden: torch.Tensor | None = None  # of the last forward
         # Layer parts with per-sequence state (linear attention's): they define release(seq_id),
         # which the runner calls when a sequence ends or is preempted, and rewind(seq_id, pos)
@@ -80,7 +81,8 @@ class Decoder:
         table = None
         if (self.fusable and decode is not None and decode.all_rows
                 and decode.lengths is not None):
-            step.fused = FusedDecode(x, step, self.layers, self._layer_structs(kv))
+            step.fused = self._fused = FusedDecode.for_step(self._fused, x, step, self.layers,
+                                                            self._layer_structs(kv))
             table = experts.step_table()
         if table is not None:  # every layer in one call, the lookups after it
             experts.finish_table_step(self.moe_layers, step.fused.all_layers(table))

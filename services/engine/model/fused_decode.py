@@ -74,7 +74,7 @@ class FusedDecode:
         assert moe is not None
         H, G, Hd = a.num_heads, a.num_kv_heads, a.head_dim
         E, K = moe.num_experts, moe.experts_per_token
-        self.structs, self.backend, self.kv = structs, step.backend, step.kv
+        self.structs, self.backend = structs, step.backend
         self.h = torch.empty(T, D)  # each layer's MoE input
         self.qkv = torch.empty(T, (H + 2 * G) * Hd)
         self.attn, self.o = torch.empty(T, H * Hd), torch.empty(T, D)
@@ -93,9 +93,10 @@ class FusedDecode:
     def for_step(cls, last: FusedDecode | None, x: torch.Tensor, step: Step,
                  layers: list[DecoderLayer], structs: ctypes.Array) -> FusedDecode:
         """The last step's buffers (None: none yet) bound to this step's, or new ones when its
-        count of rows, the KV cache or the layers' pointers changed."""
+        count of rows or the layers' pointers changed (`structs` are made once per KV cache:
+        Decoder._layer_structs)."""
         fused, (T, D) = last, x.shape
-        if fused is None or fused.T != T or fused.structs is not structs or fused.kv is not step.kv:
+        if fused is None or fused.T != T or fused.structs is not structs:
             fused = cls(T, D, step, layers, structs)
         fused.bind(x, step)
         return fused

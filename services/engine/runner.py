@@ -236,6 +236,7 @@ class ModelRunner:
         log.info("weights in %s, activations and KV cache in %s", dtype_name(self.weight_dtype),
                  dtype_name(self.dtype))
         self.num_usable_tokens = min(c.vocab_size, self.tokenizer.vocab_size)
+        self.lookups_per_token = c.experts_per_token * len(c.moe_layers)  # each token's a step
         self._setup_kv(kv_memory_bytes, kv_block_size, kv_dtype)
 
         self.expert_dtype = expert_dtype
@@ -411,10 +412,12 @@ class ModelRunner:
                               -1 if chunk.seq_id is None else chunk.seq_id, chunk.num_draft))
             prefill_rows.extend([chunk.prefill] * n)
             logit_rows.extend(range(row + n - chunk.num_logits, row + n))
-        self.cache.begin_step(len(ids), np.asarray(prefill_rows, dtype=bool))
-        before = self.cache.decode.copy()
-        token_ids = torch.tensor(ids, dtype=torch.long)  # [T] (the model moves what it needs)
-        pos = torch.tensor(positions, dtype=torch.long)  # [T]
+        self.cache.begin_step(len(ids), np.array(prefill_rows, dtype=bool))
+        d = self.cache.decode
+        predictions = (d.predicted, d.predicted_routed, d.routed_with_prediction)
+        rows = np.array((ids, positions), dtype=np.int64)  # (one conversion from lists)
+        token_ids = torch.from_numpy(rows[0])  # [T] (the model moves what it needs)
+        pos = torch.from_numpy(rows[1])  # [T]
         logits = None
         if (self.graphs is not None and experts is None
                 and len(logit_rows) == len(ids) == len(spans)):
@@ -428,21 +431,22 @@ class ModelRunner:
             logits[:, self.num_usable_tokens:] = float("-inf")
         if self.hidden_sink is not None:
             self.hidden_sink(chunks, self.model.last_hidden)
-        step_decode = self.cache.decode.since(before)
-        lookups_per_token = self.config.experts_per_token * len(self.config.moe_layers)
+        predicted, predicted_routed, routed_with_prediction = (
+            now - then for now, then in zip(
+                (d.predicted, d.predicted_routed, d.routed_with_prediction), predictions,
+                strict=True))
         results: list[tuple[torch.Tensor | None, CacheCounters]] = []
         next_row = 0
         starts = [span.row_start for span in spans]  # each chunk's rows summed at once
-        hits, host, copied = (np.add.reduceat(a, starts).tolist() for a in (
-            self.cache.step_token_hits, self.cache.step_token_host, self.cache.step_token_copied))
+        hits, host, copied = np.add.reduceat(self.cache.step_tokens, starts, axis=1).tolist()
         for i, (chunk, span) in enumerate(zip(chunks, spans, strict=True)):
             counters = CacheCounters(
-                lookups=lookups_per_token * (span.row_end - span.row_start), hits=hits[i],
+                lookups=self.lookups_per_token * (span.row_end - span.row_start), hits=hits[i],
                 misses_host=host[i], misses_copied=copied[i])
             if not chunk.prefill:
-                counters.predicted = step_decode.predicted
-                counters.predicted_routed = step_decode.predicted_routed
-                counters.routed_with_prediction = step_decode.routed_with_prediction
+                counters.predicted = predicted
+                counters.predicted_routed = predicted_routed
+                counters.routed_with_prediction = routed_with_prediction
             rows_logits = None
             if chunk.wants_logits:
                 rows_logits = (logits[next_row:next_row + chunk.num_logits]  # [num_logits, V]

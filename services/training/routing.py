@@ -229,10 +229,11 @@ class RoutingTap:
     def step_table(self) -> None:
         return None  # the tap's steps run layer by layer, through route()
 
-    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
+    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray,
+                          counts: np.ndarray) -> None:
         for layer, top in zip(moe_layers, top_idx, strict=True):
             self.step[self.row[layer]] = top.copy()
-        self.inner.finish_table_step(moe_layers, top_idx)
+        self.inner.finish_table_step(moe_layers, top_idx, counts)
 
     def take(self) -> np.ndarray:
         """The last step's routing [T, L, K]."""

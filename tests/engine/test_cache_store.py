@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.cache.expert_cache import ExpertCache
+from services.engine.cache.expert_cache import ExpertCache, layer_counts
 from services.engine.cache.formats import DenseFormat
 from services.engine.cache.host_store import HostStore
 from services.engine.cache.layout import ExpertLayout, swiglu
@@ -137,7 +137,7 @@ def test_a_cache_holding_every_pair_counts_its_hits_in_bulk(host):
                 for layer in range(3):
                     cache.route(layer, top[layer], np.bincount(top[layer].ravel(), minlength=8))
             else:
-                cache.finish_table_step([0, 1, 2], top)
+                cache.finish_table_step([0, 1, 2], top, layer_counts(top, 8))
             assert cache.step_token_hits.tolist() == [6] * 4
     assert bulk.decode == one_by_one.decode and bulk.prefill == one_by_one.prefill
     assert bulk.decode.hits == bulk.decode.lookups > 0 and bulk.prefill.lookups > 0

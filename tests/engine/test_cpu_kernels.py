@@ -394,7 +394,8 @@ def test_a_step_of_every_layer_in_one_call_equals_the_layer_by_layer_path(demo_d
         tables: list[np.ndarray] = []
         finish = cache.finish_table_step
         cache.finish_table_step = (
-            lambda layers, top, _f=finish, _seen=tables: (_seen.append(top), _f(layers, top)))
+            lambda layers, top, counts, _f=finish, _seen=tables: (
+                _seen.append(top), _f(layers, top, counts)))
         logits = decode_logits(runner, prompts, 6)
         # every step: the prompts' (short spans attend as decode rows do) and 6 decode steps
         assert len(tables) == (7 if one_call else 0)

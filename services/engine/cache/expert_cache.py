@@ -16,7 +16,8 @@ Per step and MoE layer the model calls, in this order:
 Residency decisions live in `Residency` (pure, shared with replay); this class moves bytes.
 A step may hold tokens of many sequences (continuous batching): call `begin_step(T, prefill)`
 once per step; every token makes K lookups per MoE layer, and after the forward pass
-`step_token_hits[t]` holds token t's hits, so per-sequence figures are sums over its tokens.
+`step_token_hits[t]` holds token t's hits (`step_tokens` [3, T]: hits, misses on the host,
+misses copied), so per-sequence figures are sums over its tokens.
 On CUDA, fills run on their own copy stream: each fill first waits for the compute stream's
 "reads done" event of the previous layer (its victim may still be read there) and records a
 per-slot "ready" event the compute stream waits on before the slot's first use. Compute never
@@ -67,6 +68,14 @@ log = logging.getLogger("strata.engine")
 
 _SLOT, _STAGING, _HOST = 0, 1, 2
 NUM_STAGING = 8  # CUDA ring of staging buffers for copied misses that take no slot
+
+
+def layer_counts(top: np.ndarray, num_experts: int) -> np.ndarray:
+    """top [n, T, K] -> [n, E]: the rows routed to each expert, per layer (one bincount)."""
+    n = top.shape[0]
+    offsets = (np.arange(n) * num_experts)[:, None, None]
+    return np.bincount((top + offsets).ravel(),
+                       minlength=n * num_experts).reshape(n, num_experts)
 
 
 class ExpertCache:
@@ -163,11 +172,11 @@ class ExpertCache:
         assert rows.shape == (num_tokens,)
         self._prefill_rows = rows
         self._decode_rows = np.flatnonzero(~rows)
-        self._any_prefill = bool(rows.any())
         self._any_decode = len(self._decode_rows) > 0
-        self.step_token_hits = np.zeros(num_tokens, dtype=np.int64)
-        self.step_token_host = np.zeros(num_tokens, dtype=np.int64)  # [T] misses on the host
-        self.step_token_copied = np.zeros(num_tokens, dtype=np.int64)  # [T] misses copied
+        self._any_prefill = len(self._decode_rows) < num_tokens
+        self.step_tokens = np.zeros((3, num_tokens), dtype=np.int64)  # [3, T] one allocation:
+        # the hits of each row, its misses run on the host, its misses copied (views)
+        self.step_token_hits, self.step_token_host, self.step_token_copied = self.step_tokens
         self._predictions.clear()
 
     @property
@@ -275,28 +284,24 @@ class ExpertCache:
         consecutive: the routing counts' rows as a view, not an index; top [n, T, K] their
         top-K, counts [n, E] rows routed to each expert) when all of them hit: the figures
         route() keeps."""
-        n, _, K = top.shape
-        decode = self._layer_counts(top[:, ~self._prefill_rows]) if self._any_prefill else counts
+        n, T, K = top.shape
+        if self._any_prefill:
+            decode = layer_counts(top[:, self._decode_rows], self.num_experts)
+        else:
+            decode = counts
         distinct = int(np.count_nonzero(counts))
         self.residency.hit_every_pair(distinct)
         self.distinct_pairs_routed += distinct
         self.layer_steps += n
         self.routing_counts[layers] += counts
         self.decode_routing_counts[layers] += decode
-        decode_n, all_n = int(decode.sum()), int(counts.sum())
+        decode_n, all_n = n * len(self._decode_rows) * K, n * T * K  # K experts a row
         self.decode.lookups += decode_n
         self.decode.hits += decode_n
         self.prefill.lookups += all_n - decode_n
         self.prefill.hits += all_n - decode_n
         self.step_token_hits += n * K  # each token's K lookups a layer
         self._counts = counts[-1]
-
-    def _layer_counts(self, top: np.ndarray) -> np.ndarray:
-        """top [n, T, K] -> [n, E]: the rows routed to each expert, per layer (one bincount)."""
-        n = top.shape[0]
-        offsets = (np.arange(n) * self.num_experts)[:, None, None]
-        return np.bincount((top + offsets).ravel(),
-                           minlength=n * self.num_experts).reshape(n, self.num_experts)
 
     def _record(self, layer: int, phases: list[tuple[int, int, int]]) -> None:
         assert self.recorder is not None
@@ -399,23 +404,22 @@ class ExpertCache:
         assert isinstance(self.compute, TritonMoe) and self.addr_table is not None
         return self.compute.graphed(layer, x, top_idx, top_w, self.addr_table[layer])
 
-    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
+    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray,
+                          counts: np.ndarray) -> None:
         """The lookups of a step that read its experts by table (a CUDA graph's replay, or a
-        CPU step_table's one-call step), after it: top_idx [Lm, T, K], one route() per MoE
-        layer in layer order, as an eager step makes them, so hits, policy state and fills are
-        an eager step's (less the next-layer prefetch, which cannot help a step that has
-        already run). The step read every miss in place; the fills the policy admits serve the
-        later steps."""
+        CPU step_table's one-call step), after it: top_idx [Lm, T, K] and counts [Lm, E] (rows
+        routed to each expert: layer_counts(top_idx), which the CPU step counts as it routes),
+        one route() per MoE layer in layer order, as an eager step makes them, so hits, policy
+        state and fills are an eager step's (less the next-layer prefetch, which cannot help a
+        step that has already run). The step read every miss in place; the fills the policy
+        admits serve the later steps."""
         if self._all_resident():  # (a table step never has next-layer predictions)
             every = len(moe_layers) == self.num_layers  # (ascending, none twice)
-            self._count_hits(slice(None) if every else list(moe_layers), top_idx,
-                             self._layer_counts(top_idx))
+            self._count_hits(slice(None) if every else list(moe_layers), top_idx, counts)
             self._plan = {}
             return
-        for j, layer in enumerate(moe_layers):
-            top = top_idx[j]
-            self.route(layer, top, np.bincount(top.ravel(), minlength=self.num_experts),
-                       by_table=True)
+        for layer, top, layer_counts_ in zip(moe_layers, top_idx, counts, strict=True):
+            self.route(layer, top, layer_counts_, by_table=True)
 
     def _stage(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Copy a host blob into staging buffer i (each staged expert of a layer has its own:

@@ -55,7 +55,7 @@ from services.engine.model.layers.mlp import ACTIVATIONS, SWIGLU, ExpertMlp
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 14  # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 15  # cpu_kernels.c's ABI_VERSION
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
          "-std=gnu11")
 MODES = ("auto", "on", "off")
@@ -237,7 +237,7 @@ class CpuKernels:
         lib.strata_decode_step.argtypes = [_c_ptr, _c_i64, ctypes.POINTER(DecodeStep), _c_ptr,
                                            _c_ptr, _c_i64, _c_i64, _c_i64, ctypes.c_float,
                                            ctypes.c_float, _c_i64, _c_ptr, _c_ptr, _c_ptr,
-                                           _c_ptr]
+                                           _c_ptr, _c_ptr]
         lib.strata_decode_step.restype = None
         self._lib = lib
         self._work = _Workspace()
@@ -422,18 +422,20 @@ class CpuKernels:
 
     def decode_step(self, layers: ctypes.Array, step: DecodeStep, addresses: np.ndarray,
                     wtypes: np.ndarray, ffn_size: int, splits: int, mlp: ExpertMlp,
-                    bias_at: int, route_top: np.ndarray) -> None:
+                    bias_at: int, route_top: np.ndarray, route_counts: np.ndarray) -> None:
         """Every decoder layer of a decode step in one call (see strata_decode_step): per
         layer l decode_layer(layers[l], step), then the routed experts at addresses [L, E]
         (wtypes [L, 5]: moe_weight_types of each layer); step.x ends as the last layer's
-        output, each layer's top-K in route_top [L, T, K] (int64)."""
+        output, each layer's top-K in route_top [L, T, K] and its rows per expert in
+        route_counts [L, E] (int64)."""
         T, D, K, E = step.T, step.D, step.K, step.E
         L = len(layers)
         assert addresses.shape == (L, E) and addresses.dtype == np.int64
         assert wtypes.shape == (L, 5) and wtypes.dtype == np.int64
         assert route_top.shape == (L, T, K) and route_top.dtype == np.int64
+        assert route_counts.shape == (L, E) and route_counts.dtype == np.int64
         assert addresses.flags.c_contiguous and wtypes.flags.c_contiguous
-        assert route_top.flags.c_contiguous
+        assert route_top.flags.c_contiguous and route_counts.flags.c_contiguous
         work_floats = self._lib.strata_moe_work_floats(T, K, D, ffn_size)
         floats = self._workspace("floats", torch.float32, work_floats + T * D)  # work, then y
         ints = self._workspace("ints", torch.int64, self._lib.strata_moe_work_ints(T, K, E))
@@ -441,7 +443,8 @@ class CpuKernels:
         self._lib.strata_decode_step(ctypes.addressof(layers), L, ctypes.byref(step),
                                      addresses.ctypes.data, wtypes.ctypes.data, ffn_size,
                                      splits, ACTIVATIONS.index(mlp.act), mlp.alpha, mlp.limit,
-                                     bias_at if mlp.bias else -1, route_top.ctypes.data, y,
+                                     bias_at if mlp.bias else -1, route_top.ctypes.data,
+                                     route_counts.ctypes.data, y,
                                      floats.data_ptr(), ints.data_ptr())
 
     def _workspace(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -208,9 +208,9 @@ class CpuBackend(TorchBackend):
         self.cpu.decode_layer(layer, step)
 
     def decode_step(self, layers: ctypes.Array, step: kernels.DecodeStep, table: ExpertTable,
-                    route_top: np.ndarray) -> None:
+                    route_top: np.ndarray, route_counts: np.ndarray) -> None:
         self.cpu.decode_step(layers, step, table.addresses, table.weight_types, table.ffn_size,
-                             table.splits, table.mlp, table.bias_at, route_top)
+                             table.splits, table.mlp, table.bias_at, route_top, route_counts)
 
 
 class TritonBackend(TorchBackend):

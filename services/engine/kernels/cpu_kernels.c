@@ -45,7 +45,7 @@
 #include <omp.h>
 #endif
 
-#define ABI_VERSION 14
+#define ABI_VERSION 15
 #define WT_F32 0          /* weight types (wtype) */
 #define WT_BF16 1
 #define WT_Q8_0 2         /* GGUF block types, rows of blocks as stored (see product_blocks) */
@@ -2110,19 +2110,21 @@ void strata_moe(const float *x, int64_t T, int64_t D, int64_t F, int64_t S, int6
  * addresses in a table: layer l's expert e at addr[l][e] (a slot, or the host store in place).
  * Per layer the same two calls as the per-layer path, with the last MoE output added at the
  * next layer's start and, after the last, to x: bit-identical to it. x [T][D] ends as the last
- * layer's output; layer l's top-K is left in route_top[l] ([T][K]) for the cache's lookups
- * after the step; wtypes[l] are layer l's expert weight types (strata_moe's wtypes). */
+ * layer's output; layer l's top-K is left in route_top[l] ([T][K]) and its rows per expert in
+ * route_counts[l] ([E]) for the cache's lookups after the step; wtypes[l] are layer l's
+ * expert weight types (strata_moe's wtypes). */
 void strata_decode_step(const struct strata_layer *layers, int64_t L,
                         const struct strata_step *s, const int64_t *addr,
                         const int64_t *wtypes, int64_t F, int64_t S, int64_t act, float alpha,
-                        float limit, int64_t bias_at, int64_t *route_top, float *y,
-                        float *work, int64_t *iwork)
+                        float limit, int64_t bias_at, int64_t *route_top,
+                        int64_t *route_counts, float *y, float *work, int64_t *iwork)
 {
     struct strata_step st = *s;
     const int64_t TK = s->T * s->K;
     for (int64_t l = 0; l < L; l++) {
         st.add = l ? y : s->add;
         st.top_idx = route_top + l * TK;
+        st.counts = route_counts + l * s->E;
         strata_decode_layer(&layers[l], &st);
         strata_moe(st.h, s->T, s->D, F, S, s->K, st.top_idx, st.top_w, s->E, addr + l * s->E,
                    wtypes + l * 5, act, alpha, limit, bias_at, y, work, iwork);

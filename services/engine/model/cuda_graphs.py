@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.cache.expert_cache import ExpertCache
+from services.engine.cache.expert_cache import ExpertCache, layer_counts
 from services.engine.model.decoder import Decoder
 from services.engine.model.paged_kv import PagedKVCache
 from services.engine.model.step import DecodeRows, Span
@@ -124,7 +124,8 @@ class DecodeGraphs:
         self.replays += 1
         top = g.route_top.cpu().numpy()  # waits for the step (and so for the input copy)
         self.model.last_hidden = g.hidden.clone()
-        self.cache.finish_table_step(self.moe_layers, top)
+        counts = layer_counts(top, self.cache.num_experts)
+        self.cache.finish_table_step(self.moe_layers, top, counts)
         return g.logits.clone()
 
     def _buffers(self, batch: int) -> _Graph:

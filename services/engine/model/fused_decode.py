@@ -124,11 +124,13 @@ class FusedDecode:
         self.backend.decode_layer(self.structs[layer.index], self.step)
         return x, self.h, (self.top_idx, self.top_w, self.counts)
 
-    def all_layers(self, table: ExpertTable) -> np.ndarray:
+    def all_layers(self, table: ExpertTable) -> tuple[np.ndarray, np.ndarray]:
         """Every layer in one call, x ending as the last layer's output plus its experts' sum
         (what run_layers returns), the routed experts read at table.addresses -> each layer's
-        top-K [L, T, K] for the cache's lookups."""
-        route_top = np.empty((len(self.structs), self.T, self.K), dtype=np.int64)
+        top-K [L, T, K] and rows per expert [L, E], for the cache's lookups."""
+        L = len(self.structs)
+        route_top = np.empty((L, self.T, self.K), dtype=np.int64)
+        route_counts = np.empty((L, self.E), dtype=np.int64)
         self.step.add = None
-        self.backend.decode_step(self.structs, self.step, table, route_top)
-        return route_top
+        self.backend.decode_step(self.structs, self.step, table, route_top, route_counts)
+        return route_top, route_counts

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -107,8 +108,9 @@ class PagedKVCache:
         slots() gives each span, in plain integers (a decode step's spans are one row each,
         and small tensor ops per span cost more than the arithmetic)."""
         P = self.block_size
-        return torch.tensor([s.block_table[p // P] * P + p % P for s in spans
-                             for p in range(s.pos_start, s.pos_end)], dtype=torch.long)
+        return torch.from_numpy(np.array([s.block_table[p // P] * P + p % P for s in spans
+                                          for p in range(s.pos_start, s.pos_end)],
+                                         dtype=np.int64))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Block dst becomes a copy of block src, in every layer (K, V and int8 scales), for
@@ -154,11 +156,12 @@ class PagedKVCache:
         with block 0 (for reading several sequences at once; the same for every layer)."""
         P = self.block_size
         nb = max(-(-n // P) for n in lengths)
-        rows = []  # plain lists, one tensor at the end (a tensor copy a row costs ~5 us)
+        rows = []  # plain lists, one array at the end (a tensor copy a row costs ~5 us)
         for table, n in zip(tables, lengths, strict=True):
             used = -(-n // P)
             rows.append([*table[:used], *[0] * (nb - used)])
-        return torch.tensor(rows, dtype=torch.long).to(self.k.device)
+        ids = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(len(rows), nb))
+        return ids if self.k.device.type == "cpu" else ids.to(self.k.device)
 
     def gather_index(self, tables: Sequence[Sequence[int]], lengths: Sequence[int]
                      ) -> tuple[torch.Tensor, torch.Tensor]:

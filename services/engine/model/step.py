@@ -59,8 +59,10 @@ class ExpertSource(Protocol):
         route() per layer; else None."""
         ...
 
-    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray) -> None:
-        """The lookups of a step that read its experts by table: top_idx [Lm, T, K]."""
+    def finish_table_step(self, moe_layers: Sequence[int], top_idx: np.ndarray,
+                          counts: np.ndarray) -> None:
+        """The lookups of a step that read its experts by table: top_idx [Lm, T, K], counts
+        [Lm, E] (rows routed to each expert)."""
         ...
 
 

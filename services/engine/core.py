@@ -66,7 +66,7 @@ from services.engine.requests import (
     TopLogprob,
 )
 from services.engine.runner import ChunkWork
-from services.engine.sampling import Sampler, top_ids
+from services.engine.sampling import Sampler, argmax_ids, top_ids
 from services.engine.scheduler import Chunk, Scheduler, SeqState, Step
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.verify import accept_tokens
@@ -81,6 +81,7 @@ class Runner(Protocol):
     tokenizer: Any
     config: Any
     kv: Any  # PagedKVCache: num_blocks, block_size, claim(), copy_blocks()
+    step_logits: torch.Tensor | None  # the last step's logits rows, whose views step returned
 
     def step(self, chunks: Sequence[ChunkWork]) -> list[tuple[torch.Tensor | None,
                                                               CacheCounters]]: ...
@@ -430,12 +431,13 @@ class Engine:
         started = time.perf_counter()
         try:
             results: list = self.runner.step(work)  # type: ignore[attr-defined]
+            picks = self._greedy_picks(step.chunks)
         except Exception as exc:
-            results = self._isolate(work, exc)
+            results, picks = self._isolate(work, exc), None
         self._step_s += 0.25 * (time.perf_counter() - started - self._step_s)
         ran = [c for c, r in zip(step.chunks, results, strict=True) if r is not None]
         self.scheduler.complete(Step(tuple(ran)))
-        for chunk, w, result in zip(step.chunks, work, results, strict=True):
+        for i, (chunk, w, result) in enumerate(zip(step.chunks, work, results, strict=True)):
             seq = chunk.seq
             if result is None:
                 self._finish(seq, "abort", "engine error while computing this request; "
@@ -448,12 +450,27 @@ class Engine:
                 try:
                     if chunk.draft:
                         self._verify(chunk, logits, counters)
+                    elif picks is not None:
+                        self._take(seq, picks[i], logits)
                     else:
                         self._advance(seq, logits)
                     live.flush()  # one Delta per request and step, however many tokens
                 except Exception as exc:
                     log.exception("request %s failed after its step", live.handle.request.request_id)
                     self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
+
+    def _greedy_picks(self, chunks: Sequence[Chunk]) -> list[int] | None:
+        """The tokens of a step whose every chunk samples one token by plain argmax (greedy,
+        nothing to process: the usual decode step), in one vectorized argmax over the step's
+        logits rows, which are the chunks' in order; None when any chunk samples otherwise
+        (each then samples its own row). Default model, eight rows: 188 us of a 2.9 ms step
+        a row at a time."""
+        if len(chunks) < 2 or not all(c.samples and not c.draft
+                                      and c.seq.payload.sampler.plain_greedy for c in chunks):
+            return None
+        logits = self.runner.step_logits
+        assert logits is not None and logits.shape[0] == len(chunks)
+        return argmax_ids(logits)
 
     def _isolate(self, work: list, exc: Exception) -> list:
         """A batched step failed: run its chunks one by one so only the failing ones end."""

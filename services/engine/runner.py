@@ -198,6 +198,7 @@ class ModelRunner:
         # Called after each step with (chunks, hidden [T, D] before the final norm): how an
         # MTP draft head (services/engine/spec/mtp.py) sees the main model's hidden states.
         self.hidden_sink: abc.Callable[[abc.Sequence[ChunkWork], torch.Tensor], None] | None = None
+        self.step_logits: torch.Tensor | None = None  # the last step's [S, V] (see step)
         self.tokenizer = Tokenizer(model_dir)
         # Free device memory before anything of ours is on it (the budget rule's "free").
         free_bytes = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
@@ -398,8 +399,9 @@ class ModelRunner:
         """One forward pass over every chunk; per chunk: fp32 logits (for chunks that want
         them, else None) and its expert-cache figures. Logits are [V] for a plain chunk and
         [1 + num_draft, V] for a verification chunk (row i: the distribution after its i-th
-        draft; row 0: after its last real token), [T, V] for an every-position one. Lookups, hits and misses by placement are
-        exact per chunk; prefetch figures are the step's, shared by its decode chunks.
+        draft; row 0: after its last real token), [T, V] for an every-position one: views of
+        `step_logits` [S, V], the chunks' rows in order. Lookups, hits and misses by placement
+        are exact per chunk; prefetch figures are the step's, shared by its decode chunks.
         `experts` stands in for the expert cache as the MoE blocks' source (a routing tap
         that wraps it, say)."""
         ids, positions, spans, prefill_rows, logit_rows = [], [], [], [], []
@@ -429,6 +431,7 @@ class ModelRunner:
                 None if every_row else torch.tensor(logit_rows, dtype=torch.long))
         if self.num_usable_tokens < logits.shape[1]:
             logits[:, self.num_usable_tokens:] = float("-inf")
+        self.step_logits = logits
         if self.hidden_sink is not None:
             self.hidden_sink(chunks, self.model.last_hidden)
         predicted, predicted_routed, routed_with_prediction = (

@@ -121,6 +121,12 @@ class Sampler:
         self.generated = 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Whether sample() is the argmax of the logits as they come: greedy, nothing to
+        process, no grammar (then a step's rows can be picked together: argmax_ids)."""
+        return self.cfg.greedy and not self.cfg.processes and self.guide is None
+
+    @property
     def _gen(self) -> torch.Generator:
         """This request's generator: `seed`'s stream, or seeded from the OS's entropy."""
         if self._generator is None:

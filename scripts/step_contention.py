@@ -8,7 +8,7 @@ own gRPC thread and (in a bench) the load client: a few tenths of a core in shor
 loads MODEL into an in-process `Engine` (every pair cached, the C kernels on) and, for each duty
 in turn (the levels interleaved, `--reps` times), starts a competing process that spins for
 duty x period and sleeps the rest of each period, then runs 1 and then 8 concurrent
-`ignore_eos` requests. Prints, per duty, the median over reps of: the runner's step time at
+`ignore_eos` requests (scripts/engine_rate.py's `rate`). Prints, per duty, the median over reps of: the runner's step time at
 batch 1 and at batch 8 (ModelRunner.step, wall), completion tokens per second at 1 and 8
 requests (TTFT included) and their ratio. Where the serving path's c8/c1 goes
 (docs/benchmarks.md, "A step under contention").
@@ -20,15 +20,14 @@ import argparse
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
+from engine_rate import rate  # scripts/ is this script's directory: its sys.path[0]
 
 from services.bench.quant_bench import load_runner
 from services.engine import runner as runner_module
 from services.engine.core import Engine
-from services.engine.requests import Delta, EngineRequest, Finished, GenerateParams
 from services.engine.sampling import SamplingConfig
 
 BURNER = """
@@ -52,27 +51,6 @@ def _timed_step(self, work):  # type: ignore[no-untyped-def]
     return out
 
 
-def rate(engine: Engine, clients: int, max_tokens: int, tag: str) -> float:
-    done = threading.Semaphore(0)
-    tokens = [0]
-
-    def sink(event: object) -> None:
-        if isinstance(event, Delta):
-            tokens[0] += len(event.token_ids)
-        elif isinstance(event, Finished):
-            done.release()
-
-    started = time.perf_counter()
-    for i in range(clients):
-        prompt = "x = " + " ".join(str(k) for k in range(i, i + 14))
-        engine.submit(EngineRequest(f"{tag}-{i}", GenerateParams(
-            max_tokens=max_tokens, ignore_eos=True, sampling=SamplingConfig()), prompt=prompt),
-            sink)
-    for _ in range(clients):
-        done.acquire()
-    return tokens[0] / (time.perf_counter() - started)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -87,9 +65,10 @@ def main() -> None:
     runner = load_runner(a.model, "auto", device="cpu", cpu_kernels="on")
     engine = Engine(runner, max_running=16)
     engine.start()
+    greedy = SamplingConfig()
     rows: dict[float, list[tuple[float, float, float, float]]] = {d: [] for d in a.duties}
     try:
-        rate(engine, 2, 8, "warm-up")
+        rate(engine, 2, 8, "warm-up", greedy)
         for rep in range(a.reps):
             for duty in a.duties:
                 burner = subprocess.Popen([sys.executable, "-c", BURNER, str(duty),
@@ -97,8 +76,8 @@ def main() -> None:
                 try:
                     time.sleep(0.05)
                     step_times.clear()
-                    c1 = rate(engine, 1, a.max_tokens, f"r{rep}-d{duty}-c1")
-                    c8 = rate(engine, 8, a.max_tokens, f"r{rep}-d{duty}-c8")
+                    c1 = rate(engine, 1, a.max_tokens, f"r{rep}-d{duty}-c1", greedy)
+                    c8 = rate(engine, 8, a.max_tokens, f"r{rep}-d{duty}-c8", greedy)
                 finally:
                     if burner is not None:
                         burner.kill()

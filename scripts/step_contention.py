@@ -8,10 +8,10 @@ own gRPC thread and (in a bench) the load client: a few tenths of a core in shor
 loads MODEL into an in-process `Engine` (every pair cached, the C kernels on) and, for each duty
 in turn (the levels interleaved, `--reps` times), starts a competing process that spins for
 duty x period and sleeps the rest of each period, then runs 1 and then 8 concurrent
-`ignore_eos` requests (scripts/engine_rate.py's `rate`). Prints, per duty, the median over reps of: the runner's step time at
-batch 1 and at batch 8 (ModelRunner.step, wall), completion tokens per second at 1 and 8
-requests (TTFT included) and their ratio. Where the serving path's c8/c1 goes
-(docs/benchmarks.md, "A step under contention").
+`ignore_eos` requests (scripts/engine_rate.py's `rate`). Prints, per duty, the median over reps
+of: the runner's step time at batch 1 and at batch 8 (ModelRunner.step, wall), completion
+tokens per second at 1 and 8 requests (TTFT included) and their ratio. Where the serving
+path's c8/c1 goes (docs/benchmarks.md, "Where the sweep's eighth client goes").
 """
 
 from __future__ import annotations

@@ -156,33 +156,37 @@ async def bench_soak(ctx: BenchContext, *, duration_s: float, concurrency: int =
             for h in halves]
     paced = (p50_second / pace[1]) / (p50_first / pace[0]) - 1.0 \
         if p50_first and p50_second and all(pace) else None
-    interval = paced_drift_interval(*halves)
+    interval = ttft_drift_interval(*halves, at_host_pace=False)
+    paced_interval = ttft_drift_interval(*halves, at_host_pace=True)
     ctx.progress(f"soak: {sum(o.ok for o in outcomes)}/{len(outcomes)} ok, TTFT drift "
-                 f"{_pct(drift)} ({_pct(paced)} at the host's pace, 95% interval "
-                 f"{_pct(interval[0])} .. {_pct(interval[1])})")
+                 f"{_pct(drift)} (95% interval {_pct(interval[0])} .. {_pct(interval[1])}), "
+                 f"{_pct(paced)} at the host's pace ({_pct(paced_interval[0])} .. "
+                 f"{_pct(paced_interval[1])})")
     return {"bench": "soak", "duration_s": duration_s, "concurrency": concurrency,
             "wall_s": time.perf_counter() - t0, **summarize(outcomes),
             "num_success": sum(o.ok for o in outcomes),
             "ttft_s_p50_first_half": p50_first, "ttft_s_p50_second_half": p50_second,
             "itl_s_p50_first_half": pace[0], "itl_s_p50_second_half": pace[1],
-            "ttft_drift": drift, "ttft_drift_at_host_pace": paced,
-            "ttft_drift_at_host_pace_95": interval,
+            "ttft_drift": drift, "ttft_drift_95": interval,
+            "ttft_drift_at_host_pace": paced, "ttft_drift_at_host_pace_95": paced_interval,
             "requests": [o.to_dict() for o in outcomes]}
 
 
-def paced_drift_interval(first: Sequence[Outcome], second: Sequence[Outcome],
-                         resamples: int = 2000, seed: int = 0, blocks: int = 6
-                         ) -> tuple[float | None, ...]:
-    """A 95% bootstrap interval of the paced TTFT drift: how well the run pins the drift down
-    (a minute of requests: about +-5%). Requests close in time share the host's state (its
-    neighbours' load moves within seconds, and dividing by the half's pace takes out only
+def ttft_drift_interval(first: Sequence[Outcome], second: Sequence[Outcome], *,
+                        at_host_pace: bool, resamples: int = 2000, seed: int = 0,
+                        blocks: int = 6) -> tuple[float | None, ...]:
+    """A 95% bootstrap interval of the TTFT p50 drift between the halves, on the wall clock or
+    `at_host_pace` (each half's TTFT per its inter-token p50): how well the run pins the drift
+    down (a minute of requests: about +-5%). Requests close in time share the host's state
+    (its neighbours' load moves within seconds, and dividing by the half's pace takes out only
     what moves TTFT and decode alike), so each half is resampled as runs of consecutive
     requests, `blocks` runs' worth (a moving-block bootstrap), not request by request: a half
     whose requests came in slow and fast spells gets the wider interval that it warrants."""
     import numpy as np
 
-    halves = [np.array([(o.ttft_s, 1.0 / o.client_decode_tok_s) for o in h
-                        if o.ttft_s and o.client_decode_tok_s]) for h in (first, second)]
+    halves = [np.array([(o.ttft_s, 1.0 / o.client_decode_tok_s if at_host_pace else 1.0)
+                        for o in h if o.ttft_s and o.client_decode_tok_s])
+              for h in (first, second)]
     if any(len(h) < 10 for h in halves):
         return (None, None)
     rng = np.random.default_rng(seed)
@@ -215,8 +219,18 @@ async def engine_idle(address: str, timeout_s: float = 30.0) -> dict | None:
 def soak_verdict(result: dict, memory: dict, end: dict | None) -> dict:
     """Each criterion's value, limit and pass; `ok` when all pass."""
     failures = result["num_requests"] - result["num_success"]
-    drift = result["ttft_drift_at_host_pace"]
-    low, high = result["ttft_drift_at_host_pace_95"]
+    # The server's own drift lies between the wall clock's figure (TTFT does not move with
+    # the host's speed) and the one at the host's pace (TTFT moves with it as much as decode
+    # does, the most bandwidth-bound part): its fixed costs (HTTP, gRPC, scheduling) move
+    # less. A drift is shown when both bounds' intervals lie above the limit, and shown below
+    # it when both lie below.
+    bounds = [(result["ttft_drift"], *result.get("ttft_drift_95", (None, None))),
+              (result["ttft_drift_at_host_pace"], *result["ttft_drift_at_host_pace_95"])]
+    bounds = [b for b in bounds if b[0] is not None]
+    drift = min((b[0] for b in bounds), default=None)
+    low = min((b[1] for b in bounds if b[1] is not None), default=None)
+    high = max((b[2] for b in bounds), default=None) \
+        if all(b[2] is not None for b in bounds) else None
     limit = SOAK_LIMITS["ttft_drift"]
     rss = (memory["engine_rss_drift_mib"] / memory["engine_rss_mib_start"]
            if memory.get("engine_rss_drift_mib") is not None else None)
@@ -226,15 +240,16 @@ def soak_verdict(result: dict, memory: dict, end: dict | None) -> dict:
                      "ok": failures <= SOAK_LIMITS["failures"]},
         # A minute of requests pins the drift down to about +-5%: the run fails when its
         # interval lies wholly above the limit (TTFT shown to grow by more), and says whether
-        # it showed the drift below the limit (the 10-minute run does).
+        # it showed the drift below the limit.
         "ttft_drift": {"value": drift, "limit": SOAK_LIMITS["ttft_drift"],
                        "ok": drift is not None and (low is None or low < limit),
                        "interval_95": [low, high],
                        "shown_below_limit": high is not None and high < limit,
-                       "note": "TTFT p50 second half / first half, each per the half's "
-                               "inter-token p50 (the host's own speed drift divided out); 95% "
-                               f"interval {_pct(low)} .. {_pct(high)}; raw wall-clock drift "
-                               f"{_pct(result['ttft_drift'])}"},
+                       "note": "TTFT p50 second half / first half, the lesser of the wall "
+                               f"clock's {_pct(result['ttft_drift'])} and the host's pace's "
+                               f"{_pct(result['ttft_drift_at_host_pace'])} (per the half's "
+                               f"inter-token p50); 95% interval of both {_pct(low)} .. "
+                               f"{_pct(high)}"},
         "engine_rss_drift": {"value": rss, "limit": SOAK_LIMITS["engine_rss_drift"],
                              "ok": rss is not None and rss < SOAK_LIMITS["engine_rss_drift"],
                              "note": memory.get("note", "after the first tenth (warm-up) "

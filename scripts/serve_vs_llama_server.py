@@ -12,7 +12,7 @@ three alike. Without --gguf and --llama-cpp only Strata and its in-process engin
 Each client streams `/v1/completions` requests one after another: temperature 0, `ignore_eos`,
 `max_tokens` tokens. Per client count: aggregate tok/s (every completion token over the wall
 time of the level), per-stream decode tok/s (tokens after the first over the time from first to
-last token), TTFT p50. One JSON object on stdout; progress on stderr.
+last token), TTFT p50 and p90. One JSON object on stdout; progress on stderr.
 
 The client is the benches' own (services/bench/client.py, a connection per request) and counts
 tokens from each server's final usage, not from SSE events: Strata sends several tokens in one
@@ -77,7 +77,13 @@ async def level(base: str, clients: int, requests_per_client: int,
             "aggregate_tok_s": sum(r.completion_tokens for r in runs) / wall,
             "stream_decode_tok_s": statistics.median(r.client_decode_tok_s for r in runs
                                                      if r.client_decode_tok_s),
-            "ttft_p50_ms": statistics.median(r.ttft_s for r in runs) * 1e3}
+            "ttft_p50_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
+            "ttft_p90_ms": _p90([r.ttft_s for r in runs]) * 1e3}
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
@@ -106,7 +112,7 @@ def in_process(model: Path, threads: int, device: str, batch: int, max_tokens: i
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("aggregate_tok_s", "stream_decode_tok_s", "ttft_p50_ms")
+    keys = ("aggregate_tok_s", "stream_decode_tok_s", "ttft_p50_ms", "ttft_p90_ms")
     return {k: statistics.median(r[k] for r in rows) for k in keys}
 
 
@@ -154,7 +160,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                         log(f"round {r + 1}/{a.rounds}, {c} client(s), {name}: "
                             f"{row['aggregate_tok_s']:.1f} tok/s aggregate, "
                             f"{row['stream_decode_tok_s']:.1f} per stream, TTFT p50 "
-                            f"{row['ttft_p50_ms']:.0f} ms")
+                            f"{row['ttft_p50_ms']:.0f} ms, p90 {row['ttft_p90_ms']:.0f} ms")
                 if a.engine_threads:
                     tok_s = await asyncio.to_thread(in_process, a.model, a.engine_threads,
                                                     a.device, 1, a.max_tokens)

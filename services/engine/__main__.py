@@ -11,7 +11,13 @@ import signal
 import sys
 
 from services.common.logs import setup_logging
-from services.common.settings import ConfigError, add_settings, format_bytes, resolve
+from services.common.settings import (
+    ConfigError,
+    add_settings,
+    available_cores,
+    format_bytes,
+    resolve,
+)
 from services.engine.config import DEFAULT_CPU_DEVICE_MEMORY, SETTINGS, EngineConfig
 from services.engine.spec.base import DraftSource
 
@@ -63,13 +69,20 @@ async def serve(config: EngineConfig) -> None:
     from services.engine.model.cuda_graphs import MAX_BATCH
     from services.engine.planning import CacheManagerLink, local_plan
     from services.engine.runner import ModelRunner
-    from services.engine.server import StatusSource, set_serving, start_server
+    from services.engine.server import (
+        StatusSource,
+        first_token_grace_s,
+        set_serving,
+        start_server,
+    )
 
     device = resolve_device(config.device)
-    if config.threads:
-        import torch
+    import torch
 
+    if config.threads:
         torch.set_num_threads(config.threads)
+    grace_s = first_token_grace_s(config.first_token_grace_ms, device, torch.get_num_threads(),
+                                  available_cores())
     draft_bytes = config.draft_reserve or _draft_bytes(config, device)
     budget, cache_slots = device_budget(config, device)
     try:
@@ -96,7 +109,8 @@ async def serve(config: EngineConfig) -> None:
     meter_provider, tracer_provider = _telemetry(config)
     server, port, health = await start_server(engine, status, config.host, config.port,
                                               meter_provider=meter_provider,
-                                              tracer_provider=tracer_provider)
+                                              tracer_provider=tracer_provider,
+                                              first_token_grace_s=grace_s)
     status.engine_id = engine_id = config.resolved_engine_id(port)
     link = None
     if config.cachemgr:
@@ -120,8 +134,9 @@ async def serve(config: EngineConfig) -> None:
     gc.freeze()
     engine.start()
     await set_serving(health, True)
-    log.info("engine %s ready: model %s on %s, gRPC on %s:%d", engine_id, runner.model_name,
-             device, config.host, port)
+    log.info("engine %s ready: model %s on %s (%d CPU threads, first-token grace %.1f ms), "
+             "gRPC on %s:%d", engine_id, runner.model_name, device, torch.get_num_threads(),
+             grace_s * 1e3, config.host, port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

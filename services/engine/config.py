@@ -49,6 +49,13 @@ def _kv_dtype(text: str) -> str:
 
 
 
+def _auto_ms(text: str | float | None) -> float | None:
+    """Milliseconds >= 0, or None for "auto" (the engine decides from its host)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
+        return None
+    return non_negative_float(str(text))
+
+
 def _auto_bool(text: str | bool | None) -> bool | None:
     """A boolean, or None for "auto" (the engine decides from the device)."""
     if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
@@ -128,6 +135,11 @@ SETTINGS = (
             "reuse KV blocks of an equal prompt prefix already in the cache"),
     Setting("threads", "STRATA_ENGINE_THREADS", non_negative_int, 0,
             "CPU threads for the engine's tensor work (0: torch's default, one per core)"),
+    Setting("first_token_grace_ms", "STRATA_FIRST_TOKEN_GRACE_MS", _auto_ms, None,
+            "after a step that sent requests' first tokens, the engine waits this long before "
+            "the next one, so that the gateway gets a core to forward them (the second token "
+            "comes that much later); unset or auto: 1 on the CPU when the engine's threads take "
+            "every core, else 0"),
     Setting("cpu_kernels", "STRATA_CPU_KERNELS", choice(("auto", "on", "off")), "auto",
             "C kernels for the CPU decode step, built with the machine's compiler at first "
             "use and cached: auto (use them when they build), on (refuse to start without "
@@ -200,6 +212,7 @@ class EngineConfig:
     expert_dtype: str = "auto"
     prefix_reuse: bool = True
     threads: int = 0
+    first_token_grace_ms: float | None = None  # None (auto): server.first_token_grace_s
     cpu_kernels: str = "auto"
     cuda_graphs: bool = True
     draft_reserve: int = 0

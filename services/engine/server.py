@@ -52,8 +52,20 @@ log = logging.getLogger("strata.engine")
 # How long the engine's loop thread waits, after a step, for the first messages of the requests
 # that step started to be written, before it takes the cores for the next step.
 FIRST_MESSAGE_WAIT_S = 0.003
-
+# ... and then leaves the cores to the gateway this long, where its threads take them all.
+FIRST_TOKEN_GRACE_MS = 1.0
 MAX_TOP_LOGPROBS = 20
+
+
+def first_token_grace_s(setting_ms: float | None, device: str, threads: int, cores: int
+                        ) -> float:
+    """The Outbox's grace after first messages: the setting, or (auto) FIRST_TOKEN_GRACE_MS
+    on the CPU when the engine's `threads` take all of its `cores`, else none (a GPU's step
+    leaves the CPU's cores to the gateway, as does a CPU engine with a core to spare)."""
+    if setting_ms is None:
+        setting_ms = FIRST_TOKEN_GRACE_MS if device == "cpu" and threads >= cores else 0.0
+    return setting_ms / 1e3
+
 
 _FINISH = {
     "stop": engine_pb2.FINISH_REASON_STOP,
@@ -163,8 +175,10 @@ def _logprob_to_proto(lp: TokenLogprob) -> engine_pb2.TokenLogprob:
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: Engine, status: StatusSource, *,
                  meter_provider: MeterProvider | None = None,
-                 tracer_provider: TracerProvider | None = None):
+                 tracer_provider: TracerProvider | None = None,
+                 first_token_grace_s: float = 0.0):
         self._engine = engine
+        self._first_token_grace_s = first_token_grace_s
         self._status = status
         self._outbox: Outbox | None = None  # made on the server's event loop
         # Without providers: spans still carry ids (for the log), nothing is exported.
@@ -193,7 +207,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         context: grpc.aio.ServicerContext, call: _Call
                         ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         if self._outbox is None:
-            self._outbox = Outbox(asyncio.get_running_loop())
+            self._outbox = Outbox(asyncio.get_running_loop(), self._first_token_grace_s)
             self._engine.after_step = self._outbox.flush
         inbox = Inbox(max(request.stream_interval_ms, 0.0) / 1e3)
         try:
@@ -304,11 +318,13 @@ class Outbox:
     tokens leave at the first step's end after their interval, whether or not that step added
     any. Events from any other thread (shutdown's aborts) go to their inbox at once, after any
     that wait for a step's end. A flush that hands over requests' first messages returns once
-    they are written (or after FIRST_MESSAGE_WAIT_S), so that they do not wait for a CPU behind
-    the next step."""
+    they are written (or after FIRST_MESSAGE_WAIT_S), and then `first_token_grace_s` later,
+    so that they do not wait for a CPU behind the next step: neither here nor in the process
+    that reads them (the gateway)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, first_token_grace_s: float = 0.0) -> None:
         self._loop = loop
+        self._grace_s = first_token_grace_s
         self._lock = threading.Lock()
         self._pending: list[tuple[Inbox, Event]] = []  # the step's, until its flush
         self._open: dict[Inbox, None] = {}  # inboxes the loop thread filled, until they end
@@ -343,6 +359,11 @@ class Outbox:
             deadline = time.perf_counter() + FIRST_MESSAGE_WAIT_S
             for box in firsts:
                 box.wait_first_out(max(deadline - time.perf_counter(), 0.0))
+            # Written is not yet read: the gateway needs a core to forward them, and a step
+            # whose threads take every core holds it off until the OS's next tick (3-5 ms at
+            # p90 on a 2-core host; docs/benchmarks.md, "The first token's last hop").
+            if self._grace_s:
+                time.sleep(self._grace_s)
 
     def _hand_over(self, pending: list[tuple[Inbox, Event]],
                    boxes: Iterable[Inbox] | None = None) -> None:
@@ -505,14 +526,17 @@ def _cache_policy_status(runner: object) -> dict:
 
 async def start_server(engine: Engine, status: StatusSource, host: str, port: int, *,
                        meter_provider: MeterProvider | None = None,
-                       tracer_provider: TracerProvider | None = None
+                       tracer_provider: TracerProvider | None = None,
+                       first_token_grace_s: float = 0.0
                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Bind the Engine and health services (NOT_SERVING until `set_serving`); returns
-    (server, bound port, health servicer). Request metrics and spans go to the providers."""
+    (server, bound port, health servicer). Request metrics and spans go to the providers;
+    `first_token_grace_s`: see Outbox."""
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
         EngineServicer(engine, status, meter_provider=meter_provider,
-                       tracer_provider=tracer_provider), server)
+                       tracer_provider=tracer_provider,
+                       first_token_grace_s=first_token_grace_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
+import time
 
+import pytest
+
+from services.common.settings import ConfigError, resolve
 from services.engine import server
+from services.engine.config import SETTINGS
 from services.engine.requests import Delta, Finished, RequestStats, Started
 from services.engine.server import Inbox, Outbox, message_of
 
@@ -166,3 +172,55 @@ async def test_a_flush_with_first_messages_returns_once_they_are_written(monkeyp
     again.start()
     await asyncio.to_thread(again.join, 10)
     assert not again.is_alive()
+
+
+async def test_after_first_messages_are_written_the_flush_leaves_the_gateway_its_grace():
+    grace_s = 0.2
+    outbox = Outbox(asyncio.get_running_loop(), first_token_grace_s=grace_s)
+    first, running = Inbox(), Inbox()
+    steps: queue.Queue[tuple[tuple[Inbox, object], ...]] = queue.Queue()
+    returned: queue.Queue[float] = queue.Queue()
+
+    def loop_thread() -> None:  # emits a step's events, then after_step, step after step
+        outbox.flush()  # the stepping thread's first after_step
+        while events := steps.get():
+            for box, event in events:
+                outbox.put(box, event)
+            outbox.flush()
+            returned.put(time.monotonic())
+
+    stepping = threading.Thread(target=loop_thread, daemon=True)  # a failed assert: left
+    stepping.start()
+    steps.put(((first, Started(3, 64)), (first, Delta("a", (1,)))))
+    assert await asyncio.wait_for(first.take(), 5) == [Started(3, 64), Delta("a", (1,))]
+    written = time.monotonic()
+    first.first_out()
+    assert await asyncio.to_thread(returned.get, True, 10) - written >= grace_s
+    # a step with only running requests' tokens has no first message to make way for
+    started = time.monotonic()
+    steps.put(((running, Delta("b", (2,))),))
+    assert await asyncio.to_thread(returned.get, True, 10) - started < grace_s
+    steps.put(())
+    await asyncio.to_thread(stepping.join, 10)
+
+
+@pytest.mark.parametrize(("setting", "device", "threads", "cores", "grace_s"), [
+    (None, "cpu", 2, 2, server.FIRST_TOKEN_GRACE_MS / 1e3),  # every core computes
+    (None, "cpu", 1, 2, 0.0),  # a core to spare for the gateway
+    (None, "cuda", 16, 16, 0.0),  # a GPU step leaves the CPU's cores free
+    (0.0, "cpu", 2, 2, 0.0),
+    (2.5, "cuda", 4, 16, 0.0025),  # set: as set
+])
+def test_the_grace_is_auto_where_the_engines_threads_take_every_core(setting, device, threads,
+                                                                    cores, grace_s):
+    assert server.first_token_grace_s(setting, device, threads, cores) == grace_s
+
+
+def test_the_grace_setting_takes_auto_or_milliseconds():
+    assert resolve(SETTINGS, environ={})["first_token_grace_ms"] is None
+    assert resolve(SETTINGS, environ={"STRATA_FIRST_TOKEN_GRACE_MS": "auto"}
+                   )["first_token_grace_ms"] is None
+    assert resolve(SETTINGS, environ={"STRATA_FIRST_TOKEN_GRACE_MS": "0"}
+                   )["first_token_grace_ms"] == 0.0
+    with pytest.raises(ConfigError, match="STRATA_FIRST_TOKEN_GRACE_MS"):
+        resolve(SETTINGS, environ={"STRATA_FIRST_TOKEN_GRACE_MS": "-1"})

@@ -378,7 +378,11 @@ def _merged(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
 async def _stream(runs: list[_Run]) -> web.StreamResponse:
     """SSE for n choices: each choice's chunks carry its index, in the engine's order, a
     batch of arrivals written at once; then (with include_usage) one usage chunk for all,
-    then [DONE]. A failure after the headers goes out as an error event, and no [DONE]."""
+    then [DONE]. A failure after the headers goes out as an error event, and no [DONE].
+
+    Every write is a send and a wake-up of the client: the headers go out when the engine
+    has taken the request, the role chunks with the first tokens, and the last batch with
+    [DONE] and the end of the body."""
     run0 = runs[0]
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -387,59 +391,55 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
         "x-strata-engine-id": run0.started.engine_id})
     await response.prepare(run0.request)
     renderer, finished = run0.renderer, {}
+    out = [sse.event(renderer.chunk(first=True, index=i)) for i in range(len(runs))]
     try:
-        await response.write(b"".join(sse.event(renderer.chunk(first=True, index=i))
-                                      for i in range(len(runs))))
         async for batch in _batches(runs):
-            out: list[bytes] = []
-            try:
-                for i, event in _merged(batch):
-                    run = runs[i]
-                    if isinstance(event, Exception):
-                        raise event
-                    if event is None and i not in finished:
-                        raise EngineError("INTERNAL", "the event stream ended without a "
-                                          "Finished event", run.call.engine)
-                    if isinstance(event, Delta):
-                        run.on_delta(event)
-                        text, calls = (event.text, []) if run.parser is None \
-                            else run.parser.feed(event.text)
-                        if run.parser is not None and (thought := run.parser.take_reasoning()):
-                            out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
-                        if text or event.logprobs or run.parser is None:
-                            out.append(sse.event(renderer.chunk(
-                                text=text, logprobs=_logprobs(run, event.logprobs), index=i)))
-                        earlier = len(run.parser.calls) - len(calls) if run.parser else 0
-                        out.extend(sse.event(renderer.tool_call_chunk(call, earlier + k,
-                                                                      index=i))
-                                   for k, call in enumerate(calls))
-                    elif isinstance(event, Finished):
-                        if event.reason == "abort":
-                            raise EngineAborted(event.error, run.call.engine)
-                        finished[i] = event
-                        if run.parser is not None:
-                            before = len(run.parser.calls)
-                            rest = run.parser.finish()  # may close a call (harmony's last)
-                            if thought := run.parser.take_reasoning():
-                                out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
-                            if rest:
-                                out.append(sse.event(renderer.chunk(text=rest, index=i)))
-                            out.extend(sse.event(renderer.tool_call_chunk(call, before + k,
-                                                                          index=i))
-                                       for k, call in enumerate(run.parser.calls[before:]))
+            for i, event in _merged(batch):
+                run = runs[i]
+                if isinstance(event, Exception):
+                    raise event
+                if event is None and i not in finished:
+                    raise EngineError("INTERNAL", "the event stream ended without a "
+                                      "Finished event", run.call.engine)
+                if isinstance(event, Delta):
+                    run.on_delta(event)
+                    text, calls = (event.text, []) if run.parser is None \
+                        else run.parser.feed(event.text)
+                    if run.parser is not None and (thought := run.parser.take_reasoning()):
+                        out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
+                    if text or event.logprobs or run.parser is None:
                         out.append(sse.event(renderer.chunk(
-                            finish_reason=run.finish_reason(event), figures=run.figures(event),
-                            index=i)))
-                        run.log_done(event)
-            finally:  # what came before a failure still goes out
-                if out:
-                    await response.write(b"".join(out))
+                            text=text, logprobs=_logprobs(run, event.logprobs), index=i)))
+                    earlier = len(run.parser.calls) - len(calls) if run.parser else 0
+                    out.extend(sse.event(renderer.tool_call_chunk(call, earlier + k, index=i))
+                               for k, call in enumerate(calls))
+                elif isinstance(event, Finished):
+                    if event.reason == "abort":
+                        raise EngineAborted(event.error, run.call.engine)
+                    finished[i] = event
+                    if run.parser is not None:
+                        before = len(run.parser.calls)
+                        rest = run.parser.finish()  # may close a call (harmony's last)
+                        if thought := run.parser.take_reasoning():
+                            out.append(sse.event(renderer.chunk(reasoning=thought, index=i)))
+                        if rest:
+                            out.append(sse.event(renderer.chunk(text=rest, index=i)))
+                        out.extend(sse.event(renderer.tool_call_chunk(call, before + k,
+                                                                      index=i))
+                                   for k, call in enumerate(run.parser.calls[before:]))
+                    out.append(sse.event(renderer.chunk(
+                        finish_reason=run.finish_reason(event), figures=run.figures(event),
+                        index=i)))
+                    run.log_done(event)
+            if out and len(finished) < len(runs):  # the last batch goes with the end
+                await response.write(b"".join(out))
+                out = []
         ordered = [finished[i] for i in range(len(runs))]
-        tail = [sse.DONE]
         if run0.spec.include_usage:
-            tail.insert(0, sse.event(renderer.usage_chunk(_usage(runs, ordered),
-                                                          run0.figures(ordered[0]))))
-        await response.write(b"".join(tail))
+            out.append(sse.event(renderer.usage_chunk(_usage(runs, ordered),
+                                                      run0.figures(ordered[0]))))
+        out.append(sse.DONE)
+        await response.write_eof(b"".join(out))
     except ConnectionResetError as exc:
         run0.outcome.fail(exc)
         log.info("request %s: client went away mid-stream; engine call cancelled",
@@ -448,6 +448,7 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
         run0.outcome.fail(exc)
         error = http_error(exc, request_id(run0.request))
         log_failure(run0.request, exc, error.status)
+        out.append(sse.event(error.body))  # what came before the failure goes out too
         with contextlib.suppress(ConnectionResetError):
-            await response.write(sse.event(error.body))
+            await response.write(b"".join(out))
     return response

@@ -33,6 +33,7 @@ from services.common.sizing import (
     host_memory_available,
     size_cache,
 )
+from services.engine import hugepages
 from services.engine.cache.expert_cache import ExpertCache
 from services.engine.cache.formats import device_kernel, expert_format, inputs_major
 from services.engine.cache.host_store import HostStore
@@ -188,6 +189,7 @@ class ModelRunner:
         max_running: int = 8,  # sequences at once (linear attention's state is budgeted)
     ):
         t0 = time.perf_counter()
+        hugepages.request()  # before the first tensor: torch's allocator reads it once
         model_dir = Path(model_dir)
         self.device = torch.device(device)
         if prefetch is None:  # a CPU fill is a memcpy on the compute thread: nothing to win
@@ -287,6 +289,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs(graph_batches, prefetch)
+        if self.device.type == "cpu":
+            log.info(hugepages.log_line(self.model.weight_bytes() + host.total_bytes
+                                        + self.kv.nbytes))  # the slots fill later
         log.info(load_line(self.model_name, self.device, time.perf_counter() - t0, host,
                            checkpoint_bytes(model_dir)))
 

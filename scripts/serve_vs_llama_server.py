@@ -39,6 +39,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from services.bench.client import Gateway, Outcome  # noqa: E402
+from services.bench.stats import percentile  # noqa: E402
 
 PROMPT = "The expert cache keeps the pairs that routing uses on the device, and"
 
@@ -78,12 +79,7 @@ async def level(base: str, clients: int, requests_per_client: int,
             "stream_decode_tok_s": statistics.median(r.client_decode_tok_s for r in runs
                                                      if r.client_decode_tok_s),
             "ttft_p50_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
-            "ttft_p90_ms": _p90([r.ttft_s for r in runs]) * 1e3}
-
-
-def _p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+            "ttft_p90_ms": percentile([r.ttft_s for r in runs], 90) * 1e3}
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:

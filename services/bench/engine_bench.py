@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from services.common.sizing import proc_kib
 from services.engine import kernels
 from services.engine.cache.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from services.engine.cache.policy import DEFAULT_POLICY, POLICIES, PolicySpec
@@ -128,14 +129,10 @@ class PeakRss:
 
     @staticmethod
     def _hwm() -> int:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        hwm = proc_kib("/proc/self/status", "VmHWM")
+        if hwm is None:
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return hwm
 
     def before_probe(self) -> None:
         self.peak = max(self.peak, self._hwm())

@@ -128,18 +128,24 @@ class HostMemoryError(BudgetError):
     """The host does not hold the host store and the weights loaded beside it."""
 
 
+def proc_kib(path: str, key: str) -> int | None:
+    """A `key:  N kB` line's bytes in a /proc file (/proc/meminfo, /proc/self/status,
+    /proc/self/smaps_rollup); None where the file or the line is not there."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def host_memory_available() -> int | None:
     """What can be allocated without swapping, in bytes: /proc/meminfo's MemAvailable, less
     where a cgroup v2 limit (a container's memory limit) leaves less; None where the kernel
     does not say."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = proc_kib("/proc/meminfo", "MemAvailable")
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
             limit = f.read().strip()

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from services.common.sizing import proc_kib
+
 ENV = "THP_MEM_ALLOC_ENABLE"
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -40,14 +42,7 @@ def thp_mode() -> str:
 
 def huge_page_bytes() -> int:
     """This process's anonymous memory on huge pages (AnonHugePages), 0 where unknown."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return proc_kib("/proc/self/smaps_rollup", "AnonHugePages") or 0
 
 
 def log_line(weight_bytes: int) -> str:

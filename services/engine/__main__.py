@@ -75,6 +75,7 @@ async def serve(config: EngineConfig) -> None:
         set_serving,
         start_server,
     )
+    from services.engine.step_trace import StepTrace
 
     device = resolve_device(config.device)
     import torch
@@ -104,7 +105,8 @@ async def serve(config: EngineConfig) -> None:
     engine = Engine(runner, max_running=config.max_running,
                     max_step_tokens=config.prefill_chunk, draft_source=draft_source,
                     spec_tokens=config.spec_tokens, prefix_reuse=config.prefix_reuse,
-                    gather_ms=config.gather_ms)
+                    gather_ms=config.gather_ms,
+                    step_trace=StepTrace(config.step_trace) if config.step_trace else None)
     status = StatusSource(engine, "", runner.model_name, device)
     meter_provider, tracer_provider = _telemetry(config)
     server, port, health = await start_server(engine, status, config.host, config.port,

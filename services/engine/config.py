@@ -140,6 +140,10 @@ SETTINGS = (
             "the next one, so that the gateway gets a core to forward them (the second token "
             "comes that much later); unset or auto: 1 on the CPU when the engine's threads take "
             "every core, else 0"),
+    Setting("step_trace", "STRATA_STEP_TRACE", optional_str, None,
+            "append a JSON line per engine step to this file (its start, its forward pass's "
+            "and its sampling's durations, its rows, tokens and prompt tokens); "
+            "`python -m services.engine.step_trace FILE` says where the time went"),
     Setting("cpu_kernels", "STRATA_CPU_KERNELS", choice(("auto", "on", "off")), "auto",
             "C kernels for the CPU decode step, built with the machine's compiler at first "
             "use and cached: auto (use them when they build), on (refuse to start without "
@@ -213,6 +217,7 @@ class EngineConfig:
     prefix_reuse: bool = True
     threads: int = 0
     first_token_grace_ms: float | None = None  # None (auto): server.first_token_grace_s
+    step_trace: str | None = None
     cpu_kernels: str = "auto"
     cuda_graphs: bool = True
     draft_reserve: int = 0

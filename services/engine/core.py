@@ -70,6 +70,7 @@ from services.engine.sampling import Sampler, argmax_ids, top_ids
 from services.engine.scheduler import Chunk, Scheduler, SeqState, Step
 from services.engine.spec.base import DraftRequest, DraftSource
 from services.engine.spec.verify import accept_tokens
+from services.engine.step_trace import StepTrace
 
 log = logging.getLogger("strata.engine")
 serve_log = logging.getLogger("strata.serve")
@@ -170,8 +171,10 @@ class Engine:
 
     def __init__(self, runner: Runner, *, max_running: int = 8, max_step_tokens: int = 512,
                  draft_source: DraftSource | None = None, spec_tokens: int = 0,
-                 prefix_reuse: bool = True, gather_ms: float = 0.0):
+                 prefix_reuse: bool = True, gather_ms: float = 0.0,
+                 step_trace: StepTrace | None = None):
         self.runner = runner
+        self.step_trace = step_trace  # a line per step (--step-trace), or None
         # An idle engine's first step waits this long at most for the requests its first
         # arrivals say follow them (EngineRequest.following): a burst starts in one step.
         self.gather_s = gather_ms / 1e3
@@ -226,6 +229,8 @@ class Engine:
             self._stopping = True
             self._wakeup.notify_all()
         self._thread.join(timeout_s)
+        if self.step_trace is not None:
+            self.step_trace.close()
         pending = [*self._intake, *self.scheduler.running, *self.scheduler.waiting]
         self._intake.clear()
         for seq in pending:
@@ -434,7 +439,8 @@ class Engine:
             picks = self._greedy_picks(step.chunks)
         except Exception as exc:
             results, picks = self._isolate(work, exc), None
-        self._step_s += 0.25 * (time.perf_counter() - started - self._step_s)
+        forward_s = time.perf_counter() - started
+        self._step_s += 0.25 * (forward_s - self._step_s)
         ran = [c for c, r in zip(step.chunks, results, strict=True) if r is not None]
         self.scheduler.complete(Step(tuple(ran)))
         for i, (chunk, w, result) in enumerate(zip(step.chunks, work, results, strict=True)):
@@ -458,6 +464,11 @@ class Engine:
                 except Exception as exc:
                     log.exception("request %s failed after its step", live.handle.request.request_id)
                     self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
+        if self.step_trace is not None:
+            self.step_trace.record(
+                started, forward_s, time.perf_counter() - started - forward_s, len(work),
+                sum(len(w.token_ids) for w in work),
+                sum(len(w.token_ids) for w in work if w.prefill))
 
     def _greedy_picks(self, chunks: Sequence[Chunk]) -> list[int] | None:
         """The tokens of a step whose every chunk samples one token by plain argmax (greedy,

@@ -78,6 +78,11 @@ async def serve(config: EngineConfig) -> None:
     from services.engine.step_trace import StepTrace
 
     device = resolve_device(config.device)
+    try:
+        step_trace = StepTrace(config.step_trace) if config.step_trace else None
+    except OSError as exc:
+        raise ConfigError(f"--step-trace {config.step_trace}: cannot append to it "
+                          f"({exc.strerror}); give a writable file or leave it unset") from None
     import torch
 
     if config.threads:
@@ -105,8 +110,7 @@ async def serve(config: EngineConfig) -> None:
     engine = Engine(runner, max_running=config.max_running,
                     max_step_tokens=config.prefill_chunk, draft_source=draft_source,
                     spec_tokens=config.spec_tokens, prefix_reuse=config.prefix_reuse,
-                    gather_ms=config.gather_ms,
-                    step_trace=StepTrace(config.step_trace) if config.step_trace else None)
+                    gather_ms=config.gather_ms, step_trace=step_trace)
     status = StatusSource(engine, "", runner.model_name, device)
     meter_provider, tracer_provider = _telemetry(config)
     server, port, health = await start_server(engine, status, config.host, config.port,

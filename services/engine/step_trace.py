@@ -7,9 +7,9 @@ Each line is one step: `t` its start (seconds on the engine's perf_counter clock
 forward pass, `after_s` the sampling and the events after it, `rows` the sequences it served,
 `tokens` the positions it computed, `prompt_tokens` those of prompts. The summary splits the
 span the trace covers into the steps that only decoded (by how many rows), the steps that took
-prompts, and the time no step ran (the engine waiting for requests): what a concurrency level
-loses to prompts, to partial batches and to the requests' round trips, and how long the steps
-of each kind took.
+prompts, and the time between steps (the loop's own work from one step to the next, and the
+engine waiting for requests): what a concurrency level loses to prompts, to partial batches and
+to the requests' round trips, and how long the steps of each kind took.
 """
 
 from __future__ import annotations

@@ -58,3 +58,12 @@ def test_the_summary_splits_the_span_into_step_kinds_and_the_time_no_step_ran(tm
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "4 steps over 17.0 ms" in done.stdout and "| decode x2 | 2 | 29.4% |" in done.stdout
+
+
+def test_an_unwritable_trace_file_stops_the_engine_before_it_loads_with_the_reason(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "services.engine", "--port", "0",
+                           "--step-trace", str(tmp_path / "missing" / "steps.jsonl")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--step-trace" in done.stderr and "No such file or directory" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -65,7 +65,7 @@ def read(path: str | Path) -> list[dict]:
 def summarize(steps: Sequence[dict]) -> dict:
     """Where the span from the first step's start to the last one's end went."""
     if not steps:
-        return {"steps": 0, "span_s": 0.0, "kinds": [], "idle_s": 0.0}
+        return {"steps": 0, "span_s": 0.0, "kinds": [], "between_s": 0.0, "between_share": 0.0}
     span = steps[-1]["t"] + steps[-1]["run_s"] + steps[-1]["after_s"] - steps[0]["t"]
     kinds: dict[str, list[dict]] = {}
     for step in steps:
@@ -83,8 +83,9 @@ def summarize(steps: Sequence[dict]) -> dict:
                      "run_ms_p90": 1e3 * runs[math.ceil(0.9 * len(runs)) - 1],
                      "run_ms_max": 1e3 * runs[-1],
                      "after_ms_p50": 1e3 * statistics.median(s["after_s"] for s in members)})
-    return {"steps": len(steps), "span_s": span, "kinds": rows, "idle_s": max(0.0, span - busy),
-            "idle_share": max(0.0, span - busy) / span if span else 0.0}
+    between = max(0.0, span - busy)
+    return {"steps": len(steps), "span_s": span, "kinds": rows, "between_s": between,
+            "between_share": between / span if span else 0.0}
 
 
 def _kind_order(item: tuple[str, list[dict]]) -> tuple[int, int]:
@@ -100,7 +101,7 @@ def render(summary: dict) -> str:
         lines.append(f"| {row['kind']} | {row['steps']} | {100 * row['share']:.1f}% "
                      f"| {row['tokens']} | {row['run_ms_p50']:.2f} / {row['run_ms_p90']:.2f} / "
                      f"{row['run_ms_max']:.2f} | {row['after_ms_p50']:.2f} |")
-    lines.append(f"| no step running | | {100 * summary.get('idle_share', 0.0):.1f}% | | | |")
+    lines.append(f"| between steps | | {100 * summary['between_share']:.1f}% | | | |")
     return "\n".join(lines)
 
 

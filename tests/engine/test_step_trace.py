@@ -33,7 +33,7 @@ def test_an_engine_writes_one_line_per_step_with_its_rows_and_prompt_tokens(tiny
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
 
 
-def test_the_summary_splits_the_span_into_step_kinds_and_the_time_no_step_ran(tmp_path):
+def test_the_summary_splits_the_span_into_step_kinds_and_the_time_between_steps(tmp_path):
     steps = [  # a prompt alone, two decode steps of 2 rows, 6 ms of waiting, one of 1 row
         {"t": 0.000, "run_s": 0.004, "after_s": 0.001, "rows": 1, "tokens": 30,
          "prompt_tokens": 30},
@@ -46,12 +46,12 @@ def test_the_summary_splits_the_span_into_step_kinds_and_the_time_no_step_ran(tm
     ]
     summary = summarize(steps)
     assert abs(summary["span_s"] - 0.017) < 1e-9
-    assert abs(summary["idle_s"] - 0.006) < 1e-9
+    assert abs(summary["between_s"] - 0.006) < 1e-9
     kinds = {k["kind"]: k for k in summary["kinds"]}
     assert [k["kind"] for k in summary["kinds"]] == ["decode x2", "decode x1", "prompts"]
     assert kinds["decode x2"]["steps"] == 2 and abs(kinds["decode x2"]["total_s"] - 0.005) < 1e-9
     assert kinds["prompts"]["tokens"] == 30 and abs(kinds["prompts"]["share"] - 5 / 17) < 1e-9
-    assert "| no step running | | 35.3% |" in render(summary)
+    assert "| between steps | | 35.3% |" in render(summary)
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in steps) + "{\"t\": 0.0")
     done = subprocess.run([sys.executable, "-m", "services.engine.step_trace", str(path)],

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO
+
+from services.bench.stats import median, percentile
 
 
 class StepTrace:
@@ -67,30 +67,24 @@ def summarize(steps: Sequence[dict]) -> dict:
     if not steps:
         return {"steps": 0, "span_s": 0.0, "kinds": [], "between_s": 0.0, "between_share": 0.0}
     span = steps[-1]["t"] + steps[-1]["run_s"] + steps[-1]["after_s"] - steps[0]["t"]
-    kinds: dict[str, list[dict]] = {}
+    kinds: dict[int, list[dict]] = {}  # decode steps by rows, descending; prompts (-1) last
     for step in steps:
-        kind = "prompts" if step["prompt_tokens"] else f"decode x{step['rows']}"
-        kinds.setdefault(kind, []).append(step)
+        kinds.setdefault(-1 if step["prompt_tokens"] else step["rows"], []).append(step)
     busy = sum(s["run_s"] + s["after_s"] for s in steps)
     rows = []
-    for kind, members in sorted(kinds.items(), key=_kind_order):
-        runs = sorted(s["run_s"] for s in members)
+    for rows_, members in sorted(kinds.items(), reverse=True):
+        runs = [s["run_s"] for s in members]
         total = sum(s["run_s"] + s["after_s"] for s in members)
-        rows.append({"kind": kind, "steps": len(members), "total_s": total,
+        rows.append({"kind": "prompts" if rows_ < 0 else f"decode x{rows_}",
+                     "steps": len(members), "total_s": total,
                      "share": total / span if span else 0.0,
                      "tokens": sum(s["tokens"] for s in members),
-                     "run_ms_p50": 1e3 * statistics.median(runs),
-                     "run_ms_p90": 1e3 * runs[math.ceil(0.9 * len(runs)) - 1],
-                     "run_ms_max": 1e3 * runs[-1],
-                     "after_ms_p50": 1e3 * statistics.median(s["after_s"] for s in members)})
+                     "run_ms_p50": 1e3 * median(runs), "run_ms_p90": 1e3 * percentile(runs, 90),
+                     "run_ms_max": 1e3 * max(runs),
+                     "after_ms_p50": 1e3 * median([s["after_s"] for s in members])})
     between = max(0.0, span - busy)
     return {"steps": len(steps), "span_s": span, "kinds": rows, "between_s": between,
             "between_share": between / span if span else 0.0}
-
-
-def _kind_order(item: tuple[str, list[dict]]) -> tuple[int, int]:
-    kind = item[0]
-    return (1, 0) if kind == "prompts" else (0, -int(kind.split("x")[1]))
 
 
 def render(summary: dict) -> str:

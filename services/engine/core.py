@@ -268,7 +268,7 @@ class Engine:
             bad = [i for i in ids if not 0 <= i < vocab]
             if bad:
                 raise InvalidRequest(f"{name}: token id {bad[0]} outside the vocabulary of "
-                                     f"{vocab}")
+                                     f"{vocab}", name)
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         try:
@@ -352,6 +352,15 @@ class Engine:
                     add_generation_prompt=True, **extra)
             except ValueError as exc:  # the template rejected the conversation
                 raise InvalidRequest(str(exc)) from exc
+        elif isinstance(request.prompt, tuple):  # token ids: taken as they are
+            vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
+            bad = next((i for i in request.prompt if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"prompt: token id {bad} outside the vocabulary of {vocab}",
+                                     "prompt")
+            if not request.prompt:
+                raise InvalidRequest("prompt is empty", "prompt")
+            return list(request.prompt)
         else:
             text = request.prompt or ""
         ids = tokenizer.encode(text)  # type: ignore[attr-defined]

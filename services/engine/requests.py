@@ -104,7 +104,7 @@ class EngineRequest:
     params: GenerateParams
     # chat-templated: (role, content) pairs or ChatTurns
     messages: tuple[tuple[str, str] | ChatTurn, ...] | None = None
-    prompt: str | None = None  # raw completion prompt
+    prompt: str | tuple[int, ...] | None = None  # raw completion prompt: text, or token ids
     tools: ToolSpec | None = None
     following: int = 0  # requests the sender sends next (GenerateRequest.following)
 

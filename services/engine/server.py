@@ -114,6 +114,9 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
                              following=msg.following)
     if which == "prompt":
         return EngineRequest(request_id, params, prompt=msg.prompt, following=msg.following)
+    if which == "prompt_token_ids":
+        return EngineRequest(request_id, params, prompt=tuple(msg.prompt_token_ids.ids),
+                             following=msg.following)
     raise InvalidRequest("request has neither chat messages nor a prompt")
 
 

@@ -174,6 +174,8 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
             request.chat.tools_json = tools.tools_json
             request.chat.tool_choice = tools.choice
             request.chat.parallel_tool_calls = tools.parallel
+    elif isinstance(spec.prompt, tuple):
+        request.prompt_token_ids.ids.extend(spec.prompt)
     else:
         request.prompt = spec.prompt or ""
     if (c := spec.constraint) is not None:

@@ -212,10 +212,11 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
         following = admission.forward(ticket)  # requests this gateway forwards after this one
         async with contextlib.AsyncExitStack() as calls:
             runs = []
-            for i in range(spec.n):  # n choices: n engine requests, seeds apart
+            choices = spec.num_choices
+            for i in range(choices):  # an engine request each: n a prompt, seeds apart
                 call = await calls.enter_async_context(pool.generate(
                     engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
-                    following=following + spec.n - 1 - i,
+                    following=following + choices - 1 - i,
                     metadata=request[TRACE].metadata(),
                     timeout_s=max(deadline - clock(), 0.001),
                     # a whole answer is held at the engine to its end: one message, not one
@@ -225,7 +226,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                 runs.append(_Run(request, spec, renderer, call,
                                  await _started(call, engine, pool), arrived_at,
                                  ticket.queue_wait_s, outcome))
-            outcome.input_tokens = runs[0].started.prompt_tokens
+            outcome.input_tokens = sum(run.started.prompt_tokens for run in runs[::spec.n])
             return await (_stream(runs) if spec.stream else _complete(runs))
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
@@ -238,11 +239,15 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
 
 
 def _choice(spec: GenerateInput, i: int) -> GenerateInput:
-    """Choice i's engine request: a seeded request's choices draw with seed + i."""
+    """Choice i's engine request: prompt i // n; a seeded request's choices of a prompt draw
+    with seed + i % n (so a batch answers as its prompts sent one by one would)."""
+    prompt, k = divmod(i, spec.n)
+    if len(spec.prompts) > 1:
+        spec = replace(spec, prompts=(spec.prompts[prompt],))
     seed = spec.sampling.seed
-    if i == 0 or seed is None:
+    if k == 0 or seed is None:
         return spec
-    return replace(spec, sampling=replace(spec.sampling, seed=(seed + i) % 2**64))
+    return replace(spec, sampling=replace(spec.sampling, seed=(seed + k) % 2**64))
 
 
 async def _started(call: GenerateCall, engine: str, pool: Any) -> Started:
@@ -256,11 +261,15 @@ async def _started(call: GenerateCall, engine: str, pool: Any) -> Started:
 
 
 def _usage(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
-    """The prompt once (its cached tokens: the most any choice reused), every choice's
-    completion tokens."""
+    """Each prompt once (its cached tokens: the most any of its choices reused), every
+    choice's completion tokens."""
     counted = [run.usage(f) for run, f in zip(runs, finished, strict=True)]
-    out = usage(counted[0]["prompt_tokens"], sum(c["completion_tokens"] for c in counted),
-                max(c["prompt_tokens_details"]["cached_tokens"] for c in counted))
+    n = runs[0].spec.n
+    per_prompt = [counted[p:p + n] for p in range(0, len(counted), n)]
+    out = usage(sum(c[0]["prompt_tokens"] for c in per_prompt),
+                sum(c["completion_tokens"] for c in counted),
+                sum(max(x["prompt_tokens_details"]["cached_tokens"] for x in c)
+                    for c in per_prompt))
     runs[0].outcome.output_tokens = out["completion_tokens"]
     return out
 
@@ -284,8 +293,9 @@ def _log_start(request: web.Request, spec: GenerateInput) -> None:
     """Prompt text reaches the log only with --log-prompts."""
     if not request.app[CONFIG].log_prompts:
         return
-    prompt = spec.prompt if spec.prompt is not None else json.dumps(
-        [{"role": m.role, "content": m.content} for m in spec.messages], ensure_ascii=False)
+    prompt = spec.prompt if len(spec.prompts) == 1 and isinstance(spec.prompt, str) \
+        else json.dumps(list(spec.prompts) if spec.prompts else [
+            {"role": m.role, "content": m.content} for m in spec.messages], ensure_ascii=False)
     log.info("request %s prompt: %s", request_id(request), prompt)
 
 

@@ -23,8 +23,8 @@ from services.gateway.handlers import served_models
 from services.gateway.schemas import GenerateInput, Sampling
 from services.gateway.state import ADMISSION, CONFIG, POOL
 
-_PROBE_SPEC = GenerateInput(model="", prompt="ping", sampling=Sampling(temperature=0.0,
-                                                                        max_tokens=1))
+_PROBE_SPEC = GenerateInput(model="", prompts=("ping",),
+                            sampling=Sampling(temperature=0.0, max_tokens=1))
 
 
 @dataclass

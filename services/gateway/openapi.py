@@ -19,6 +19,7 @@ from services.gateway.schemas import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
@@ -32,6 +33,7 @@ def _ref(name: str) -> dict[str, str]:
 
 
 _MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _SAMPLING = {
     "model": {"type": "string", "minLength": 1},
     "stream": {"type": ["boolean", "null"]},
@@ -177,9 +179,15 @@ _SCHEMAS: dict[str, Any] = {
         "description": "a field not listed is refused with a 400 naming it (a null passes)",
         "properties": {
         **_SAMPLING,
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1, "maxItems": 1,
-                              "items": {"type": "string", "minLength": 1}}]},
+        "prompt": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": _TOKEN_ID},
+            {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": _TOKEN_ID}]}}],
+            "description": "a text, token ids (taken as they are, each below the model's "
+                           "vocabulary size), or a batch of either; each prompt gets n choices, "
+                           f"at most {MAX_CHOICES} choices in all (prompts times n)"},
         "max_tokens": {**_MAX_TOKENS, "type": ["integer", "null"], "default": 16},
         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                      "description": "alternatives per token (legacy form)"},

@@ -28,7 +28,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
-MAX_CHOICES = 16  # n
+MAX_CHOICES = 16  # n, times the prompts of a batched completion request
+MAX_TOKEN_ID = (1 << 31) - 1  # a prompt's token ids travel as int32; the engine checks its vocabulary
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPETITION_PENALTY = 10.0
@@ -97,24 +98,38 @@ class Message:
     reasoning_content: str = ""  # an assistant's reasoning, as Strata returned it
 
 
+Prompt = str | tuple[int, ...]  # a completion prompt: text, or token ids taken as they are
+
+
 @dataclass(frozen=True)
 class GenerateInput:
-    """One parsed request: either chat messages or a raw prompt."""
+    """One parsed request: either chat messages or raw prompts (one, or a batch)."""
 
     model: str
     sampling: Sampling
     messages: tuple[Message, ...] = ()
-    prompt: str | None = None
+    prompts: tuple[Prompt, ...] = ()  # /v1/completions: each answered with n choices
     stream: bool = False
     include_usage: bool = False
-    n: int = 1  # choices: n engine requests of the same prompt (the KV prefix reused)
+    n: int = 1  # choices per prompt: n engine requests of it (the KV prefix reused)
     constraint: Constraint | None = None
     tools: Tools | None = None
     user: str | None = None  # the caller's end-user id: on the request's trace span (user.id)
 
     @property
     def is_chat(self) -> bool:
-        return self.prompt is None
+        return not self.prompts
+
+    @property
+    def prompt(self) -> Prompt | None:
+        """The first prompt: a choice's own (see num_choices)."""
+        return self.prompts[0] if self.prompts else None
+
+    @property
+    def num_choices(self) -> int:
+        """Engine requests: n for each prompt (chat: one prompt). Choice i answers prompt
+        i // n, in OpenAI's order."""
+        return max(len(self.prompts), 1) * self.n
 
 
 def parse_chat(body: Any) -> GenerateInput:
@@ -151,12 +166,11 @@ def parse_completion(body: Any) -> GenerateInput:
     body = _object(body)
     _refuse_unknown(body, COMPLETION_FIELDS, "/v1/completions",
                     CHAT_FIELDS, "/v1/chat/completions")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise InvalidRequest("'prompt' must be a non-empty string (batched prompts are not "
-                             "supported)", "prompt")
+    prompts, n = _prompts(body.get("prompt")), _choices(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise InvalidRequest(f"{len(prompts)} prompts with 'n' {n} ask for {len(prompts) * n} "
+                             f"choices; at most {MAX_CHOICES} per request: send fewer prompts "
+                             "per request", "prompt")
     if body.get("echo"):
         raise InvalidRequest("'echo' is not supported", "echo")
     top_logprobs = None
@@ -171,8 +185,33 @@ def parse_completion(body: Any) -> GenerateInput:
     sampling = _sampling(body, max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
-    return GenerateInput(model=_model(body), prompt=prompt, **_stream(body), n=_choices(body),
+    return GenerateInput(model=_model(body), prompts=prompts, **_stream(body), n=n,
                          sampling=sampling, constraint=_constraint(body), user=_user(body))
+
+
+def _prompts(prompt: Any) -> tuple[Prompt, ...]:
+    """OpenAI's four forms: a string, an array of strings (a batch), an array of token ids,
+    an array of arrays of token ids (a batch)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not any(
+            isinstance(p, str | list) for p in prompt)):  # one prompt (its ids checked below)
+        return (_prompt(prompt, "prompt"),)
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest("'prompt' must be a non-empty string, an array of token ids, or "
+                             "an array of either (a batch)", "prompt")
+    return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+
+
+def _prompt(prompt: Any, param: str) -> Prompt:
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest(f"'{param}' must be a non-empty string or a non-empty array of "
+                             "token ids", param)
+    for j, t in enumerate(prompt):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+            raise InvalidRequest(f"'{param}[{j}]' is {_show(t)}; token ids are integers from "
+                                 f"0 to {MAX_TOKEN_ID}", f"{param}[{j}]")
+    return tuple(prompt)
 
 
 # -- pieces ------------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ def _logprobs(sampling: engine_pb2.SamplingParams, i: int,
 def _count_tokens(request: engine_pb2.GenerateRequest) -> int:
     if request.WhichOneof("input") == "prompt":
         return len(request.prompt.split())
+    if request.WhichOneof("input") == "prompt_token_ids":
+        return len(request.prompt_token_ids.ids)
     return sum(len(m.content.split()) + 1 for m in request.chat.messages)
 
 

@@ -72,7 +72,11 @@ async def test_bad_input_gets_envelope_and_service_keeps_serving(gateway, engine
 async def test_bad_completion_inputs(gateway):
     async with aiohttp.ClientSession() as http:
         for body, param in [({"model": MODEL}, "prompt"),
-                            ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+                            ({"model": MODEL, "prompt": ["a", ""]}, "prompt[1]"),
+                            ({"model": MODEL, "prompt": [[1, 2], [3, -4]]}, "prompt[1][1]"),
+                            ({"model": MODEL, "prompt": [1, True]}, "prompt[1]"),
+                            ({"model": MODEL, "prompt": []}, "prompt"),
+                            ({"model": MODEL, "prompt": ["a"] * 9, "n": 2}, "prompt"),
                             ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
                             ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens")]:
             async with http.post(gateway + "/v1/completions", json=body) as resp:

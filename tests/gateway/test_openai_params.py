@@ -311,3 +311,50 @@ async def test_a_name_the_models_template_drops_is_a_400_from_the_real_engine(
     assert "does not show a system message's name" in info.value.body["message"]
     assert reply.choices[0].finish_reason == "length"
     assert engine.totals.requests_finished == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_batched_and_token_id_prompts_from_the_real_engine(
+        make_gateway, tiny_checkpoint, stream):
+    """OpenAI's four prompt forms (what lm-evaluation-harness sends: batches of token ids):
+    each prompt gets n choices, in OpenAI's order (prompt by prompt); a choice answers as its
+    prompt sent alone would, greedy and seeded; token ids are taken as they are (the text's
+    own ids give the text's answer); usage counts each prompt once. A bad id is a 400."""
+    async with real_engine(tiny_checkpoint, "engine-prompts") as (address, engine, model):
+        base = await make_gateway(engine_addrs=(address,))
+        ids = list(engine.runner.tokenizer.encode("the cache keeps"))
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused",
+                                      max_retries=0) as client:
+            async def texts(prompt, **kw):
+                kw = {"model": model, "prompt": prompt, "max_tokens": 6, **kw}
+                if not stream:
+                    reply = await client.completions.create(**kw)
+                    assert [ch.index for ch in reply.choices] == list(range(len(reply.choices)))
+                    return [ch.text for ch in reply.choices], reply.usage
+                parts, usage = {}, None
+                async for chunk in await client.completions.create(
+                        stream=True, stream_options={"include_usage": True}, **kw):
+                    for ch in chunk.choices:
+                        parts[ch.index] = parts.get(ch.index, "") + ch.text
+                    usage = chunk.usage or usage
+                return [parts[i] for i in sorted(parts)], usage
+
+            (once,), u1 = await texts("once upon a time", temperature=0)
+            (cache,), u2 = await texts("the cache keeps", temperature=0)
+            assert (await texts(ids, temperature=0))[0] == [cache]
+            batch, usage = await texts(["once upon a time", ids], temperature=0, n=2)
+            assert batch == [once, once, cache, cache]
+            assert usage.prompt_tokens == u1.prompt_tokens + u2.prompt_tokens
+            assert usage.completion_tokens == 2 * (u1.completion_tokens + u2.completion_tokens)
+            sampled = dict(temperature=1.0, seed=7, max_tokens=12)
+            alone = (await texts([ids], n=2, **sampled))[0]
+            assert (await texts([[5, 9], ids], n=2, **sampled))[0][2:] == alone
+            vocab = engine.runner.config.vocab_size
+            for bad, param in (({"prompt": [vocab]}, "prompt"),  # the engine's to say
+                               ({"prompt": [[1, 2], []]}, "prompt[1]"),
+                               ({"prompt": [ids] * 17}, "prompt"),
+                               ({"prompt": ids, "logit_bias": {str(vocab): 1}}, "logit_bias")):
+                with pytest.raises(openai.BadRequestError) as info:
+                    await client.completions.create(model=model, max_tokens=2, **bad)
+                assert (info.value.body["param"], info.value.body["code"]) == (
+                    param, "invalid_value"), info.value.body

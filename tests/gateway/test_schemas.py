@@ -61,6 +61,11 @@ def test_stream_options_need_stream():
 def test_completion_prompt_forms():
     spec = parse_completion({"model": "m", "prompt": ["once"]})
     assert spec.prompt == "once" and not spec.is_chat
+    for prompt, prompts in (("once", ("once",)), ([5, 0, 7], ((5, 0, 7),)),
+                            (["a", "b"], ("a", "b")), ([[1], [2, 3]], ((1,), (2, 3))),
+                            (["a", [4]], ("a", (4,)))):
+        spec = parse_completion({"model": "m", "prompt": prompt, "n": 2})
+        assert (spec.prompts, spec.num_choices) == (prompts, 2 * len(prompts))
     assert spec.sampling.max_tokens == 16  # OpenAI's default for completions
     assert parse_completion({"model": "m", "prompt": "x", "max_tokens": 3}).sampling.max_tokens == 3
 

@@ -112,11 +112,18 @@ class OutputConstraint(_message.Message):
     lark: str
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "chat", "prompt", "sampling", "stream_interval_ms", "constraint", "following")
+    __slots__ = ("request_id", "chat", "prompt", "prompt_token_ids", "sampling", "stream_interval_ms", "constraint", "following")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
@@ -124,11 +131,12 @@ class GenerateRequest(_message.Message):
     request_id: str
     chat: ChatInput
     prompt: str
+    prompt_token_ids: TokenIds
     sampling: SamplingParams
     stream_interval_ms: float
     constraint: OutputConstraint
     following: int
-    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_interval_ms: _Optional[float] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ..., following: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_interval_ms: _Optional[float] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ..., following: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("prompt_tokens", "context_window", "engine_id", "tool_call_format")

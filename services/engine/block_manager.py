@@ -104,30 +104,31 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- allocation ----------------------------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        reused = self._reusable(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], reuse: bool = True) -> bool:
+        reused = self._reusable(token_ids) if reuse else []
         fresh = self.blocks_needed(len(token_ids)) - len(reused)
         # Reused blocks that sit in the free list are taken out of it too.
         return fresh + sum(1 for b, _ in reused if b in self._free) <= self.num_free_blocks
 
-    def allocate(self, token_ids: Sequence[int]) -> BlockTable:
+    def allocate(self, token_ids: Sequence[int], reuse: bool = True) -> BlockTable:
         """Blocks for a prompt: reused full blocks of an equal prefix, then fresh ones, the
         first of them to start as a copy of a cached block with the next tokens equal (see
-        copy_from).
+        copy_from); `reuse` False: fresh ones only (every position to compute).
 
         At least the last token is left to compute (its logits start decoding), so a fully cached
         prompt reuses all but its last token."""
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, reuse):
             raise NoFreeBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
                                f"{self.num_free_blocks} free")
         table = BlockTable()
-        reused = self._reusable(token_ids)
+        reused = self._reusable(token_ids) if reuse else []
         for block_id, _ in reused:
             table.block_ids.append(self._take_reused(block_id))
         table.num_hashed_blocks = len(table.block_ids)
         table.last_hash = reused[-1][1] if reused else None
         table.num_reused_tokens = table.num_hashed_blocks * self.block_size
-        source, equal = self._partly_equal(token_ids, table.num_reused_tokens, table.last_hash)
+        source, equal = self._partly_equal(token_ids, table.num_reused_tokens,
+                                           table.last_hash) if reuse else (-1, 0)
         while len(table.block_ids) < self.blocks_needed(len(token_ids)):
             table.block_ids.append(self._take_fresh())
         if equal:

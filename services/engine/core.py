@@ -53,6 +53,7 @@ from services.engine.grammar import (
 from services.engine.requests import (
     ChatTurn,
     Delta,
+    Echo,
     EngineRequest,
     EngineTotals,
     Finished,
@@ -123,6 +124,11 @@ class _Live:
         self.text_out: list[str] = []
         self.ids_out: list[int] = []
         self.logprobs_out: list[TokenLogprob] = []
+        # echo: the prompt's Echo goes out with the first tokens; with logprobs, each prefill
+        # chunk's rows score the prompt's next tokens into echo_logprobs first
+        self.echo_due = params.echo
+        self.echo_logprobs: list[TokenLogprob] | None = [] if params.echo and params.logprobs \
+            else None
 
     def emit(self, text: str, token_id: int | None = None,
              logprob: TokenLogprob | None = None) -> None:
@@ -276,10 +282,13 @@ class Engine:
         except GrammarError as exc:  # a JSON schema that is no JSON, placed in a grammar
             raise InvalidRequest(f"output constraint: {exc}") from None
         guide = self._guide(constraint)
+        if params.echo and request.prompt is None:
+            raise InvalidRequest("echo: only a completion prompt is echoed", "echo")
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
-                       arrived_at=handle.submitted_at, payload=live)
+                       arrived_at=handle.submitted_at, payload=live,
+                       reuse_prefix=live.echo_logprobs is None)
         fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
         sink(Started(len(prompt_ids), self.context_window, fmt if request.tools or (
             request.messages is not None and fmt in CHANNELED) else ""))
@@ -437,7 +446,11 @@ class Engine:
         if not step.chunks:
             return
         self.runner.kv.copy_blocks(step.copies)  # prompts starting with part of a cached block
-        work = [chunk_work(c) for c in step.chunks]
+        # the chunks of a prompt whose logprobs are asked for (echo) want every position's
+        scoring = [c.seq.payload.echo_logprobs is not None and c.seq.payload.echo_due
+                   for c in step.chunks]
+        work = [chunk_work(c, every_position=True, logits=True) if score else chunk_work(c)
+                for c, score in zip(step.chunks, scoring, strict=True)]
         self.steps += 1
         for chunk in step.chunks:  # grammar masks: computed while the forward runs
             if chunk.samples and (guide := chunk.seq.payload.sampler.guide) is not None:
@@ -445,7 +458,7 @@ class Engine:
         started = time.perf_counter()
         try:
             results: list = self.runner.step(work)  # type: ignore[attr-defined]
-            picks = self._greedy_picks(step.chunks)
+            picks = None if any(scoring) else self._greedy_picks(step.chunks)
         except Exception as exc:
             results, picks = self._isolate(work, exc), None
         forward_s = time.perf_counter() - started
@@ -461,8 +474,13 @@ class Engine:
             logits, counters = result
             live: _Live = seq.payload
             live.cache.add(counters, prefill=w.prefill)
+            if scoring[i]:
+                logits = self._score_prompt(chunk, logits)
             if chunk.samples:
                 try:
+                    if live.echo_due:
+                        live.echo_due = False
+                        live.handle.sink(self._echo(live))
                     if chunk.draft:
                         self._verify(chunk, logits, counters)
                     elif picks is not None:
@@ -621,12 +639,7 @@ class Engine:
         """Log-probabilities under the model's distribution (before temperature/top-p)."""
         x = logits.float()  # [V]
         lse = torch.logsumexp(x, dim=-1)  # the log_softmax of the ids asked for only
-        tokenizer = self.runner.tokenizer
-
-        def describe(tid: int) -> tuple[str, bytes]:
-            raw = tokenizer.token_bytes(tid)  # type: ignore[attr-defined]
-            return raw.decode("utf-8", errors="backslashreplace"), raw
-
+        describe = self._describe
         top = []
         if num_top:
             ids = top_ids(x, num_top)
@@ -636,6 +649,30 @@ class Engine:
                 top.append(TopLogprob(tid, top_token, value, top_raw))
         token, raw = describe(token_id)
         return TokenLogprob(token_id, token, float(x[token_id] - lse), raw, tuple(top))
+
+    def _score_prompt(self, chunk: Chunk, rows: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's logits at every position [T, V]: each row but a sampling chunk's
+        last scores the prompt token after it into the request's echo logprobs. Returns the
+        row to sample from (the last)."""
+        seq, live = chunk.seq, chunk.seq.payload
+        num_top = live.handle.request.params.top_logprobs
+        if chunk.start == 0:  # nothing before the first token: no logprob (OpenAI's null)
+            token, raw = self._describe(seq.token_ids[0])
+            live.echo_logprobs.append(TokenLogprob(seq.token_ids[0], token, 0.0, raw))
+        for r, pos in enumerate(range(chunk.start, min(chunk.end, seq.prompt_len - 1))):
+            live.echo_logprobs.append(self._logprobs(rows[r], seq.token_ids[pos + 1], num_top))
+        return rows[-1]
+
+    def _echo(self, live: _Live) -> Echo:
+        request = live.handle.request
+        text = request.prompt if isinstance(request.prompt, str) else \
+            self.runner.tokenizer.decode(list(live.handle.prompt_ids),  # type: ignore[attr-defined]
+                                         skip_special_tokens=False)
+        return Echo(text, tuple(live.echo_logprobs or ()))
+
+    def _describe(self, token_id: int) -> tuple[str, bytes]:
+        raw = self.runner.tokenizer.token_bytes(token_id)  # type: ignore[attr-defined]
+        return raw.decode("utf-8", errors="backslashreplace"), raw
 
     def _log_request(self, s: RequestStats) -> None:
         d = s.decode

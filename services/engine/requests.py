@@ -49,6 +49,10 @@ class GenerateParams:
     ignore_eos: bool = False  # EOS does not end the sequence (it is generated as any token)
     stop_token_ids: tuple[int, ...] = ()  # these end it as EOS does (finish reason "stop")
     constraint: OutputConstraint | None = None  # the output must match it (grammar.py)
+    # a completion prompt's own tokens come back first (an Echo event): their text, and with
+    # logprobs each token's log-probability given the ones before it (top_logprobs
+    # alternatives too); every prompt position is computed (no prefix reuse)
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,13 +199,23 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """A prompt's own text and tokens, before the request's first Delta (GenerateParams.echo).
+    `logprobs`, with logprobs asked for: one per prompt token, the first of which has nothing
+    before it (logprob 0, no alternatives: OpenAI shows null)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str  # "stop" | "length" | "abort"
     stats: RequestStats
     error: str = ""
 
 
-Event = Started | Delta | Finished
+Event = Started | Echo | Delta | Finished
 Sink = Callable[[Event], None]
 
 

@@ -47,6 +47,7 @@ class SeqState:
     num_preemptions: int = 0
     cancelled: bool = False
     draft: list[int] = field(default_factory=list)  # proposed tokens to verify next step
+    reuse_prefix: bool = True  # False: every prompt position is computed (prompt logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -139,7 +140,7 @@ class Scheduler:
         copies = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq.token_ids):
+            if not self.blocks.can_allocate(seq.token_ids, reuse=seq.reuse_prefix):
                 break  # FIFO: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
             self._admit(seq)
@@ -181,7 +182,7 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------------
     def _admit(self, seq: SeqState) -> None:
-        seq.table = self.blocks.allocate(seq.token_ids)
+        seq.table = self.blocks.allocate(seq.token_ids, reuse=seq.reuse_prefix)
         seq.num_computed = seq.table.num_reused_tokens
         if seq.admitted_at is None:
             seq.admitted_at = self.clock()

@@ -36,6 +36,7 @@ from services.engine.grammar import OutputConstraint
 from services.engine.requests import (
     ChatTurn,
     Delta,
+    Echo,
     EngineRequest,
     Event,
     Finished,
@@ -96,7 +97,7 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
         logprobs=s.logprobs or s.top_logprobs > 0,
         top_logprobs=s.top_logprobs,
         ignore_eos=s.ignore_eos,
-        stop_token_ids=tuple(s.stop_token_ids),
+        stop_token_ids=tuple(s.stop_token_ids), echo=s.echo,
         sampling=sampling, constraint=constraint_from_proto(msg))
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")
@@ -156,6 +157,9 @@ def message_of(events: Sequence[Event], engine_id: str) -> engine_pb2.GenerateEv
             message.started.CopyFrom(engine_pb2.Started(
                 prompt_tokens=event.prompt_tokens, context_window=event.context_window,
                 engine_id=engine_id, tool_call_format=event.tool_call_format))
+        elif isinstance(event, Echo):
+            message.echo.CopyFrom(engine_pb2.PromptEcho(
+                text=event.text, logprobs=[_logprob_to_proto(lp) for lp in event.logprobs]))
         elif isinstance(event, Finished):
             message.finished.CopyFrom(engine_pb2.Finished(
                 reason=_FINISH[event.reason], stats=stats_to_proto(event.stats),

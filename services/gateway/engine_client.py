@@ -14,7 +14,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 
 import grpc
@@ -68,7 +68,7 @@ class TopLogprob:
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it)
     token_bytes: bytes
     top: tuple[TopLogprob, ...] = ()
 
@@ -106,13 +106,22 @@ class RequestStats(DecodeFigures):
 
 
 @dataclass(frozen=True)
+class Echo:
+    """The prompt (GenerateInput.echo), before the first Delta: its text, and with logprobs one
+    entry per prompt token, the first without a logprob."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str  # "stop" | "length" | "abort"
     stats: RequestStats
     error: str = ""
 
 
-Event = Started | Delta | Finished
+Event = Started | Echo | Delta | Finished
 
 
 def _stats(pb: engine_pb2.RequestStats) -> RequestStats:
@@ -125,11 +134,17 @@ def _stats(pb: engine_pb2.RequestStats) -> RequestStats:
 
 
 def _events(pb: engine_pb2.GenerateEvent) -> list[Event]:
-    """A message's events in order: Started, the tokens, Finished (each where present)."""
+    """A message's events in order: Started, the echo, the tokens, Finished (each where
+    present)."""
     events: list[Event] = []
     if pb.HasField("started"):
         events.append(Started(pb.started.prompt_tokens, pb.started.context_window,
                               pb.started.engine_id, pb.started.tool_call_format))
+    if pb.HasField("echo"):
+        logprobs = [_logprob(lp) for lp in pb.echo.logprobs]
+        if logprobs:
+            logprobs[0] = replace(logprobs[0], logprob=None, top=())
+        events.append(Echo(pb.echo.text, tuple(logprobs)))
     if pb.HasField("delta"):
         events.append(Delta(pb.delta.text, len(pb.delta.token_ids),
                             tuple(_logprob(lp) for lp in pb.delta.logprobs)))
@@ -159,7 +174,8 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
         stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
-        min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids))
+        min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids),
+        echo=spec.echo)
     if s.seed is not None:
         sampling.seed = s.seed
     request = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,

@@ -27,7 +27,14 @@ from services.common.genai_metrics import GenAIMetrics
 from services.common.tool_calls import CHANNELED
 from services.gateway import sse
 from services.gateway.admission import Rejected, estimate_prompt_tokens
-from services.gateway.engine_client import Delta, Finished, GenerateCall, Started, TokenLogprob
+from services.gateway.engine_client import (
+    Delta,
+    Echo,
+    Finished,
+    GenerateCall,
+    Started,
+    TokenLogprob,
+)
 from services.gateway.errors import (
     EngineAborted,
     EngineError,
@@ -309,7 +316,10 @@ async def _collect(run: _Run) -> tuple[str, Finished]:
     its Finished event (non-streaming)."""
     parts: list[str] = []
     async for event in run.call.events():
-        if isinstance(event, Delta):
+        if isinstance(event, Echo):
+            parts.append(event.text)
+            run.logprobs.extend(event.logprobs)
+        elif isinstance(event, Delta):
             run.on_delta(event)
             parts.append(event.text)
         elif isinstance(event, Finished):
@@ -411,7 +421,10 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
                 if event is None and i not in finished:
                     raise EngineError("INTERNAL", "the event stream ended without a "
                                       "Finished event", run.call.engine)
-                if isinstance(event, Delta):
+                if isinstance(event, Echo):
+                    out.append(sse.event(renderer.chunk(
+                        text=event.text, logprobs=_logprobs(run, event.logprobs), index=i)))
+                elif isinstance(event, Delta):
                     run.on_delta(event)
                     text, calls = (event.text, []) if run.parser is None \
                         else run.parser.feed(event.text)

@@ -191,7 +191,9 @@ _SCHEMAS: dict[str, Any] = {
         "max_tokens": {**_MAX_TOKENS, "type": ["integer", "null"], "default": 16},
         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                      "description": "alternatives per token (legacy form)"},
-        "echo": {"type": ["boolean", "null"], "const": False},
+        "echo": {"type": ["boolean", "null"],
+                 "description": "the prompt comes back before each choice's completion; with "
+                                "logprobs, its tokens' too (the first token's null)"},
         "best_of": {"type": ["integer", "null"], "const": 1},
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported"},
     }},

@@ -187,5 +187,7 @@ class CompletionRenderer(Renderer):
             self._text_offset[index] = offsets[-1] + len(lp.token)
         return {"tokens": [lp.token for lp in logprobs],
                 "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+                "top_logprobs": [None if lp.logprob is None else {t.token: t.logprob
+                                                                   for t in lp.top}
+                                 for lp in logprobs],
                 "text_offset": offsets}

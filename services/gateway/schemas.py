@@ -115,6 +115,7 @@ class GenerateInput:
     constraint: Constraint | None = None
     tools: Tools | None = None
     user: str | None = None  # the caller's end-user id: on the request's trace span (user.id)
+    echo: bool = False  # /v1/completions: the prompt comes back before the completion
 
     @property
     def is_chat(self) -> bool:
@@ -171,8 +172,9 @@ def parse_completion(body: Any) -> GenerateInput:
         raise InvalidRequest(f"{len(prompts)} prompts with 'n' {n} ask for {len(prompts) * n} "
                              f"choices; at most {MAX_CHOICES} per request: send fewer prompts "
                              "per request", "prompt")
-    if body.get("echo"):
-        raise InvalidRequest("'echo' is not supported", "echo")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidRequest("'echo' must be true or false", "echo")
     top_logprobs = None
     if body.get("logprobs") is not None:  # legacy form: the number of alternatives, 0-20
         top_logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
@@ -186,7 +188,8 @@ def parse_completion(body: Any) -> GenerateInput:
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=_model(body), prompts=prompts, **_stream(body), n=n,
-                         sampling=sampling, constraint=_constraint(body), user=_user(body))
+                         sampling=sampling, constraint=_constraint(body), user=_user(body),
+                         echo=bool(echo))
 
 
 def _prompts(prompt: Any) -> tuple[Prompt, ...]:

@@ -198,15 +198,16 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @contextlib.asynccontextmanager
-async def real_engine(checkpoint, engine_id: str) -> AsyncIterator[tuple[str, object, str]]:
-    """(address, engine core, model name): the real engine core on `checkpoint` behind its
-    gRPC server on a loopback port, in this process."""
+async def real_engine(checkpoint, engine_id: str, **engine_kw
+                      ) -> AsyncIterator[tuple[str, object, str]]:
+    """(address, engine core, model name): the real engine core on `checkpoint` (Engine's
+    keyword arguments: engine_kw) behind its gRPC server on a loopback port, in this process."""
     from services.engine.core import Engine
     from services.engine.runner import ModelRunner
     from services.engine.server import StatusSource, set_serving, start_server
 
     runner = ModelRunner(checkpoint, cache_slots=8, reserved_bytes=0)
-    engine = Engine(runner)
+    engine = Engine(runner, **engine_kw)
     server, port, health = await start_server(
         engine, StatusSource(engine, engine_id, runner.model_name, "cpu"), "127.0.0.1", 0)
     engine.start()

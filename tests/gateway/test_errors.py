@@ -77,7 +77,7 @@ async def test_bad_completion_inputs(gateway):
                             ({"model": MODEL, "prompt": [1, True]}, "prompt[1]"),
                             ({"model": MODEL, "prompt": []}, "prompt"),
                             ({"model": MODEL, "prompt": ["a"] * 9, "n": 2}, "prompt"),
-                            ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+                            ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo"),
                             ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens")]:
             async with http.post(gateway + "/v1/completions", json=body) as resp:
                 assert resp.status == 400, body

@@ -358,3 +358,55 @@ async def test_completions_batched_and_token_id_prompts_from_the_real_engine(
                     await client.completions.create(model=model, max_tokens=2, **bad)
                 assert (info.value.body["param"], info.value.body["code"]) == (
                     param, "invalid_value"), info.value.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_echo_with_prompt_logprobs_from_the_real_engine(
+        make_gateway, tiny_checkpoint, stream):
+    """echo (lm-evaluation-harness's loglikelihood: echo, logprobs 1, max_tokens 1): the prompt
+    comes back before the completion, and its tokens' logprobs are the model's own, checked
+    against a second runner scoring the same ids at every position (the first token's null).
+    A prompt longer than a step's token budget is scored across prefill chunks; a prefix the
+    cache holds is computed again, not skipped."""
+    import torch
+
+    from services.engine.driver import SequenceDriver
+    from services.engine.runner import ModelRunner
+
+    reference = SequenceDriver(ModelRunner(tiny_checkpoint, cache_slots=8, reserved_bytes=0))
+    async with real_engine(tiny_checkpoint, "engine-echo", max_step_tokens=64) as (
+            address, engine, model):
+        base = await make_gateway(engine_addrs=(address,))
+        tokenizer = engine.runner.tokenizer
+        prompt = "the cache keeps experts in device memory " * 4  # > one step's tokens
+        ids = list(tokenizer.encode(prompt))
+        assert len(ids) > engine.scheduler.max_step_tokens
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused",
+                                      max_retries=0) as client:
+            kw = dict(model=model, max_tokens=3, temperature=0)
+            plain = (await client.completions.create(prompt=prompt, **kw)).choices[0].text
+            for _ in range(2):  # the second time the prefix cache holds the prompt
+                if stream:
+                    chunks = [c async for c in await client.completions.create(
+                        prompt=prompt, echo=True, logprobs=2, stream=True, **kw)]
+                    text = "".join(c.choices[0].text for c in chunks if c.choices)
+                    lps = [c.choices[0].logprobs for c in chunks
+                           if c.choices and c.choices[0].logprobs]
+                    tokens = [t for lp in lps for t in lp.tokens]
+                    values = [v for lp in lps for v in lp.token_logprobs]
+                    tops = [t for lp in lps for t in lp.top_logprobs]
+                else:
+                    choice = (await client.completions.create(
+                        prompt=prompt, echo=True, logprobs=2, **kw)).choices[0]
+                    text, tokens = choice.text, choice.logprobs.tokens
+                    values, tops = choice.logprobs.token_logprobs, choice.logprobs.top_logprobs
+                assert text == prompt + plain
+                assert len(tokens) == len(ids) + 3 and values[0] is None and tops[0] is None
+                expected = torch.log_softmax(reference.score(ids), dim=-1)
+                want = [expected[p, ids[p + 1]].item() for p in range(len(ids) - 1)]
+                assert values[1:len(ids)] == pytest.approx(want, abs=1e-4)
+                assert all(len(t) == 2 and max(t.values()) >= v - 1e-6
+                           for t, v in zip(tops[1:], values[1:], strict=True))
+            echoed = await client.completions.create(model=model, prompt=[ids[:5]], echo=True,
+                                                     max_tokens=1)
+            assert echoed.choices[0].text.startswith(tokenizer.decode(ids[:5]))

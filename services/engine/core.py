@@ -76,6 +76,10 @@ from services.engine.step_trace import StepTrace
 log = logging.getLogger("strata.engine")
 serve_log = logging.getLogger("strata.serve")
 
+# A request scored at every prompt position (echo with logprobs) prefills in chunks whose fp32
+# logits rows stay within this: 64 MiB is 110 rows of a 151936-token vocabulary.
+SCORE_LOGITS_BYTES = 64 << 20
+
 
 class Runner(Protocol):
     """What the loop needs from services.engine.runner.ModelRunner."""
@@ -286,9 +290,10 @@ class Engine:
             raise InvalidRequest("echo: only a completion prompt is echoed", "echo")
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
+        scoring = live.echo_logprobs is not None
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
-                       arrived_at=handle.submitted_at, payload=live,
-                       reuse_prefix=live.echo_logprobs is None)
+                       arrived_at=handle.submitted_at, payload=live, reuse_prefix=not scoring,
+                       max_chunk=max(1, SCORE_LOGITS_BYTES // (4 * vocab)) if scoring else 0)
         fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
         sink(Started(len(prompt_ids), self.context_window, fmt if request.tools or (
             request.messages is not None and fmt in CHANNELED) else ""))

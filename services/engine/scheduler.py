@@ -48,6 +48,7 @@ class SeqState:
     cancelled: bool = False
     draft: list[int] = field(default_factory=list)  # proposed tokens to verify next step
     reuse_prefix: bool = True  # False: every prompt position is computed (prompt logprobs)
+    max_chunk: int = 0  # most positions of one prefill chunk (0: the step's budget)
 
     @property
     def num_tokens(self) -> int:
@@ -190,7 +191,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _prefill_chunk(self, seq: SeqState, budget: int) -> Chunk:
-        end = min(seq.num_tokens, seq.num_computed + budget)
+        end = min(seq.num_tokens, seq.num_computed + min(budget, seq.max_chunk or budget))
         return Chunk(seq, seq.num_computed, end)
 
     def _grow_decodes(self) -> list[SeqState]:

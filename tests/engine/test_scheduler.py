@@ -71,6 +71,16 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     assert spans == [(0, 7), (7, 14), (14, 20), (20, 21)]
 
 
+def test_a_sequence_may_bound_its_prefill_chunks_below_the_step_budget():
+    """Prompt scoring (every position's logits) keeps each chunk's rows bounded."""
+    sched = make_scheduler(max_step_tokens=16)
+    scored = seq(25)
+    scored.max_chunk = 10
+    sched.add(scored)
+    spans = [(ch.start, ch.end) for _ in range(3) for ch in run_step(sched).chunks]
+    assert spans == [(0, 10), (10, 20), (20, 25)]
+
+
 def test_waiting_for_blocks_then_preemption_when_a_decode_grows():
     # 6 blocks of 4 positions: two sequences of 11 tokens take 3 blocks each.
     sched = make_scheduler(num_blocks=6, block_size=4, max_step_tokens=32)

@@ -139,6 +139,12 @@ BOUNDS = [
     (CHAT, "logit_bias", ("additionalProperties", "maximum"),
      lambda v: {"logit_bias": {"7": v}}, "logit_bias"),
     (COMPLETIONS, "logprobs", ("maximum",), _field("logprobs"), "logprobs"),
+    (COMPLETIONS, "prompt", ("oneOf", 2, "maxItems"), lambda v: {"prompt": ["hi"] * v},
+     "prompt"),
+    (COMPLETIONS, "prompt", ("oneOf", 1, "items", "maximum"), lambda v: {"prompt": [v]},
+     "prompt[0]"),
+    (COMPLETIONS, "prompt", ("oneOf", 1, "items", "minimum"), lambda v: {"prompt": [v]},
+     "prompt[0]"),
     (COMPLETIONS, "max_tokens", ("maximum",), _field("max_tokens"), "max_tokens"),
 ]
 

@@ -302,6 +302,21 @@ class Engine:
             self._wakeup.notify()
         return handle
 
+    # -- the tokenizer, as prompts meet it (for clients that count or build token ids) ---------
+    def tokenize(self, text: str) -> list[int]:
+        """A text's ids as a completion prompt becomes: no special tokens added."""
+        return list(self.runner.tokenizer.encode(text))  # type: ignore[attr-defined]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Ids' text, special tokens kept; an id outside the vocabulary is an InvalidRequest."""
+        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"tokens: token id {bad} outside the vocabulary of {vocab}",
+                                 "tokens")
+        return self.runner.tokenizer.decode(list(ids),  # type: ignore[attr-defined]
+                                            skip_special_tokens=False)
+
     def _constraint(self, request: EngineRequest) -> OutputConstraint | None:
         """What the output must match. A required or named tool choice: that call. A chat
         answer held to JSON (response_format, guided_json) is the answer the template's shape

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -222,9 +223,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                          functools.partial(self._outbox.put, inbox))
         except InvalidRequest as exc:
             call.error_type = "invalid_request"
-            if exc.param is not None:  # the gateway's 400 names the field
-                context.set_trailing_metadata(((PARAM_KEY, exc.param), (CODE_KEY, exc.code)))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort_invalid(context, exc)
         except RuntimeError as exc:
             call.error_type = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -246,6 +245,36 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetStatus(self, request: engine_pb2.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatus:
         return self._status.status()
+
+    async def Tokenize(self, request: engine_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> engine_pb2.TokenIds:
+        return engine_pb2.TokenIds(ids=self._engine.tokenize(request.text))
+
+    async def Detokenize(self, request: engine_pb2.TokenIds,
+                         context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
+        try:
+            text = self._engine.detokenize(request.ids)
+        except InvalidRequest as exc:
+            await _abort_invalid(context, exc)
+        return engine_pb2.DetokenizeResponse(text=text)
+
+    async def GetTokenizerInfo(self, request: engine_pb2.GetTokenizerInfoRequest,
+                               context: grpc.aio.ServicerContext) -> engine_pb2.TokenizerInfo:
+        engine = self._engine
+        tokenizer = engine.runner.tokenizer
+        return engine_pb2.TokenizerInfo(
+            bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
+            eos_token_ids=sorted(tokenizer.eos_token_ids),
+            chat_template=tokenizer.chat_template or "",
+            vocab_size=engine.runner.config.vocab_size, context_window=engine.context_window,
+            model=self._status.model_name)
+
+
+async def _abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequest) -> NoReturn:
+    """INVALID_ARGUMENT, the field at fault in the trailers (the gateway's 400 names it)."""
+    if exc.param is not None:
+        context.set_trailing_metadata(((PARAM_KEY, exc.param), (CODE_KEY, exc.code)))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class Inbox:

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from services.common.genai_metrics import GenAIMetrics
 from services.common.registry import EngineRegistry, RegistryUnavailable
 from services.common.telemetry import setup_tracing
-from services.gateway import handlers, health, openapi
+from services.gateway import handlers, health, openapi, tokenize
 from services.gateway.admission import Admission, RejectionLog
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
@@ -71,6 +71,9 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", health.models)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
+    app.router.add_get("/tokenizer_info", tokenize.tokenizer_info)
     app.router.add_get("/livez", health.livez)
     app.router.add_get("/health/live", health.livez)
     app.router.add_get("/readyz", health.readyz)

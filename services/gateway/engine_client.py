@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -265,12 +266,7 @@ class GenerateCall:
             yield event
 
     def _error(self, exc: grpc.aio.AioRpcError) -> EngineError:
-        code = exc.code().name
-        if code in _ENGINE_FAULTS:
-            self._pool.record_failure(self.engine, code, unreachable=code == "UNAVAILABLE")
-        trailer = dict(exc.trailing_metadata() or ())
-        return EngineError(code, exc.details() or "", self.engine, trailer.get(PARAM_KEY),
-                           trailer.get(CODE_KEY))
+        return self._pool.error(self.engine, exc)
 
 
 class EnginePool:
@@ -411,6 +407,23 @@ class EnginePool:
                         address)
             self.statuses[address] = None
         self._sync_ready(address)
+
+    def error(self, address: str, exc: grpc.aio.AioRpcError) -> EngineError:
+        """A failed call's EngineError (the field at fault from the trailers, where the engine
+        named one); an engine fault counts against the engine's breaker."""
+        code = exc.code().name
+        if code in _ENGINE_FAULTS:
+            self.record_failure(address, code, unreachable=code == "UNAVAILABLE")
+        trailer = dict(exc.trailing_metadata() or ())
+        return EngineError(code, exc.details() or "", address, trailer.get(PARAM_KEY),
+                           trailer.get(CODE_KEY))
+
+    async def tokenizer(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
+        """One of the engine's tokenizer RPCs (Tokenize, Detokenize, GetTokenizerInfo)."""
+        try:
+            return await getattr(self._stubs[address], method)(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self.error(address, exc) from None
 
     def generate(self, address: str, spec: GenerateInput, request_id: str, *,
                  metadata: Sequence[tuple[str, str]] = (),

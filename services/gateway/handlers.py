@@ -200,7 +200,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
     ticket = await admission.enter(estimate_prompt_tokens(num_bytes))  # 429/503 before parsing
     engine_used = False
     try:
-        spec = parse(_json(raw if raw is not None else await request.read()))
+        spec = parse(json_body(raw if raw is not None else await request.read()))
         outcome.model = spec.model
         request[TRACE].span.set_attributes({"gen_ai.operation.name": outcome.operation,
                                             "gen_ai.request.model": spec.model})
@@ -281,7 +281,7 @@ def _usage(runs: list[_Run], finished: list[Finished]) -> dict[str, Any]:
     return out
 
 
-def _json(raw: bytes) -> Any:
+def json_body(raw: bytes) -> Any:
     """The body as JSON, strictly: NaN and Infinity are no JSON values (Python's parser takes
     them), and a number past Python's digit limit or nesting past its recursion limit is a
     400 like any other malformed body."""

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from services.gateway.schemas import (
     MAX_CHOICES,
+    MAX_DETOKENIZE_TOKENS,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
@@ -197,6 +198,18 @@ _SCHEMAS: dict[str, Any] = {
         "best_of": {"type": ["integer", "null"], "const": 1},
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported"},
     }},
+    "TokenizeRequest": {
+        "type": "object", "required": ["prompt"], "additionalProperties": False,
+        "properties": {
+            "model": {"type": ["string", "null"], "minLength": 1},
+            "prompt": {"type": "string"},
+            "add_special_tokens": {"type": ["boolean", "null"], "const": False,
+                                   "description": "Strata adds none; true is refused"}}},
+    "DetokenizeRequest": {
+        "type": "object", "required": ["tokens"], "additionalProperties": False,
+        "properties": {
+            "model": {"type": ["string", "null"], "minLength": 1},
+            "tokens": {"type": "array", "maxItems": MAX_DETOKENIZE_TOKENS, "items": _TOKEN_ID}}},
     "StrataFigures": {"type": "object", "description": "per-request figures", "properties": {
         k: {"type": "number"} for k in ("queue_wait_ms", "ttft_ms", "engine_queue_ms",
                                          "decode_tok_s", "expert_hit_rate", "spill_ratio",
@@ -249,6 +262,24 @@ def _generation(summary: str, request: str) -> dict[str, Any]:
             "504": _error("request deadline passed")}}}
 
 
+def _tokenizer(method: str, summary: str, request: str | None) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary, "security": [{"bearer": []}, {}],
+        "responses": {"200": {"description": "ok", "content": {
+                          "application/json": {"schema": {"type": "object"}}}},
+                      "400": _error("invalid parameter"),
+                      "401": _error("missing or invalid API key"),
+                      "404": _error("model not served"),
+                      "503": _error("no engine ready", _DROP_HEADERS)}}
+    if request is not None:
+        op["requestBody"] = {"required": True,
+                             "content": {"application/json": {"schema": _ref(request)}}}
+    else:
+        op["parameters"] = [{"name": "model", "in": "query", "required": False,
+                             "schema": {"type": "string"}}]
+    return {method: op}
+
+
 def _probe(summary: str, schema: str | None = None) -> dict[str, Any]:
     content = {"application/json": {"schema": _ref(schema) if schema else {"type": "object"}}}
     return {"get": {"summary": summary, "responses": {
@@ -267,6 +298,12 @@ DOCUMENT: dict[str, Any] = {
                                "security": [{"bearer": []}, {}],
                                "responses": {"200": {"description": "model list"},
                                              "503": _error("no engine", _DROP_HEADERS)}}},
+        "/tokenize": _tokenizer("post", "A prompt's token ids, as /v1/completions takes it "
+                                "(vLLM's endpoint)", "TokenizeRequest"),
+        "/detokenize": _tokenizer("post", "Token ids' text, special tokens kept (vLLM's "
+                                  "endpoint)", "DetokenizeRequest"),
+        "/tokenizer_info": _tokenizer("get", "Special tokens, chat template, context window "
+                                      "(vLLM's endpoint)", None),
         "/livez": _probe("Process is up"),
         "/readyz": _probe("An engine is ready and the gateway is not draining", "Health"),
         "/health": _probe("Deep: a real 1-token generation (cached a few seconds)", "Health"),

@@ -217,6 +217,57 @@ def _prompt(prompt: Any, param: str) -> Prompt:
     return tuple(prompt)
 
 
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class TokenizeInput:
+    model: str | None  # None: the first ready engine's
+    prompt: str
+
+
+@dataclass(frozen=True)
+class DetokenizeInput:
+    model: str | None
+    tokens: tuple[int, ...]
+
+
+def parse_tokenize(body: Any) -> TokenizeInput:
+    """vLLM's POST /tokenize: a prompt's ids as /v1/completions would take it (no special
+    tokens added; `add_special_tokens` true is refused rather than ignored)."""
+    body = _object(body)
+    _refuse_unknown(body, TOKENIZE_FIELDS, "/tokenize", DETOKENIZE_FIELDS, "/detokenize")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("'prompt' must be a string", "prompt")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise InvalidRequest("'add_special_tokens' must be true or false", "add_special_tokens")
+    if special:
+        raise InvalidRequest("Strata adds no special tokens to a prompt (a completion prompt "
+                             "is tokenized as it is written); send add_special_tokens false, "
+                             "or write the tokens into the text", "add_special_tokens")
+    return TokenizeInput(_optional_model(body), prompt)
+
+
+def parse_detokenize(body: Any) -> DetokenizeInput:
+    """vLLM's POST /detokenize: token ids' text (special tokens kept)."""
+    body = _object(body)
+    _refuse_unknown(body, DETOKENIZE_FIELDS, "/detokenize", TOKENIZE_FIELDS, "/tokenize")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) > MAX_DETOKENIZE_TOKENS:
+        raise InvalidRequest(f"'tokens' must be an array of at most {MAX_DETOKENIZE_TOKENS} "
+                             "token ids", "tokens")
+    return DetokenizeInput(_optional_model(body),
+                           _prompt(tokens, "tokens") if tokens else ())
+
+
+def _optional_model(body: dict[str, Any]) -> str | None:
+    return None if body.get("model") is None else _model(body)
+
+
 # -- pieces ------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
         doc = await _document(http, gateway)
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                 "/tokenize", "/detokenize", "/tokenizer_info",
                                  "/livez", "/readyz", "/health", "/openapi.json"}
     refs = {v["$ref"].rsplit("/", 1)[1] for v in _walk(doc) if isinstance(v, dict) and "$ref" in v}
     assert refs <= set(doc["components"]["schemas"])
@@ -39,10 +40,12 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
     from services.gateway.schemas import (
         CHAT_FIELDS,
         COMPLETION_FIELDS,
+        DETOKENIZE_FIELDS,
         JSON_SCHEMA_FIELDS,
         MESSAGE_FIELDS,
         RESPONSE_FORMAT_FIELDS,
         TEXT_PART_FIELDS,
+        TOKENIZE_FIELDS,
     )
     from services.gateway.tools import (
         CALL_FIELDS,
@@ -59,7 +62,9 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
                 ("ChatCompletionRequest", CHAT_FIELDS, CHAT,
                  {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
                 ("CompletionRequest", COMPLETION_FIELDS, COMPLETIONS,
-                 {"model": MODEL, "prompt": "hi"})):
+                 {"model": MODEL, "prompt": "hi"}),
+                ("TokenizeRequest", TOKENIZE_FIELDS, "/tokenize", {"prompt": "hi"}),
+                ("DetokenizeRequest", DETOKENIZE_FIELDS, "/detokenize", {"tokens": [1]})):
             assert schemas[name]["additionalProperties"] is False
             assert set(schemas[name]["properties"]) == fields
             async with http.post(gateway + route, json={**base, "not_a_field": 1}) as resp:

@@ -19,6 +19,40 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class GetTokenizerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerInfo(_message.Message):
+    __slots__ = ("bos_token", "eos_token", "eos_token_ids", "chat_template", "vocab_size", "context_window", "model")
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    bos_token: str
+    eos_token: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    chat_template: str
+    vocab_size: int
+    context_window: int
+    model: str
+    def __init__(self, bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
     ID_FIELD_NUMBER: _ClassVar[int]

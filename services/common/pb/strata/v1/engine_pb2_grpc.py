@@ -44,6 +44,21 @@ class EngineStub:
                 request_serializer=strata_dot_v1_dot_engine__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_engine__pb2.EngineStatus.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/strata.v1.Engine/Tokenize',
+                request_serializer=strata_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.TokenIds.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/strata.v1.Engine/Detokenize',
+                request_serializer=strata_dot_v1_dot_engine__pb2.TokenIds.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.GetTokenizerInfo = channel.unary_unary(
+                '/strata.v1.Engine/GetTokenizerInfo',
+                request_serializer=strata_dot_v1_dot_engine__pb2.GetTokenizerInfoRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.TokenizerInfo.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -65,6 +80,27 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The model's tokenizer, as a prompt meets it: a text's ids (no special tokens added, as
+        Generate's prompt), ids' text (INVALID_ARGUMENT for an id outside the vocabulary), and the
+        tokenizer's special tokens and chat template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizerInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +113,21 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.GetStatusRequest.FromString,
                     response_serializer=strata_dot_v1_dot_engine__pb2.EngineStatus.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.TokenizeRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.TokenIds.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.TokenIds.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetTokenizerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerInfo,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.GetTokenizerInfoRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.TokenizerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +184,87 @@ class Engine:
             '/strata.v1.Engine/GetStatus',
             strata_dot_v1_dot_engine__pb2.GetStatusRequest.SerializeToString,
             strata_dot_v1_dot_engine__pb2.EngineStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Engine/Tokenize',
+            strata_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.TokenIds.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Engine/Detokenize',
+            strata_dot_v1_dot_engine__pb2.TokenIds.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Engine/GetTokenizerInfo',
+            strata_dot_v1_dot_engine__pb2.GetTokenizerInfoRequest.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.TokenizerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,70 @@
+"""vLLM's tokenizer endpoints, answered by an engine's own tokenizer: a prompt's ids as
+/v1/completions takes it (POST /tokenize), ids' text (POST /detokenize), and the special tokens,
+chat template and context window (GET /tokenizer_info). lm-evaluation-harness finds these by
+itself and then needs no copy of the model's tokenizer (a GGUF's lives only inside its file):
+it sends token-id prompts built with them.
+
+Each is one unary RPC to a ready engine serving the model asked for (the first one's without
+`model`), outside admission: no queue, no slot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from services.common.pb.strata.v1 import engine_pb2
+from services.gateway.admission import Rejected
+from services.gateway.errors import ModelNotFound
+from services.gateway.handlers import json_body, served_models
+from services.gateway.schemas import parse_detokenize, parse_tokenize
+from services.gateway.state import ADMISSION, CONFIG, POOL
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    spec = parse_tokenize(json_body(await request.read()))
+    address = await _engine(request.app, spec.model)
+    ids = await _call(request.app, address, "Tokenize",
+                      engine_pb2.TokenizeRequest(text=spec.prompt))
+    status = request.app[POOL].statuses.get(address)
+    return web.json_response({"count": len(ids.ids), "tokens": list(ids.ids),
+                              "max_model_len": status.context_window if status else None,
+                              "token_strs": None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    spec = parse_detokenize(json_body(await request.read()))
+    address = await _engine(request.app, spec.model)
+    reply = await _call(request.app, address, "Detokenize", engine_pb2.TokenIds(ids=spec.tokens))
+    return web.json_response({"prompt": reply.text})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    model = request.query.get("model")
+    address = await _engine(request.app, model)
+    info = await _call(request.app, address, "GetTokenizerInfo",
+                       engine_pb2.GetTokenizerInfoRequest())
+    return web.json_response({
+        "model": info.model, "bos_token": info.bos_token or None,
+        "eos_token": info.eos_token or None, "pad_token": None,
+        "eos_token_ids": list(info.eos_token_ids), "vocab_size": info.vocab_size,
+        "model_max_length": info.context_window, "chat_template": info.chat_template or None,
+        "add_bos_token": False})
+
+
+async def _engine(app: web.Application, model: str | None) -> str:
+    served = await served_models(app)
+    if model is not None and model not in served:
+        raise ModelNotFound(model, served)
+    statuses = app[POOL].statuses
+    for address in app[ADMISSION].ready_engines:
+        status = statuses.get(address)
+        if status is not None and (model is None or status.model == model):
+            return address
+    admission = app[ADMISSION]
+    raise Rejected("no_engine", admission.retry_after_s(),
+                   f"no engine serving {model or 'a model'} is ready")
+
+
+async def _call(app: web.Application, address: str, method: str, message: Any) -> Any:
+    return await app[POOL].tokenizer(address, method, message, app[CONFIG].request_timeout_s)

@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -271,14 +271,9 @@ class Engine:
         prompt_ids = self._tokenize(request)
         if len(prompt_ids) >= self.context_window:
             raise PromptTooLong(len(prompt_ids), self.context_window)
-        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
         params = request.params
-        for name, ids in (("logit_bias", [i for i, _ in params.sampling.logit_bias]),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise InvalidRequest(f"{name}: token id {bad[0]} outside the vocabulary of "
-                                     f"{vocab}", name)
+        self._check_ids("logit_bias", [i for i, _ in params.sampling.logit_bias])
+        self._check_ids("stop_token_ids", params.stop_token_ids)
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         try:
@@ -291,6 +286,7 @@ class Engine:
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         scoring = live.echo_logprobs is not None
+        vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
                        arrived_at=handle.submitted_at, payload=live, reuse_prefix=not scoring,
                        max_chunk=max(1, SCORE_LOGITS_BYTES // (4 * vocab)) if scoring else 0)
@@ -309,13 +305,17 @@ class Engine:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Ids' text, special tokens kept; an id outside the vocabulary is an InvalidRequest."""
+        self._check_ids("tokens", ids)
+        return self.runner.tokenizer.decode(list(ids),  # type: ignore[attr-defined]
+                                            skip_special_tokens=False)
+
+    def _check_ids(self, name: str, ids: Iterable[int]) -> None:
+        """An id outside the vocabulary is an InvalidRequest naming the field `name`."""
         vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
-            raise InvalidRequest(f"tokens: token id {bad} outside the vocabulary of {vocab}",
-                                 "tokens")
-        return self.runner.tokenizer.decode(list(ids),  # type: ignore[attr-defined]
-                                            skip_special_tokens=False)
+            raise InvalidRequest(f"{name}: token id {bad} outside the vocabulary of {vocab}",
+                                 name)
 
     def _constraint(self, request: EngineRequest) -> OutputConstraint | None:
         """What the output must match. A required or named tool choice: that call. A chat
@@ -382,11 +382,7 @@ class Engine:
             except ValueError as exc:  # the template rejected the conversation
                 raise InvalidRequest(str(exc)) from exc
         elif isinstance(request.prompt, tuple):  # token ids: taken as they are
-            vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
-            bad = next((i for i in request.prompt if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"prompt: token id {bad} outside the vocabulary of {vocab}",
-                                     "prompt")
+            self._check_ids("prompt", request.prompt)
             if not request.prompt:
                 raise InvalidRequest("prompt is empty", "prompt")
             return list(request.prompt)
@@ -494,10 +490,12 @@ class Engine:
             logits, counters = result
             live: _Live = seq.payload
             live.cache.add(counters, prefill=w.prefill)
-            if scoring[i]:
-                logits = self._score_prompt(chunk, logits)
-            if chunk.samples:
-                try:
+            if not (chunk.samples or scoring[i]):
+                continue
+            try:
+                if scoring[i]:
+                    logits = self._score_prompt(chunk, logits)
+                if chunk.samples:
                     if live.echo_due:
                         live.echo_due = False
                         live.handle.sink(self._echo(live))
@@ -508,9 +506,9 @@ class Engine:
                     else:
                         self._advance(seq, logits)
                     live.flush()  # one Delta per request and step, however many tokens
-                except Exception as exc:
-                    log.exception("request %s failed after its step", live.handle.request.request_id)
-                    self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
+            except Exception as exc:
+                log.exception("request %s failed after its step", live.handle.request.request_id)
+                self._finish(seq, "abort", f"engine error: {type(exc).__name__}: {exc}")
         if self.step_trace is not None:
             self.step_trace.record(
                 started, forward_s, time.perf_counter() - started - forward_s, len(work),

@@ -300,9 +300,13 @@ def _log_start(request: web.Request, spec: GenerateInput) -> None:
     """Prompt text reaches the log only with --log-prompts."""
     if not request.app[CONFIG].log_prompts:
         return
-    prompt = spec.prompt if len(spec.prompts) == 1 and isinstance(spec.prompt, str) \
-        else json.dumps(list(spec.prompts) if spec.prompts else [
-            {"role": m.role, "content": m.content} for m in spec.messages], ensure_ascii=False)
+    if spec.is_chat:
+        prompt = json.dumps([{"role": m.role, "content": m.content} for m in spec.messages],
+                            ensure_ascii=False)
+    elif len(spec.prompts) == 1 and isinstance(spec.prompt, str):
+        prompt = spec.prompt
+    else:  # a batch, or token ids
+        prompt = json.dumps(spec.prompts, ensure_ascii=False)
     log.info("request %s prompt: %s", request_id(request), prompt)
 
 

@@ -147,8 +147,8 @@ def stats_to_proto(s: RequestStats) -> engine_pb2.RequestStats:
 
 def message_of(events: Sequence[Event], engine_id: str) -> engine_pb2.GenerateEvent:
     """One message for what a wake-up of the event loop delivered to a call: its Started, its
-    tokens (the deltas joined: a reader that fell behind gets what piled up at once), its
-    Finished. The engine emits them in that order."""
+    Echo, its tokens (the deltas joined: a reader that fell behind gets what piled up at once),
+    its Finished. The engine emits them in that order."""
     message = engine_pb2.GenerateEvent()
     deltas: list[Delta] = []
     for event in events:

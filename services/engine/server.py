@@ -246,14 +246,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatus:
         return self._status.status()
 
+    # A long text's tokenization runs off the event loop, which streams the running requests.
     async def Tokenize(self, request: engine_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> engine_pb2.TokenIds:
-        return engine_pb2.TokenIds(ids=self._engine.tokenize(request.text))
+        return engine_pb2.TokenIds(ids=await asyncio.to_thread(self._engine.tokenize,
+                                                               request.text))
 
     async def Detokenize(self, request: engine_pb2.TokenIds,
                          context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
         try:
-            text = self._engine.detokenize(request.ids)
+            text = await asyncio.to_thread(self._engine.detokenize, list(request.ids))
         except InvalidRequest as exc:
             await _abort_invalid(context, exc)
         return engine_pb2.DetokenizeResponse(text=text)

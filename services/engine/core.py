@@ -118,7 +118,8 @@ class _Live:
         self.text = TextStream(tokenizer, params.stop, skip_special=not keep,
                                end_after=(TOOL_CALL_MARKERS[fmt][1],) if one_call else ())
         room = context_window - len(handle.prompt_ids)
-        self.max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
+        self.max_new = 0 if params.echo_only else \
+            min(params.max_tokens, room) if params.max_tokens > 0 else room
         self.generated = 0
         self.cache = PhaseCounters()
         self.first_token_at: float | None = None
@@ -283,6 +284,9 @@ class Engine:
         guide = self._guide(constraint)
         if params.echo and request.prompt is None:
             raise InvalidRequest("echo: only a completion prompt is echoed", "echo")
+        if params.echo_only and not params.echo:
+            raise InvalidRequest("max_tokens 0 asks for the prompt alone: it needs echo",
+                                 "max_tokens")
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
         scoring = live.echo_logprobs is not None
@@ -499,6 +503,9 @@ class Engine:
                     if live.echo_due:
                         live.echo_due = False
                         live.handle.sink(self._echo(live))
+                    if live.max_new == 0:  # echo_only: the prompt was all it asked for
+                        self._finish(seq, "length")
+                        continue
                     if chunk.draft:
                         self._verify(chunk, logits, counters)
                     elif picks is not None:

@@ -53,6 +53,7 @@ class GenerateParams:
     # logprobs each token's log-probability given the ones before it (top_logprobs
     # alternatives too); every prompt position is computed (no prefix reuse)
     echo: bool = False
+    echo_only: bool = False  # with echo: no token generated (OpenAI's max_tokens 0)
 
 
 @dataclass(frozen=True)

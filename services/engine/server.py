@@ -98,7 +98,7 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
         logprobs=s.logprobs or s.top_logprobs > 0,
         top_logprobs=s.top_logprobs,
         ignore_eos=s.ignore_eos,
-        stop_token_ids=tuple(s.stop_token_ids), echo=s.echo,
+        stop_token_ids=tuple(s.stop_token_ids), echo=s.echo, echo_only=s.echo_only,
         sampling=sampling, constraint=constraint_from_proto(msg))
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")

@@ -176,7 +176,7 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
         min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids),
-        echo=spec.echo)
+        echo=spec.echo, echo_only=spec.echo_only)
     if s.seed is not None:
         sampling.seed = s.seed
     request = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,

@@ -178,6 +178,11 @@ _SCHEMAS: dict[str, Any] = {
     "CompletionRequest": {
         "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
         "description": "a field not listed is refused with a 400 naming it (a null passes)",
+        # max_tokens 0 asks for the prompt alone: only with echo
+        "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+        "then": {"required": ["echo"], "properties": {"echo": {"const": True}},
+                 "not": {"required": ["min_tokens"], "properties": {
+                     "min_tokens": {"type": "integer", "exclusiveMinimum": 0}}}},
         "properties": {
         **_SAMPLING,
         "prompt": {"oneOf": [
@@ -189,7 +194,8 @@ _SCHEMAS: dict[str, Any] = {
             "description": "a text, token ids (taken as they are, each below the model's "
                            "vocabulary size), or a batch of either; each prompt gets n choices, "
                            f"at most {MAX_CHOICES} choices in all (prompts times n)"},
-        "max_tokens": {**_MAX_TOKENS, "type": ["integer", "null"], "default": 16},
+        "max_tokens": {**_MAX_TOKENS, "type": ["integer", "null"], "default": 16, "minimum": 0,
+                       "description": "0 only with echo: the prompt (and its logprobs) alone"},
         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                      "description": "alternatives per token (legacy form)"},
         "echo": {"type": ["boolean", "null"],

@@ -116,6 +116,7 @@ class GenerateInput:
     tools: Tools | None = None
     user: str | None = None  # the caller's end-user id: on the request's trace span (user.id)
     echo: bool = False  # /v1/completions: the prompt comes back before the completion
+    echo_only: bool = False  # with echo, max_tokens 0: the prompt alone, nothing generated
 
     @property
     def is_chat(self) -> bool:
@@ -184,12 +185,18 @@ def parse_completion(body: Any) -> GenerateInput:
     if best_of not in (None, 1):
         raise InvalidRequest("'best_of' must be 1", "best_of")
     max_tokens = _first_present(body, "max_tokens")
-    sampling = _sampling(body, max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+    # OpenAI's legacy scoring form: echo with max_tokens 0 gives the prompt's logprobs alone
+    echo_only = bool(echo) and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    sampling = _sampling(body, None if echo_only else max_tokens,
+                         default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+    if echo_only and sampling.min_tokens:
+        raise InvalidRequest("'min_tokens' asks for tokens that 'max_tokens' 0 (the prompt "
+                             "alone) does not generate", "min_tokens")
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=_model(body), prompts=prompts, **_stream(body), n=n,
                          sampling=sampling, constraint=_constraint(body), user=_user(body),
-                         echo=bool(echo))
+                         echo=bool(echo), echo_only=echo_only)
 
 
 def _prompts(prompt: Any) -> tuple[Prompt, ...]:

@@ -410,3 +410,25 @@ async def test_completions_echo_with_prompt_logprobs_from_the_real_engine(
             echoed = await client.completions.create(model=model, prompt=[ids[:5]], echo=True,
                                                      max_tokens=1)
             assert echoed.choices[0].text.startswith(tokenizer.decode(ids[:5]))
+            # max_tokens 0 (the legacy scoring form): the prompt and its logprobs alone
+            alone = await client.completions.create(model=model, prompt=prompt, echo=True,
+                                                    logprobs=2, max_tokens=0, stream=stream)
+            if stream:
+                chunks = [c async for c in alone]
+                choices = [c.choices[0] for c in chunks if c.choices]
+                text = "".join(ch.text for ch in choices)
+                got = [v for ch in choices if ch.logprobs for v in ch.logprobs.token_logprobs]
+                finish = choices[-1].finish_reason
+            else:
+                choice = alone.choices[0]
+                text, got, finish = choice.text, choice.logprobs.token_logprobs, \
+                    choice.finish_reason
+                assert alone.usage.completion_tokens == 0
+            assert (text, finish, len(got)) == (prompt, "length", len(ids))
+            assert got[1:] == pytest.approx(want, abs=1e-4)
+            for bad, param in (({"max_tokens": 0}, "max_tokens"),
+                               ({"max_tokens": 0, "echo": True, "extra_body": {"min_tokens": 1}},
+                                "min_tokens")):
+                with pytest.raises(openai.BadRequestError) as info:
+                    await client.completions.create(model=model, prompt=prompt, **bad)
+                assert info.value.body["param"] == param

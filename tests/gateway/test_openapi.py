@@ -196,3 +196,36 @@ def _walk(node):
     elif isinstance(node, list):
         for value in node:
             yield from _walk(value)
+
+
+@pytest.mark.parametrize(("body", "accepted"), [
+    ({"prompt": "hi", "max_tokens": 0}, False),
+    ({"prompt": "hi", "max_tokens": 0, "echo": True}, True),
+    ({"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 2}, False),
+    ({"prompt": [[1, 2], "a"], "echo": True, "n": 2}, True),
+    ({"prompt": ["a"] * 9, "n": 2}, False),  # the schema cannot count prompts times n
+    ({"prompt": [3, True]}, False),
+    ({"prompt": []}, False),
+])
+def test_completion_schema_and_parser_agree_on_prompt_forms_and_echo(body, accepted):
+    """Where the completion schema's cross-field rules (max_tokens 0 only with echo) and the
+    prompt's forms say yes or no, the parser says the same; the one rule the schema cannot
+    state (at most 16 choices: prompts times n) is in its description."""
+    import jsonschema
+
+    from services.gateway.errors import InvalidRequest
+    from services.gateway.openapi import DOCUMENT
+    from services.gateway.schemas import MAX_CHOICES, parse_completion
+
+    schema = DOCUMENT["components"]["schemas"]["CompletionRequest"]
+    body = {"model": MODEL, **body}
+    valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+    try:
+        parse_completion(body)
+        parsed = True
+    except InvalidRequest:
+        parsed = False
+    over_cap = len(body["prompt"]) * body.get("n", 1) > MAX_CHOICES
+    assert parsed == accepted and valid == (accepted or over_cap)
+    if over_cap:
+        assert f"at most {MAX_CHOICES} choices" in schema["properties"]["prompt"]["description"]

@@ -71,6 +71,7 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", health.models)
+    app.router.add_get("/v1/models/{model:.+}", health.model)
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/tokenizer_info", tokenize.tokenizer_info)

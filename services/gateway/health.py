@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.engine_client import Finished
-from services.gateway.errors import EngineError
+from services.gateway.errors import EngineError, ModelNotFound
 from services.gateway.handlers import served_models
 from services.gateway.schemas import GenerateInput, Sampling
 from services.gateway.state import ADMISSION, CONFIG, POOL
@@ -112,5 +112,16 @@ async def _generate_one_token(app: web.Application) -> tuple[bool, dict[str, Any
 
 async def models(request: web.Request) -> web.Response:
     served = await served_models(request.app)
-    return web.json_response({"object": "list", "data": [
-        {"id": m, "object": "model", "created": 0, "owned_by": "strata"} for m in served]})
+    return web.json_response({"object": "list", "data": [_model(m) for m in served]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's GET /v1/models/{model} (the openai client's models.retrieve)."""
+    name, served = request.match_info["model"], await served_models(request.app)
+    if name not in served:
+        raise ModelNotFound(name, served)
+    return web.json_response(_model(name))
+
+
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "strata"}

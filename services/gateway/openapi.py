@@ -310,6 +310,13 @@ DOCUMENT: dict[str, Any] = {
                                   "endpoint)", "DetokenizeRequest"),
         "/tokenizer_info": _tokenizer("get", "Special tokens, chat template, context window "
                                       "(vLLM's endpoint)", None),
+        "/v1/models/{model}": {"get": {
+            "summary": "One served model", "security": [{"bearer": []}, {}],
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the model"},
+                          "404": _error("model not served"),
+                          "503": _error("no engine", _DROP_HEADERS)}}},
         "/livez": _probe("Process is up"),
         "/readyz": _probe("An engine is ready and the gateway is not draining", "Health"),
         "/health": _probe("Deep: a real 1-token generation (cached a few seconds)", "Health"),

@@ -4,7 +4,7 @@ import asyncio
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI, AuthenticationError
+from openai import AsyncOpenAI, AuthenticationError, NotFoundError
 
 from .conftest import MODEL
 
@@ -103,6 +103,10 @@ async def test_completions(client, engine):
 async def test_models(client):
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(NotFoundError) as info:
+        await client.models.retrieve("org/not-served")
+    assert (info.value.body["code"], info.value.body["param"]) == ("model_not_found", "model")
 
 
 async def test_health(gateway):

@@ -25,6 +25,7 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
         doc = await _document(http, gateway)
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                 "/v1/models/{model}",
                                  "/tokenize", "/detokenize", "/tokenizer_info",
                                  "/livez", "/readyz", "/health", "/openapi.json"}
     refs = {v["$ref"].rsplit("/", 1)[1] for v in _walk(doc) if isinstance(v, dict) and "$ref" in v}

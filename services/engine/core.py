@@ -63,6 +63,7 @@ from services.engine.requests import (
     RequestStats,
     Sink,
     Started,
+    TokenizerInfo,
     TokenLogprob,
     TopLogprob,
 )
@@ -134,6 +135,11 @@ class _Live:
         self.echo_due = params.echo
         self.echo_logprobs: list[TokenLogprob] | None = [] if params.echo and params.logprobs \
             else None
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's chunks still want every position's logits (echo with logprobs)."""
+        return self.echo_logprobs is not None and self.echo_due
 
     def emit(self, text: str, token_id: int | None = None,
              logprob: TokenLogprob | None = None) -> None:
@@ -289,11 +295,12 @@ class Engine:
                                  "max_tokens")
         handle = RequestHandle(request, prompt_ids, sink)
         live = _Live(handle, self.runner.tokenizer, self.context_window, guide)
-        scoring = live.echo_logprobs is not None
         vocab = self.runner.config.vocab_size  # type: ignore[attr-defined]
         seq = SeqState(next(self._seq_ids), list(prompt_ids), len(prompt_ids),
-                       arrived_at=handle.submitted_at, payload=live, reuse_prefix=not scoring,
-                       max_chunk=max(1, SCORE_LOGITS_BYTES // (4 * vocab)) if scoring else 0)
+                       arrived_at=handle.submitted_at, payload=live,
+                       reuse_prefix=not live.scoring,
+                       max_chunk=max(1, SCORE_LOGITS_BYTES // (4 * vocab)) if live.scoring
+                       else 0)
         fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
         sink(Started(len(prompt_ids), self.context_window, fmt if request.tools or (
             request.messages is not None and fmt in CHANNELED) else ""))
@@ -312,6 +319,14 @@ class Engine:
         self._check_ids("tokens", ids)
         return self.runner.tokenizer.decode(list(ids),  # type: ignore[attr-defined]
                                             skip_special_tokens=False)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        tokenizer, config = self.runner.tokenizer, self.runner.config
+        return TokenizerInfo(
+            tokenizer.bos_token or "", tokenizer.eos_token or "",  # type: ignore[attr-defined]
+            tuple(sorted(tokenizer.eos_token_ids)),  # type: ignore[attr-defined]
+            tokenizer.chat_template or "",  # type: ignore[attr-defined]
+            config.vocab_size, self.context_window)  # type: ignore[attr-defined]
 
     def _check_ids(self, name: str, ids: Iterable[int]) -> None:
         """An id outside the vocabulary is an InvalidRequest naming the field `name`."""
@@ -467,8 +482,7 @@ class Engine:
             return
         self.runner.kv.copy_blocks(step.copies)  # prompts starting with part of a cached block
         # the chunks of a prompt whose logprobs are asked for (echo) want every position's
-        scoring = [c.seq.payload.echo_logprobs is not None and c.seq.payload.echo_due
-                   for c in step.chunks]
+        scoring = [c.seq.payload.scoring for c in step.chunks]
         work = [chunk_work(c, every_position=True, logits=True) if score else chunk_work(c)
                 for c, score in zip(step.chunks, scoring, strict=True)]
         self.steps += 1
@@ -684,7 +698,8 @@ class Engine:
         targets = seq.token_ids[chunk.start + 1:min(chunk.end + 1, seq.prompt_len)]
         if not targets:
             return rows[-1]
-        # All rows at once: a row at a time took 1.4 ms a row at 151936 tokens, this 0.45
+        # All rows at once: 0.52 ms a row at 151936 tokens against 1.70 a row at a time
+        # (scripts/score_cost.py)
         x = rows[:len(targets)].float()
         lse = torch.logsumexp(x, dim=-1)
         values = (x.gather(1, torch.tensor(targets, device=x.device)[:, None])[:, 0]

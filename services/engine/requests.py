@@ -200,6 +200,18 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class TokenizerInfo:
+    """The tokenizer as clients building prompts need it (Engine.tokenizer_info)."""
+
+    bos_token: str  # empty: none
+    eos_token: str
+    eos_token_ids: tuple[int, ...]
+    chat_template: str  # empty: none
+    vocab_size: int
+    context_window: int
+
+
+@dataclass(frozen=True)
 class Echo:
     """A prompt's own text and tokens, before the request's first Delta (GenerateParams.echo).
     `logprobs`, with logprobs asked for: one per prompt token, the first of which has nothing

@@ -262,13 +262,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def GetTokenizerInfo(self, request: engine_pb2.GetTokenizerInfoRequest,
                                context: grpc.aio.ServicerContext) -> engine_pb2.TokenizerInfo:
-        engine = self._engine
-        tokenizer = engine.runner.tokenizer
+        info = self._engine.tokenizer_info()
         return engine_pb2.TokenizerInfo(
-            bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
-            eos_token_ids=sorted(tokenizer.eos_token_ids),
-            chat_template=tokenizer.chat_template or "",
-            vocab_size=engine.runner.config.vocab_size, context_window=engine.context_window,
+            bos_token=info.bos_token, eos_token=info.eos_token,
+            eos_token_ids=info.eos_token_ids, chat_template=info.chat_template,
+            vocab_size=info.vocab_size, context_window=info.context_window,
             model=self._status.model_name)
 
 

@@ -56,12 +56,11 @@ async def _engine(app: web.Application, model: str | None) -> str:
     served = await served_models(app)
     if model is not None and model not in served:
         raise ModelNotFound(model, served)
-    statuses = app[POOL].statuses
-    for address in app[ADMISSION].ready_engines:
+    statuses, admission = app[POOL].statuses, app[ADMISSION]
+    for address in admission.ready_engines:
         status = statuses.get(address)
         if status is not None and (model is None or status.model == model):
             return address
-    admission = app[ADMISSION]
     raise Rejected("no_engine", admission.retry_after_s(),
                    f"no engine serving {model or 'a model'} is ready")
 

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from services.common.genai_metrics import GenAIMetrics
 from services.common.registry import EngineRegistry, RegistryUnavailable
 from services.common.telemetry import setup_tracing
-from services.gateway import handlers, health, openapi, tokenize
+from services.gateway import handlers, health, openapi, response_routes, tokenize
 from services.gateway.admission import Admission, RejectionLog
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
@@ -34,7 +34,17 @@ from services.gateway.middleware import (
     limits_middleware,
     shed_middleware,
 )
-from services.gateway.state import ADMISSION, CLOCK, CONFIG, METRICS, POOL, REJECTIONS, TRACER
+from services.gateway.response_store import LocalResponseStore, RedisResponseStore
+from services.gateway.state import (
+    ADMISSION,
+    CLOCK,
+    CONFIG,
+    METRICS,
+    POOL,
+    REJECTIONS,
+    RESPONSE_STORE,
+    TRACER,
+)
 
 log = logging.getLogger("strata.gateway")
 
@@ -62,14 +72,23 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
                            on_removed=admission.remove_engine,
                            breaker_threshold=config.breaker_threshold,
                            breaker_cooldown_s=config.breaker_cooldown_s)
+    local = LocalResponseStore(config.responses_ttl_s, config.responses_max_bytes, clock=clock)
+    app[RESPONSE_STORE] = (RedisResponseStore(config.redis_url, config.responses_ttl_s, local,
+                                              timeout_s=config.redis_timeout_s)
+                           if config.redis_url else local)
     app[health.DEEP] = health.DeepCheck()
     _telemetry(app, meter_provider, tracer_provider)
     if config.redis_url:
         app[REGISTRY] = EngineRegistry(config.redis_url, timeout_s=config.redis_timeout_s)
     app.cleanup_ctx.append(_limits)
+    app.cleanup_ctx.append(_response_store)
     app.cleanup_ctx.append(_engines)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/responses", handlers.responses)
+    app.router.add_get("/v1/responses/{response_id}", response_routes.retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", response_routes.delete)
+    app.router.add_get("/v1/responses/{response_id}/input_items", response_routes.input_items)
     app.router.add_get("/v1/models", health.models)
     app.router.add_get("/v1/models/{model:.+}", health.model)
     app.router.add_post("/tokenize", tokenize.tokenize)
@@ -119,6 +138,11 @@ async def _limits(app: web.Application) -> AsyncIterator[None]:
         await app[ADMISSION].close()
         if isinstance(ledger, SharedLedger):
             await ledger.close()
+
+
+async def _response_store(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[RESPONSE_STORE].close()
 
 
 async def _engines(app: web.Application) -> AsyncIterator[None]:

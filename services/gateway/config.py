@@ -101,6 +101,12 @@ SETTINGS: tuple[Setting, ...] = (
             "shared-limit leases of a gateway that dies expire after this long"),
     Setting("metrics_port", "STRATA_GATEWAY_METRICS_PORT", port, 9465,
             "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
+    Setting("responses_ttl_s", "STRATA_RESPONSES_TTL_S", positive_float, 86400.0,
+            "how long a stored response of /v1/responses (store true, the default) can be read "
+            "back or continued with previous_response_id"),
+    Setting("responses_max_bytes", "STRATA_RESPONSES_MAX_BYTES", parse_bytes, 256 * 1024 * 1024,
+            "stored responses this gateway keeps in memory (without --redis-url, or while Redis "
+            "is away); past it the oldest go first"),
     Setting("stream_interval_ms", "STRATA_STREAM_INTERVAL_MS", non_negative_float, 50.0,
             "the longest the engine holds a generated token so that tokens produced close "
             "together travel as one gRPC message and one SSE event (0: each engine step's "
@@ -129,6 +135,8 @@ class GatewayConfig:
     lease_ttl_s: float = 15.0
     metrics_port: int = 9465  # 0: no Prometheus endpoint (set up by `serve`, not `init_app`)
     stream_interval_ms: float = 50.0
+    responses_ttl_s: float = 86400.0
+    responses_max_bytes: int = 256 * 1024 * 1024
     # Not operator settings: tests shorten them.
     health_interval_s: float = 2.0  # engine probes and registry reads
     engine_timeout_s: float = 2.0  # for GetStatus probes

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,9 +44,26 @@ from services.gateway.errors import (
 )
 from services.gateway.harmony import HarmonyParser
 from services.gateway.middleware import log_failure
-from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, Renderer, usage
+from services.gateway.response_routes import owner
+from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, usage
+from services.gateway.responses_api import (
+    ResponseBuilder,
+    ResponsesInput,
+    parse_responses,
+    response_usage,
+    stored_record,
+)
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
-from services.gateway.state import ADMISSION, CLOCK, CONFIG, METRICS, POOL, TRACE, request_id
+from services.gateway.state import (
+    ADMISSION,
+    CLOCK,
+    CONFIG,
+    METRICS,
+    POOL,
+    RESPONSE_STORE,
+    TRACE,
+    request_id,
+)
 from services.gateway.tools import ToolCallParser
 
 log = logging.getLogger("strata.gateway")
@@ -61,12 +78,28 @@ async def served_models(app: web.Application) -> list[str]:
     return pool.models
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between the generation endpoints: the body's parser (a coroutine: the
+    Responses API reads the conversation it continues from the store), the renderer of its
+    bodies, and the reply."""
+
+    operation: str
+    parse: Callable[[web.Request, Any], Awaitable[GenerateInput]]
+    renderer: Callable[[str, GenerateInput], Any]
+    reply: Callable[[list[_Run]], Awaitable[web.StreamResponse]]
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, ChatRenderer, "chat")
+    return await _generate(request, _CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, CompletionRenderer, "text_completion")
+    return await _generate(request, _COMPLETIONS)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, _RESPONSES)
 
 
 @dataclass
@@ -111,7 +144,7 @@ class _Run:
 
     request: web.Request
     spec: GenerateInput
-    renderer: Renderer
+    renderer: Any  # the endpoint's: a Renderer, or the Responses API's ResponseBuilder
     call: GenerateCall
     started: Started
     arrived_at: float
@@ -173,12 +206,11 @@ class _Run:
                  f.expert_hit_rate, f.spill_ratio, f.engine_id, self.request[TRACE].trace_id)
 
 
-async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
-                    renderer_cls: type[Renderer], operation: str) -> web.StreamResponse:
+async def _generate(request: web.Request, endpoint: _Endpoint) -> web.StreamResponse:
     clock = request.app[CLOCK]
-    outcome = _Outcome(operation, clock, clock())
+    outcome = _Outcome(endpoint.operation, clock, clock())
     try:
-        return await _answer(request, parse, renderer_cls, outcome)
+        return await _answer(request, endpoint, outcome)
     except BaseException as exc:
         outcome.fail(exc)
         raise
@@ -186,8 +218,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateInput],
         outcome.record(request.app[METRICS])
 
 
-async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
-                  renderer_cls: type[Renderer], outcome: _Outcome) -> web.StreamResponse:
+async def _answer(request: web.Request, endpoint: _Endpoint,
+                  outcome: _Outcome) -> web.StreamResponse:
     app = request.app
     config, admission, pool, clock = app[CONFIG], app[ADMISSION], app[POOL], app[CLOCK]
     arrived_at = outcome.arrived_at
@@ -200,7 +232,8 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
     ticket = await admission.enter(estimate_prompt_tokens(num_bytes))  # 429/503 before parsing
     engine_used = False
     try:
-        spec = parse(json_body(raw if raw is not None else await request.read()))
+        spec = await endpoint.parse(request,
+                                    json_body(raw if raw is not None else await request.read()))
         outcome.model = spec.model
         request[TRACE].span.set_attributes({"gen_ai.operation.name": outcome.operation,
                                             "gen_ai.request.model": spec.model})
@@ -215,7 +248,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
         engine = await admission.acquire(ticket, min(config.queue_timeout_s,
                                                      deadline - clock()))
         engine_used = True
-        renderer = renderer_cls(request_id(request), spec.model)
+        renderer = endpoint.renderer(request_id(request), spec)
         following = admission.forward(ticket)  # requests this gateway forwards after this one
         async with contextlib.AsyncExitStack() as calls:
             runs = []
@@ -234,7 +267,7 @@ async def _answer(request: web.Request, parse: Callable[[Any], GenerateInput],
                                  await _started(call, engine, pool), arrived_at,
                                  ticket.queue_wait_s, outcome))
             outcome.input_tokens = sum(run.started.prompt_tokens for run in runs[::spec.n])
-            return await (_stream(runs) if spec.stream else _complete(runs))
+            return await endpoint.reply(runs)
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
                  (clock() - arrived_at) * 1e3,
@@ -478,4 +511,136 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
         out.append(sse.event(error.body))  # what came before the failure goes out too
         with contextlib.suppress(ConnectionResetError):
             await response.write(b"".join(out))
+    return response
+
+
+async def _chat_reply(runs: list[_Run]) -> web.StreamResponse:
+    return await (_stream(runs) if runs[0].spec.stream else _complete(runs))
+
+
+async def _parse_chat(_: web.Request, body: Any) -> GenerateInput:
+    return parse_chat(body)
+
+
+async def _parse_completion(_: web.Request, body: Any) -> GenerateInput:
+    return parse_completion(body)
+
+
+_CHAT = _Endpoint("chat", _parse_chat, lambda rid, spec: ChatRenderer(rid, spec.model),
+                  _chat_reply)
+_COMPLETIONS = _Endpoint("text_completion", _parse_completion,
+                         lambda rid, spec: CompletionRenderer(rid, spec.model), _chat_reply)
+
+
+# -- the Responses API -------------------------------------------------------------------------
+
+
+async def _parse_responses(request: web.Request, body: Any) -> GenerateInput:
+    """The request, with the stored conversation of its previous_response_id before it."""
+    spec = parse_responses(body)
+    context: list[dict[str, Any]] = []
+    if spec.previous_response_id is not None:
+        record = await request.app[RESPONSE_STORE].get(spec.previous_response_id, owner(request))
+        if record is None:
+            ttl_h = request.app[CONFIG].responses_ttl_s / 3600
+            raise InvalidRequest(f"previous response {spec.previous_response_id!r} is not stored "
+                                 f"here: it was made with store false, deleted, made with "
+                                 f"another API key, or is older than the store keeps ({ttl_h:g} "
+                                 "h, --responses-ttl-s)", "previous_response_id",
+                                 code="previous_response_not_found")
+        context = record["context"]
+    return spec.with_context(context)
+
+
+_RESPONSES = _Endpoint("chat", _parse_responses, lambda _, spec: ResponseBuilder(spec),
+                       lambda runs: _respond(runs[0]))
+
+
+def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta) -> list[dict[str, Any]]:
+    """A delta's events: its reasoning, its text, the calls it closed."""
+    if run.parser is None:
+        return builder.text(delta.text, delta.logprobs)
+    text, calls = run.parser.feed(delta.text)
+    thought = run.parser.take_reasoning()
+    if thought and not text:
+        builder.reasoning_tokens += delta.num_tokens or 1
+    events = builder.reasoning(thought) + builder.text(text, delta.logprobs)
+    for call in calls:
+        events += builder.call(call)
+    return events
+
+
+def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished) -> list[dict[str, Any]]:
+    """What the parser held back, then the terminal event (completed, or incomplete)."""
+    events: list[dict[str, Any]] = []
+    if run.parser is not None:
+        before = len(run.parser.calls)
+        rest = run.parser.finish()  # may close a call (harmony's last)
+        events += builder.reasoning(run.parser.take_reasoning()) + builder.text(rest)
+        for call in run.parser.calls[before:]:
+            events += builder.call(call)
+    counted = run.usage(finished)
+    events += builder.finish(finished.reason, response_usage(
+        counted["prompt_tokens"], counted["completion_tokens"],
+        counted["prompt_tokens_details"]["cached_tokens"], builder.reasoning_tokens),
+        run.figures(finished))
+    run.log_done(finished)
+    return events
+
+
+async def _respond(run: _Run) -> web.StreamResponse:
+    """The Responses API's answer: the engine's events through a ResponseBuilder, streamed as
+    named SSE events (`response.created` ... `response.completed`) or returned as one object.
+    With `store` the record is written before the last event leaves, so a client that reads
+    it back at once finds it. A failure after the stream began is `response.failed`."""
+    request, builder = run.request, run.renderer
+    spec: ResponsesInput = builder.spec
+    response: web.StreamResponse | None = None
+    if spec.stream:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": request_id(request),
+            "x-strata-queue-wait-ms": f"{run.queue_wait_s * 1e3:.3f}",
+            "x-strata-engine-id": run.started.engine_id})
+        await response.prepare(request)
+    out = builder.start()
+    try:
+        async for batch in _batches([run]):
+            for _, event in _merged(batch):
+                if isinstance(event, Exception):
+                    raise event
+                if isinstance(event, Delta):
+                    run.on_delta(event)
+                    out += _respond_delta(run, builder, event)
+                elif isinstance(event, Finished):
+                    if event.reason == "abort":
+                        raise EngineAborted(event.error, run.call.engine)
+                    out += _respond_end(run, builder, event)
+                    if spec.store:
+                        await request.app[RESPONSE_STORE].put(
+                            spec.response_id, stored_record(builder, owner(request)))
+                elif event is None and builder.status == "in_progress":
+                    raise EngineError("INTERNAL", "the event stream ended without a "
+                                      "Finished event", run.call.engine)
+            if response is not None and out and builder.status == "in_progress":
+                await response.write(b"".join(sse.named(e) for e in out))
+                out = []
+        if response is None:
+            return web.json_response(builder.response, headers=builder.figures.headers())
+        await response.write_eof(b"".join(sse.named(e) for e in out))
+    except ConnectionResetError as exc:
+        if response is None:
+            raise
+        run.outcome.fail(exc)
+        log.info("request %s: client went away mid-stream; engine call cancelled",
+                 request_id(request))
+    except Exception as exc:
+        if response is None:
+            raise
+        run.outcome.fail(exc)
+        error = http_error(exc, request_id(request))
+        log_failure(request, exc, error.status)
+        out += builder.fail(error.body["error"])
+        with contextlib.suppress(ConnectionResetError):
+            await response.write_eof(b"".join(sse.named(e) for e in out))
     return response

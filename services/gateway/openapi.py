@@ -9,6 +9,12 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.responses_api import (
+    LOGPROBS_INCLUDE,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE_CHARS,
+)
 from services.gateway.schemas import (
     MAX_CHOICES,
     MAX_DETOKENIZE_TOKENS,
@@ -204,6 +210,108 @@ _SCHEMAS: dict[str, Any] = {
         "best_of": {"type": ["integer", "null"], "const": 1},
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported"},
     }},
+    "ResponsesRequest": {
+        "type": "object", "required": ["model", "input"], "additionalProperties": False,
+        "description": "the Responses API, served by the chat path: a field not listed is "
+                       "refused with a 400 naming it (a null passes)",
+        "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": {"oneOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+             "items": _ref("ResponsesInputItem")}]},
+        "instructions": {"type": ["string", "null"],
+                         "description": "a system message first; not carried over by "
+                                        "previous_response_id"},
+        "max_output_tokens": {**_MAX_TOKENS, "type": ["integer", "null"]},
+        "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+        "stream": {"type": ["boolean", "null"],
+                   "description": "named events, response.created to response.completed / "
+                                  "response.incomplete / response.failed"},
+        "store": {"type": ["boolean", "null"], "default": True,
+                  "description": "kept for --responses-ttl-s: GET /v1/responses/{id}, "
+                                 "previous_response_id"},
+        "metadata": {"type": ["object", "null"], "maxProperties": MAX_METADATA_KEYS,
+                     "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+                     "additionalProperties": {"type": "string",
+                                              "maxLength": MAX_METADATA_VALUE_CHARS}},
+        "previous_response_id": {"type": ["string", "null"], "pattern": "^resp_[0-9a-f]{32}$",
+                                 "description": "continue a stored response's conversation"},
+        "text": {"type": ["object", "null"], "additionalProperties": False, "properties": {
+            "format": {"oneOf": [
+                {"type": "object", "required": ["type"], "additionalProperties": False,
+                 "properties": {"type": {"enum": ["text", "json_object"]}}},
+                {"type": "object", "required": ["type", "name", "schema"],
+                 "additionalProperties": False, "properties": {
+                     "type": {"const": "json_schema"},
+                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                     "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}},
+                {"type": "null"}]}}},
+        "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS,
+                  "items": _ref("FunctionTool")},
+        "tool_choice": {"oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "name"], "additionalProperties": False,
+             "properties": {"type": {"const": "function"}, "name": {"type": "string"}}},
+            {"type": "null"}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                         "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
+        "user": _SAMPLING["user"],
+        "safety_identifier": {**_SAMPLING["user"], "description": "as user"},
+        "truncation": {"enum": ["disabled", None]},
+        "background": {"enum": [False, None], "description": "background runs are refused"},
+    }},
+    "ResponsesInputItem": {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+         "properties": {
+            "type": {"const": "message"}, "id": {"type": "string"}, "status": {},
+            "role": {"enum": ["user", "system", "developer", "assistant"]},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [
+                {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                 "properties": {"type": {"const": "input_text"}, "text": {"type": "string"}}},
+                {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                 "description": "an assistant's",
+                 "properties": {"type": {"const": "output_text"}, "text": {"type": "string"},
+                                "annotations": {}, "logprobs": {}}},
+                {"type": "object", "required": ["type", "refusal"],
+                 "additionalProperties": False, "description": "an assistant's",
+                 "properties": {"type": {"const": "refusal"},
+                                "refusal": {"type": "string"}}}]}}]}}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+         "additionalProperties": False, "properties": {
+            "type": {"const": "function_call"}, "id": {"type": "string"}, "status": {},
+            "call_id": {"type": "string", "minLength": 1},
+            "name": {"type": "string", "minLength": 1}, "arguments": {"type": "string"}}},
+        {"type": "object", "required": ["type", "call_id", "output"],
+         "additionalProperties": False, "properties": {
+            "type": {"const": "function_call_output"}, "id": {"type": "string"}, "status": {},
+            "call_id": {"type": "string", "minLength": 1},
+            "output": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                "type": "object", "required": ["type", "text"], "additionalProperties": False,
+                "properties": {"type": {"const": "input_text"}, "text": {"type": "string"}}}}]}}},
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "description": "the next assistant message's reasoning",
+         "properties": {
+            "type": {"const": "reasoning"}, "id": {"type": "string"}, "status": {},
+            "summary": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"type": {"const": "summary_text"}, "text": {"type": "string"}}}},
+            "content": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"type": {"const": "reasoning_text"},
+                               "text": {"type": "string"}}}}}}]},
+    "FunctionTool": {
+        "type": "object", "required": ["type", "name"], "additionalProperties": False,
+        "description": "function tools only: hosted tools (web_search, file_search, ...) are "
+                       "refused",
+        "properties": {
+            "type": {"const": "function"},
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"]},
+            "strict": {"type": ["boolean", "null"]}}},
     "TokenizeRequest": {
         "type": "object", "required": ["prompt"], "additionalProperties": False,
         "properties": {
@@ -286,6 +394,21 @@ def _tokenizer(method: str, summary: str, request: str | None) -> dict[str, Any]
     return {method: op}
 
 
+def _stored(summary: str, query: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
+    """An operation on a stored response (its API key's own, with keys on)."""
+    return {"summary": summary, "security": [{"bearer": []}, {}],
+            "parameters": [{"name": "response_id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}]
+            + [{"name": name, "in": "query", "required": False, "schema": schema}
+               for name, schema in query],
+            "responses": {"200": {"description": "ok", "content": {
+                              "application/json": {"schema": {"type": "object"}}}},
+                          "400": _error("a query parameter Strata does not read"),
+                          "401": _error("missing or invalid API key"),
+                          "404": _error("no such stored response"),
+                          "503": _error("the response store (Redis) did not answer")}}
+
+
 def _probe(summary: str, schema: str | None = None) -> dict[str, Any]:
     content = {"application/json": {"schema": _ref(schema) if schema else {"type": "object"}}}
     return {"get": {"summary": summary, "responses": {
@@ -300,6 +423,17 @@ DOCUMENT: dict[str, Any] = {
     "paths": {
         "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
         "/v1/completions": _generation("Text completion", "CompletionRequest"),
+        "/v1/responses": _generation("A response (the Responses API): stream ends with "
+                                     "response.completed, response.incomplete or "
+                                     "response.failed, no [DONE]", "ResponsesRequest"),
+        "/v1/responses/{response_id}": {
+            "get": _stored("A stored response"),
+            "delete": _stored("Delete a stored response")},
+        "/v1/responses/{response_id}/input_items": {"get": _stored(
+            "A stored response's input items, a page at a time",
+            (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+             ("order", {"enum": ["asc", "desc"], "default": "desc"}),
+             ("after", {"type": "string"})))},
         "/v1/models": {"get": {"summary": "Models served by ready engines",
                                "security": [{"bearer": []}, {}],
                                "responses": {"200": {"description": "model list"},

@@ -10,3 +10,9 @@ DONE = b"data: [DONE]\n\n"
 
 def event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def named(body: dict[str, Any]) -> bytes:
+    """An event of the Responses API's stream: its type as the SSE event name too."""
+    return (b"event: " + body["type"].encode() + b"\ndata: "
+            + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")

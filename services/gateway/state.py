@@ -11,6 +11,7 @@ from services.common.genai_metrics import GenAIMetrics
 from services.gateway.admission import Admission, RejectionLog
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
+from services.gateway.response_store import ResponseStore
 from services.gateway.tracing import TraceContext
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -21,6 +22,7 @@ TRACE = web.RequestKey("trace", TraceContext)
 TRACER = web.AppKey("tracer", Tracer)
 METRICS = web.AppKey("metrics", GenAIMetrics)  # the request metrics (GenAI conventions)
 REJECTIONS = web.AppKey("rejections", RejectionLog)  # admission's, in the log
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)  # the Responses API's records
 CLOCK = web.AppKey("clock", Callable[[], float])  # monotonic seconds: durations, deadlines
 
 

@@ -42,6 +42,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     running: int = 0
     max_running_seen: int = 0
     num_status_calls: int = 0  # GetStatus calls (the gateways' probes)
+    tool_call_format: str = ""  # Started.tool_call_format: how the gateway parses tool calls
 
     async def GetStatus(self, request, context):
         self.num_status_calls += 1
@@ -67,7 +68,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
         try:
             yield engine_pb2.GenerateEvent(started=engine_pb2.Started(
                 prompt_tokens=prompt_tokens, context_window=self.context_window,
-                engine_id="engine-0"))
+                engine_id="engine-0", tool_call_format=self.tool_call_format))
             if self.hold is not None:
                 await self.hold.wait()
             limit = request.sampling.max_tokens or len(self.tokens)

@@ -11,6 +11,11 @@ from .conftest import MODEL
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+SCHEMA = {CHAT: "ChatCompletionRequest", COMPLETIONS: "CompletionRequest",
+          RESPONSES: "ResponsesRequest"}
+BASE = {CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        COMPLETIONS: {"model": MODEL, "prompt": "hi"}, RESPONSES: {"model": MODEL, "input": "hi"}}
 COUNTS = ("maxItems", "maxLength", "maxProperties")  # bounds on a count: whole numbers
 
 
@@ -25,7 +30,9 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
         doc = await _document(http, gateway)
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models",
-                                 "/v1/models/{model}",
+                                 "/v1/models/{model}", "/v1/responses",
+                                 "/v1/responses/{response_id}",
+                                 "/v1/responses/{response_id}/input_items",
                                  "/tokenize", "/detokenize", "/tokenizer_info",
                                  "/livez", "/readyz", "/health", "/openapi.json"}
     refs = {v["$ref"].rsplit("/", 1)[1] for v in _walk(doc) if isinstance(v, dict) and "$ref" in v}
@@ -38,6 +45,17 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
 async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gateway):
     """additionalProperties false, and the properties are the parser's field sets: a field the
     document does not list is refused by name (here, through the app), and none it lists is."""
+    from services.gateway.responses_api import (
+        FUNCTION_CALL_FIELDS,
+        FUNCTION_OUTPUT_FIELDS,
+        MESSAGE_ITEM_FIELDS,
+        OUTPUT_TEXT_FIELDS,
+        REASONING_FIELDS,
+        REFUSAL_PART_FIELDS,
+        RESPONSES_FIELDS,
+    )
+    from services.gateway.responses_api import TEXT_PART_FIELDS as INPUT_TEXT_FIELDS
+    from services.gateway.responses_api import TOOL_FIELDS as FUNCTION_TOOL_FIELDS
     from services.gateway.schemas import (
         CHAT_FIELDS,
         COMPLETION_FIELDS,
@@ -64,6 +82,7 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
                  {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
                 ("CompletionRequest", COMPLETION_FIELDS, COMPLETIONS,
                  {"model": MODEL, "prompt": "hi"}),
+                ("ResponsesRequest", RESPONSES_FIELDS, RESPONSES, {"model": MODEL, "input": "hi"}),
                 ("TokenizeRequest", TOKENIZE_FIELDS, "/tokenize", {"prompt": "hi"}),
                 ("DetokenizeRequest", DETOKENIZE_FIELDS, "/detokenize", {"tokens": [1]})):
             assert schemas[name]["additionalProperties"] is False
@@ -89,7 +108,16 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
                             (choice, TOOL_FIELDS),
                             (choice["properties"]["function"], CHOICE_FUNCTION_FIELDS),
                             (plain, {"type"}), (with_schema, RESPONSE_FORMAT_FIELDS),
-                            (with_schema["properties"]["json_schema"], JSON_SCHEMA_FIELDS)):
+                            (with_schema["properties"]["json_schema"], JSON_SCHEMA_FIELDS),
+                            (schemas["FunctionTool"], FUNCTION_TOOL_FIELDS)):
+            assert obj["additionalProperties"] is False and set(obj["properties"]) == fields
+        message_item, call, output, reasoning = schemas["ResponsesInputItem"]["oneOf"]
+        text, output_text, refusal = message_item["properties"]["content"]["oneOf"][1][
+            "items"]["oneOf"]
+        for obj, fields in ((message_item, MESSAGE_ITEM_FIELDS), (call, FUNCTION_CALL_FIELDS),
+                            (output, FUNCTION_OUTPUT_FIELDS), (reasoning, REASONING_FIELDS),
+                            (text, INPUT_TEXT_FIELDS), (output_text, OUTPUT_TEXT_FIELDS),
+                            (refusal, REFUSAL_PART_FIELDS)):
             assert obj["additionalProperties"] is False and set(obj["properties"]) == fields
         for bad, param in (({"role": "user", "content": "hi", "audio": {"id": "a"}},
                             "messages[0].audio"),
@@ -152,6 +180,19 @@ BOUNDS = [
     (COMPLETIONS, "prompt", ("oneOf", 1, "items", "minimum"), lambda v: {"prompt": [v]},
      "prompt[0]"),
     (COMPLETIONS, "max_tokens", ("maximum",), _field("max_tokens"), "max_tokens"),
+    (RESPONSES, "max_output_tokens", ("maximum",), _field("max_output_tokens"),
+     "max_output_tokens"),
+    (RESPONSES, "max_output_tokens", ("minimum",), _field("max_output_tokens"),
+     "max_output_tokens"),
+    (RESPONSES, "top_logprobs", ("maximum",),
+     lambda v: {"top_logprobs": v, "include": ["message.output_text.logprobs"]},
+     "top_logprobs"),
+    (RESPONSES, "temperature", ("maximum",), _field("temperature"), "temperature"),
+    (RESPONSES, "top_p", ("exclusiveMinimum",), _field("top_p"), "top_p"),
+    (RESPONSES, "metadata", ("maxProperties",),
+     lambda v: {"metadata": {str(i): "v" for i in range(v)}}, "metadata"),
+    (RESPONSES, "input", ("oneOf", 1, "maxItems"),
+     lambda v: {"input": [{"role": "user", "content": "hi"}] * v}, "input"),
 ]
 
 
@@ -166,7 +207,7 @@ def _outside(keyword, bound, integer):
 
 
 @pytest.mark.parametrize(("route", "prop", "path", "body_of", "param"), BOUNDS,
-                         ids=[f"{'chat' if r == CHAT else 'text'}-{p}-{k[-1]}"
+                         ids=[f"{r.rsplit('/', 1)[1]}-{p}-{k[-1]}"
                               for r, p, k, _, _ in BOUNDS])
 async def test_a_stated_bound_is_the_parsers_bound(gateway, engine, route, prop, path, body_of,
                                                    param):
@@ -174,14 +215,12 @@ async def test_a_stated_bound_is_the_parsers_bound(gateway, engine, route, prop,
     servicer.context_window = 10**7  # 4096 messages fit: only the bound under test refuses
     async with aiohttp.ClientSession() as http:
         doc = await _document(http, gateway)
-        schema = "ChatCompletionRequest" if route == CHAT else "CompletionRequest"
-        node = doc["components"]["schemas"][schema]["properties"][prop]
+        node = doc["components"]["schemas"][SCHEMA[route]]["properties"][prop]
         for key in path[:-1]:
             node = node[key]
         integer = path[-1] in COUNTS or "integer" in node.get("type", ())
         refused, accepted = _outside(path[-1], node[path[-1]], integer)
-        base = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} if route == CHAT
-                else {"model": MODEL, "prompt": "hi"})
+        base = BASE[route]
         async with http.post(gateway + route, json={**base, **body_of(accepted)}) as resp:
             assert resp.status == 200, (accepted, await resp.text())
         async with http.post(gateway + route, json={**base, **body_of(refused)}) as resp:
@@ -230,3 +269,48 @@ def test_completion_schema_and_parser_agree_on_prompt_forms_and_echo(body, accep
     assert parsed == accepted and valid == (accepted or over_cap)
     if over_cap:
         assert f"at most {MAX_CHOICES} choices" in schema["properties"]["prompt"]["description"]
+
+
+@pytest.mark.parametrize(("body", "accepted"), [
+    ({"input": "hi"}, True),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"type": "reasoning", "summary": [], "content": [
+                    {"type": "reasoning_text", "text": "t"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "a",
+                                                   "annotations": [], "logprobs": []}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "o"}]}, True),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     False),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, False),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a",
+                                         "schema": {"type": "object"}}}}, True),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, False),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+      "tool_choice": {"type": "function", "name": "f"}}, True),
+    ({"input": "hi", "tools": [{"type": "file_search"}]}, False),
+    ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3}, True),
+    ({"input": "hi", "truncation": "auto"}, False),
+    ({"input": "hi", "background": True}, False),
+    ({"input": "hi", "previous_response_id": "resp_x"}, False),
+])
+def test_responses_schema_and_parser_agree(body, accepted):
+    """The Responses request's schema and its parser say the same yes or no."""
+    import jsonschema
+
+    from services.gateway.errors import InvalidRequest
+    from services.gateway.openapi import DOCUMENT
+    from services.gateway.responses_api import parse_responses
+
+    schemas = DOCUMENT["components"]["schemas"]
+    body = {"model": MODEL, **body}
+    # the request's schema inside a copy of the document, where its $refs resolve
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": "#/components/schemas/ResponsesRequest", "components": {"schemas": schemas}})
+    try:
+        parse_responses(body).with_context([])
+        parsed = True
+    except InvalidRequest:
+        parsed = False
+    assert (parsed, validator.is_valid(body)) == (accepted, accepted)
+

@@ -1,0 +1,76 @@
+"""The Responses API's stored responses over HTTP: `GET` and `DELETE /v1/responses/{id}`, and
+`GET /v1/responses/{id}/input_items`. With API keys on, a response is its key's alone."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from services.gateway.errors import GatewayError, InvalidRequest
+from services.gateway.responses_api import input_items_page
+from services.gateway.state import CONFIG, RESPONSE_STORE
+
+
+class ResponseNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, response_id: str, ttl_s: float) -> None:
+        super().__init__(f"no stored response {response_id!r}: it was made with store false, "
+                         f"deleted, made with another API key, or is older than the store keeps "
+                         f"({ttl_s / 3600:g} h, --responses-ttl-s)", None, "not_found")
+
+
+class StoreUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"the response store did not answer ({exc}); retry", None,
+                         "store_unavailable", {"Retry-After": "1"})
+
+
+def owner(request: web.Request) -> str:
+    """Whose responses these are: the SHA-256 of the request's API key ("" with auth off; the
+    auth middleware has already accepted the key)."""
+    if not request.app[CONFIG].key_hashes:
+        return ""
+    key = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def _record(request: web.Request, query: frozenset[str] = frozenset()) -> dict[str, Any]:
+    for name in request.query:
+        if name not in query:
+            raise InvalidRequest(f"'{name}' is not a query parameter Strata reads here"
+                                 + (f" (it reads {', '.join(sorted(query))})" if query else ""),
+                                 name, code="unsupported_parameter")
+    response_id = request.match_info["response_id"]
+    record = await request.app[RESPONSE_STORE].get(response_id, owner(request))
+    if record is None:
+        raise ResponseNotFound(response_id, request.app[CONFIG].responses_ttl_s)
+    return record
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return web.json_response((await _record(request))["response"])
+
+
+async def delete(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    await _record(request)
+    try:
+        deleted = await request.app[RESPONSE_STORE].delete(response_id, owner(request))
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(exc) from None
+    if not deleted:  # deleted meanwhile by another request
+        raise ResponseNotFound(response_id, request.app[CONFIG].responses_ttl_s)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def input_items(request: web.Request) -> web.Response:
+    record = await _record(request, frozenset({"limit", "order", "after"}))
+    return web.json_response(input_items_page(record["input_items"], dict(request.query)))

@@ -1,0 +1,152 @@
+"""Stored responses of the Responses API (`store`, `previous_response_id`, `GET` and `DELETE
+/v1/responses/{id}`): one JSON record a response, kept for a time to live.
+
+    LocalResponseStore   this gateway's memory, the oldest dropped past a byte budget
+    RedisResponseStore   Redis (`--redis-url`): every gateway replica reads every response;
+                         while Redis does not answer, records go to the local store instead
+
+A record is `{"owner", "response", "input_items", "context"}`: the response object as returned,
+this request's input items, and every item of the conversation so far (what a following
+request's `previous_response_id` continues). `owner` is the SHA-256 of the API key that made
+it, so with keys on one key cannot read another's responses ("" when auth is off).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("strata.gateway")
+
+KEY_PREFIX = "strata:response:"
+
+Record = dict[str, Any]
+
+
+class ResponseStore(Protocol):
+    async def put(self, response_id: str, record: Record) -> None: ...
+
+    async def get(self, response_id: str, owner: str) -> Record | None: ...
+
+    async def delete(self, response_id: str, owner: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalResponseStore:
+    """Records in this process, each until its time to live; past `max_bytes` of JSON the
+    oldest go first."""
+
+    def __init__(self, ttl_s: float, max_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._records: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expiry, JSON)
+        self.num_bytes = 0
+        self.num_evicted = 0
+
+    async def put(self, response_id: str, record: Record) -> None:
+        self.put_text(response_id, json.dumps(record, separators=(",", ":")))
+
+    def put_text(self, response_id: str, text: str) -> None:
+        self._drop(response_id)
+        if len(text) > self.max_bytes:
+            log.warning("response %s not stored: its record is %d bytes, over the %d the store "
+                        "holds (raise --responses-max-bytes)", response_id, len(text),
+                        self.max_bytes)
+            return
+        self._records[response_id] = (self.clock() + self.ttl_s, text)
+        self.num_bytes += len(text)
+        while self.num_bytes > self.max_bytes:
+            oldest = next(iter(self._records))
+            self._drop(oldest)
+            self.num_evicted += 1
+            if self.num_evicted == 1 or self.num_evicted % 1000 == 0:
+                log.warning("stored responses past --responses-max-bytes (%d bytes): the oldest "
+                            "dropped before their time to live (%d so far); raise the budget or "
+                            "set --redis-url", self.max_bytes, self.num_evicted)
+
+    async def get(self, response_id: str, owner: str) -> Record | None:
+        entry = self._records.get(response_id)
+        if entry is None:
+            return None
+        if entry[0] <= self.clock():
+            self._drop(response_id)
+            return None
+        record: Record = json.loads(entry[1])
+        return record if record.get("owner") == owner else None
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        if await self.get(response_id, owner) is None:
+            return False
+        self._drop(response_id)
+        return True
+
+    async def close(self) -> None:
+        self._records.clear()
+        self.num_bytes = 0
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._records.pop(response_id, None)
+        if entry is not None:
+            self.num_bytes -= len(entry[1])
+
+
+class RedisResponseStore:
+    """Records in Redis under `strata:response:<id>` with the time to live as their expiry.
+    A Redis error sends the record to the local store (and a read that fails looks there), so
+    a response made while Redis is away is still found by the gateway that made it."""
+
+    def __init__(self, redis_url: str, ttl_s: float, local: LocalResponseStore, *,
+                 timeout_s: float = 0.5) -> None:
+        self.redis_url = redis_url
+        self.ttl_s = ttl_s
+        self.local = local
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=timeout_s,
+                                             socket_connect_timeout=timeout_s)
+
+    async def put(self, response_id: str, record: Record) -> None:
+        text = json.dumps(record, separators=(",", ":"))
+        try:
+            await self.redis.set(KEY_PREFIX + response_id, text, px=max(int(self.ttl_s * 1e3), 1))
+        except (RedisError, OSError) as exc:
+            log.warning("response %s: Redis at %s did not store it (%s); kept in this gateway "
+                        "only, where other replicas cannot read it", response_id, self.redis_url,
+                        exc)
+            self.local.put_text(response_id, text)
+
+    async def get(self, response_id: str, owner: str) -> Record | None:
+        try:
+            text = await self.redis.get(KEY_PREFIX + response_id)
+        except (RedisError, OSError) as exc:
+            log.warning("response %s: Redis at %s did not answer (%s); looking in this gateway's "
+                        "own records only", response_id, self.redis_url, exc)
+            return await self.local.get(response_id, owner)
+        if text is None:
+            return await self.local.get(response_id, owner)
+        record: Record = json.loads(text)
+        return record if record.get("owner") == owner else None
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        if await self.get(response_id, owner) is None:
+            return False
+        try:
+            await self.redis.delete(KEY_PREFIX + response_id)
+        except (RedisError, OSError) as exc:
+            log.warning("response %s: Redis at %s did not delete it (%s)", response_id,
+                        self.redis_url, exc)
+            raise
+        await self.local.delete(response_id, owner)
+        return True
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.local.close()

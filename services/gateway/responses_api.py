@@ -1,0 +1,657 @@
+"""The Responses API (`POST /v1/responses`) on top of the chat path Strata already serves: its
+request becomes a chat request, and the answer goes back as Responses objects and stream events
+(pure dicts; the aiohttp handler is in handlers.py, the records in response_store.py).
+
+    instructions                         -> a system message, first (never carried over)
+    input: a string, or items            -> chat messages:
+        message (user, system, developer, assistant; text parts)
+        reasoning                        -> the next assistant message's reasoning_content
+        function_call                    -> a call of an assistant message
+        function_call_output             -> a tool message
+      after the stored conversation of previous_response_id
+    tools (function tools), tool_choice, parallel_tool_calls, text.format -> the chat request's
+    the answer                           -> output items: reasoning, a message of output_text,
+                                            function calls
+
+Any field Strata does not read is refused by name, as on the other endpoints: tool types other
+than functions, non-text content, background runs, truncation "auto", conversations.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from services.gateway.errors import InvalidRequest, first_unknown, refuse_unknown_keys
+from services.gateway.responses import Figures
+from services.gateway.schemas import (
+    MAX_GRAMMAR_CHARS,
+    MAX_MESSAGES,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    MAX_USER_CHARS,
+    Constraint,
+    GenerateInput,
+    Message,
+    Sampling,
+    _float,
+    _int,
+    _model,
+    _object,
+    _show,
+)
+from services.gateway.tools import FUNCTION_NAME, ToolCall, Tools, parse_tools
+
+RESPONSES_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+    "store", "metadata", "previous_response_id", "text", "tools", "tool_choice",
+    "parallel_tool_calls", "top_logprobs", "include", "user", "safety_identifier", "truncation",
+    "background"})
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# The keys read at each level of an input item (openapi.py's ResponsesInputItem lists them).
+MESSAGE_ITEM_FIELDS = frozenset({"type", "role", "content", "id", "status"})
+FUNCTION_CALL_FIELDS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+FUNCTION_OUTPUT_FIELDS = frozenset({"type", "call_id", "output", "id", "status"})
+REASONING_FIELDS = frozenset({"type", "id", "summary", "content", "status"})
+TEXT_PART_FIELDS = frozenset({"type", "text"})
+OUTPUT_TEXT_FIELDS = frozenset({"type", "text", "annotations", "logprobs"})
+REFUSAL_PART_FIELDS = frozenset({"type", "refusal"})
+TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict"})
+TEXT_FIELDS = frozenset({"format"})
+FORMAT_FIELDS = frozenset({"type", "name", "schema", "strict"})
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+NOT_TEXT = ("input_image", "input_file", "input_audio")
+
+
+@dataclass(frozen=True)
+class ResponsesInput(GenerateInput):
+    """A Responses request: the chat request it becomes, and what its answer restates."""
+
+    response_id: str = ""
+    input_items: tuple[dict[str, Any], ...] = ()  # this request's, normalized, each with an id
+    context: tuple[dict[str, Any], ...] = ()  # the conversation before it (previous_response_id)
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] = field(default_factory=dict)
+    max_output_tokens: int | None = None
+    tools_given: tuple[dict[str, Any], ...] = ()  # as the request gave them
+    tool_choice_given: Any = "auto"
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    include_logprobs: bool = False
+
+    def with_context(self, context: Sequence[dict[str, Any]]) -> ResponsesInput:
+        """The request with the stored conversation it continues, as chat messages."""
+        messages = items_to_messages([*context, *self.input_items])
+        if self.instructions:
+            messages = [Message("system", self.instructions), *messages]
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidRequest(f"the conversation has {len(messages)} messages; at most "
+                                 f"{MAX_MESSAGES}: start a new one", "previous_response_id"
+                                 if context else "input")
+        return replace(self, context=tuple(context), messages=tuple(messages))
+
+
+def parse_responses(body: Any) -> ResponsesInput:
+    """The request, validated; its messages still lack the conversation of
+    previous_response_id (`with_context`)."""
+    body = _object(body)
+    if (name := first_unknown(body, RESPONSES_FIELDS)) is not None:
+        raise InvalidRequest(f"'{name}' is not supported by Strata's /v1/responses; it reads "
+                             f"{', '.join(sorted(RESPONSES_FIELDS))}", name,
+                             code="unsupported_parameter")
+    if body.get("background") not in (None, False):
+        raise InvalidRequest("'background' runs are not supported: send the request and wait "
+                             "for it, or stream it", "background", code="unsupported_parameter")
+    if body.get("truncation") not in (None, "disabled"):
+        raise InvalidRequest("'truncation' must be 'disabled': Strata never drops the start of "
+                             "a conversation; a conversation past the context window is a 400",
+                             "truncation")
+    stream = _bool(body, "stream", False)
+    store = _bool(body, "store", True)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequest("'instructions' must be a string", "instructions")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not RESPONSE_ID.fullmatch(previous)):
+        raise InvalidRequest(f"'previous_response_id' must be a response id (resp_ and 32 hex "
+                             f"digits); got {_show(previous)}", "previous_response_id")
+    max_output = None
+    if body.get("max_output_tokens") is not None:
+        max_output = _int(body, "max_output_tokens", low=1, high=MAX_TOKENS_LIMIT)
+    include = _include(body.get("include"))
+    top_logprobs = 0
+    if body.get("top_logprobs") is not None:
+        top_logprobs = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if top_logprobs and not include:
+            raise InvalidRequest(f"'top_logprobs' needs 'include': ['{LOGPROBS_INCLUDE}'], which "
+                                 "asks for the logprobs they belong to", "top_logprobs")
+    top_p = _float(body, "top_p", 1.0, low=0.0, high=1.0)
+    if top_p == 0.0:
+        raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
+    sampling = Sampling(temperature=_float(body, "temperature", 1.0, low=0.0, high=2.0),
+                        top_p=top_p, max_tokens=max_output or 0, logprobs=include,
+                        top_logprobs=top_logprobs)
+    tools_given, tools = _tools(body)
+    text_format, constraint = _text(body.get("text"))
+    if constraint is not None and tools is not None and tools.choice != "auto":
+        raise InvalidRequest("'tool_choice' that requires a call and 'text.format' both decide "
+                             "the output's form; give one", "tool_choice")
+    user = _user(body, "user")
+    return ResponsesInput(
+        model=_model(body), sampling=sampling, stream=stream, constraint=constraint,
+        tools=tools, user=_user(body, "safety_identifier") or user,
+        response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
+        instructions=instructions, previous_response_id=previous, store=store,
+        metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
+        tools_given=tools_given, tool_choice_given=body.get("tool_choice") or "auto",
+        text_format=text_format, include_logprobs=include)
+
+
+# -- request pieces ----------------------------------------------------------------------------
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{key}' must be true or false", key)
+    return value
+
+
+def _user(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+        raise InvalidRequest(f"'{key}' must be a string of at most {MAX_USER_CHARS} characters",
+                             key)
+    return value
+
+
+def _include(raw: Any) -> bool:
+    """Whether the output text's logprobs are asked for: the one `include` value Strata has."""
+    if raw is None:
+        return False
+    if not isinstance(raw, list):
+        raise InvalidRequest("'include' must be an array", "include")
+    for i, value in enumerate(raw):
+        if value != LOGPROBS_INCLUDE:
+            raise InvalidRequest(f"'include[{i}]' is {_show(value)}; Strata can include "
+                                 f"'{LOGPROBS_INCLUDE}' only", f"include[{i}]",
+                                 code="unsupported_parameter")
+    return bool(raw)
+
+
+def _metadata(raw: Any) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > MAX_METADATA_KEYS:
+        raise InvalidRequest(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} "
+                             "keys", "metadata")
+    for key, value in raw.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) \
+                or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(f"'metadata' maps keys of at most {MAX_METADATA_KEY_CHARS} "
+                                 f"characters to strings of at most {MAX_METADATA_VALUE_CHARS}; "
+                                 f"{_show(key)} does not", f"metadata.{key}")
+    return dict(raw)
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | None]:
+    """Function tools as the Responses API writes them (flat), checked here and handed to
+    the chat path's parse_tools in its shape."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    chat: dict[str, Any] = {"parallel_tool_calls": body.get("parallel_tool_calls")}
+    given: tuple[dict[str, Any], ...] = ()
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise InvalidRequest("'tools' must be an array of tools", "tools")
+        given = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items()
+                                                           if k != "type"}} for t in given]
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise InvalidRequest(f"'tool_choice' of type {_show(choice.get('type'))} is not "
+                                 "supported: Strata's tools are functions", "tool_choice.type",
+                                 code="unsupported_parameter")
+        refuse_unknown_keys(choice, frozenset({"type", "name"}), "tool_choice", "'tool_choice'")
+        name = choice.get("name")
+        if name not in {t["name"] for t in given}:
+            raise InvalidRequest(f"'tool_choice' names {_show(name)}, which is not in 'tools'",
+                                 "tool_choice.name")
+        choice = {"type": "function", "function": {"name": name}}
+    elif choice is not None and choice not in ("none", "auto", "required"):
+        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'name': ...}", "tool_choice")
+    chat["tool_choice"] = choice
+    return given, parse_tools(chat)
+
+
+def _tool(raw: Any, param: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{param} must be {{'type': 'function', 'name': ..., "
+                             "'parameters': {...}}", param)
+    if raw.get("type") != "function":
+        raise InvalidRequest(f"{param}.type {_show(raw.get('type'))} is not supported: Strata "
+                             "runs no hosted tools; declare functions (type 'function') and "
+                             "run them yourself", f"{param}.type", code="unsupported_parameter")
+    refuse_unknown_keys(raw, TOOL_FIELDS, param, "a function tool")
+    name = raw.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise InvalidRequest(f"{param}.name must be 1-64 letters, digits, '_' or '-'",
+                             f"{param}.name")
+    for key, kind, ok in (("description", "a string", isinstance(raw.get("description"), str)),
+                          ("parameters", "a JSON Schema object",
+                           isinstance(raw.get("parameters"), dict)),
+                          ("strict", "true or false", isinstance(raw.get("strict"), bool))):
+        if raw.get(key) is not None and not ok:
+            raise InvalidRequest(f"{param}.{key} must be {kind}", f"{param}.{key}")
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def _text(raw: Any) -> tuple[dict[str, Any], Constraint | None]:
+    """`text.format` -> the constraint the chat path's response_format would give."""
+    if raw is None:
+        return {"type": "text"}, None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("'text' must be an object with a 'format'", "text")
+    refuse_unknown_keys(raw, TEXT_FIELDS, "text", "'text'")
+    fmt = raw.get("format")
+    if fmt is None:
+        return {"type": "text"}, None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("'text.format' must be {'type': 'text'}, {'type': 'json_object'} "
+                             "or {'type': 'json_schema', 'name': ..., 'schema': {...}}",
+                             "text.format")
+    if fmt.get("description") is not None:
+        raise InvalidRequest("'text.format.description' is not shown to the model (no chat "
+                             "template has a place for it); the schema alone holds the output: "
+                             "say what the answer is for in the instructions",
+                             "text.format.description", code="unsupported_parameter")
+    refuse_unknown_keys(fmt, FORMAT_FIELDS if fmt["type"] == "json_schema"
+                        else frozenset({"type"}), "text.format", "'text.format'")
+    if fmt["type"] == "text":
+        return dict(fmt), None
+    if fmt["type"] == "json_object":
+        return dict(fmt), Constraint("json_object")
+    name = fmt.get("name")
+    if not isinstance(name, str) or not FORMAT_NAME.fullmatch(name):
+        raise InvalidRequest("'text.format.name' must be 1-64 letters, digits, '_' or '-'",
+                             "text.format.name")
+    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+        raise InvalidRequest("'text.format.strict' must be true or false", "text.format.strict")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest("'text.format.schema' must be a JSON Schema object",
+                             "text.format.schema")
+    text = json.dumps(schema)  # strict or not, the output is held to the schema
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"'text.format.schema' is {len(text)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS}", "text.format.schema")
+    return dict(fmt), Constraint("json_schema", text)
+
+
+def _input(raw: Any) -> tuple[dict[str, Any], ...]:
+    """The input as items, each normalized (a message's type written out) with an id."""
+    if isinstance(raw, str):
+        return ({"id": _id("msg"), "type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": raw}]},)
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("'input' must be a string or a non-empty array of input items",
+                             "input")
+    if len(raw) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} input items per request", "input")
+    items = []
+    for i, item in enumerate(raw):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{param} must be an input item (an object)", param)
+        kind = item.get("type", "message")
+        check = _ITEMS.get(kind)
+        if check is None:
+            raise InvalidRequest(f"{param}.type {_show(kind)} is not supported: Strata reads "
+                                 f"items of type {', '.join(sorted(_ITEMS))}", f"{param}.type",
+                                 code="unsupported_parameter")
+        items.append(check(item, param))
+    return tuple(items)
+
+
+def _message_item(item: dict[str, Any], param: str) -> dict[str, Any]:
+    refuse_unknown_keys(item, MESSAGE_ITEM_FIELDS, param, "a message item")
+    role = item.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{param}.role must be one of user, system, developer, assistant; "
+                             f"got {_show(role)}", f"{param}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        content = [{"type": "output_text" if role == "assistant" else "input_text",
+                    "text": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{param}.content must be a string or an array of content parts",
+                             f"{param}.content")
+    for j, part in enumerate(content):
+        _part(part, role, f"{param}.content[{j}]")
+    return {**item, "type": "message", "content": content, "id": _item_id(item, param, "msg")}
+
+
+def _part(part: Any, role: str, param: str) -> None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in NOT_TEXT:
+        raise InvalidRequest(f"{param} is of type {kind!r}; Strata serves text models: send "
+                             "text parts", f"{param}.type", code="unsupported_parameter")
+    fields = {"input_text": TEXT_PART_FIELDS, "output_text": OUTPUT_TEXT_FIELDS,
+              "refusal": REFUSAL_PART_FIELDS}.get(kind or "")
+    text_key = "refusal" if kind == "refusal" else "text"
+    if fields is None or not isinstance(part.get(text_key), str):
+        raise InvalidRequest(f"{param} must be a text part: {{'type': 'input_text', 'text': ...}}"
+                             + (", or output_text / refusal for an assistant"
+                                if role == "assistant" else ""), param)
+    if kind != "input_text" and role != "assistant":
+        raise InvalidRequest(f"{param}: a part of type {kind!r} is an assistant's; a {role} "
+                             "message has input_text parts", f"{param}.type")
+    refuse_unknown_keys(part, fields, param, f"an {kind} part")
+
+
+def _function_call_item(item: dict[str, Any], param: str) -> dict[str, Any]:
+    refuse_unknown_keys(item, FUNCTION_CALL_FIELDS, param, "a function_call item")
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+            raise InvalidRequest(f"{param}.{key} must be a string", f"{param}.{key}")
+    return {**item, "id": _item_id(item, param, "fc")}
+
+
+def _function_output_item(item: dict[str, Any], param: str) -> dict[str, Any]:
+    refuse_unknown_keys(item, FUNCTION_OUTPUT_FIELDS, param, "a function_call_output item")
+    if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+        raise InvalidRequest(f"{param}.call_id must name the call it answers", f"{param}.call_id")
+    output = item.get("output")
+    if isinstance(output, list):
+        for j, part in enumerate(output):
+            _part(part, "tool", f"{param}.output[{j}]")
+    elif not isinstance(output, str):
+        raise InvalidRequest(f"{param}.output must be a string or an array of input_text parts",
+                             f"{param}.output")
+    return {**item, "id": _item_id(item, param, "fco")}
+
+
+def _reasoning_item(item: dict[str, Any], param: str) -> dict[str, Any]:
+    refuse_unknown_keys(item, REASONING_FIELDS, param, "a reasoning item")
+    for key, kind in (("summary", "summary_text"), ("content", "reasoning_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+                isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str)
+                and not first_unknown(p, TEXT_PART_FIELDS) for p in parts):
+            raise InvalidRequest(f"{param}.{key} must be an array of {{'type': '{kind}', "
+                                 "'text': ...}}", f"{param}.{key}")
+    return {**item, "id": _item_id(item, param, "rs")}
+
+
+_ITEMS = {"message": _message_item, "function_call": _function_call_item,
+          "function_call_output": _function_output_item, "reasoning": _reasoning_item}
+
+
+def _item_id(item: dict[str, Any], param: str, prefix: str) -> str:
+    given = item.get("id")
+    if given is None:
+        return _id(prefix)
+    if not isinstance(given, str) or not given:
+        raise InvalidRequest(f"{param}.id must be a string", f"{param}.id")
+    return given
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_of(parts: list[dict[str, Any]]) -> str:
+    return "".join(p.get("refusal", p.get("text", "")) for p in parts)
+
+
+def items_to_messages(items: Sequence[dict[str, Any]]) -> list[Message]:
+    """Normalized items -> chat messages. A function call joins the assistant message right
+    before it (or starts one); a reasoning item goes with the assistant message after it."""
+    messages: list[Message] = []
+    reasoning = ""
+    for item in items:
+        kind = item["type"]
+        if kind == "reasoning":
+            reasoning += _text_of(item.get("content") or item.get("summary") or [])
+        elif kind == "message":
+            role = ROLES[item["role"]]
+            if role != "assistant" and reasoning:
+                reasoning = ""  # a thought the model had before a turn it did not take
+            messages.append(Message(role, _text_of(item["content"]),
+                                    reasoning_content=reasoning if role == "assistant" else ""))
+            reasoning = ""
+        elif kind == "function_call":
+            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and not reasoning:
+                messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
+            else:
+                messages.append(Message("assistant", "", (call,), reasoning_content=reasoning))
+            reasoning = ""
+        else:  # function_call_output
+            output = item["output"]
+            messages.append(Message("tool", output if isinstance(output, str)
+                                    else _text_of(output), tool_call_id=item["call_id"]))
+    if not messages:
+        raise InvalidRequest("the input has no message to answer (reasoning items alone)",
+                             "input")
+    return messages
+
+
+# -- the answer --------------------------------------------------------------------------------
+
+
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int,
+                   reasoning_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": input_tokens + output_tokens}
+
+
+class ResponseBuilder:
+    """One response, built as the answer streams: each method returns the stream events it
+    makes (numbered), and `response` is the object so far. A non-streaming request makes the
+    same calls and keeps only `response`.
+
+    Output items open and close in order: a reasoning item, a message of output_text, function
+    calls (each whole: their arguments arrive once the call has closed)."""
+
+    def __init__(self, spec: ResponsesInput) -> None:
+        self.spec = spec
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.incomplete_reason: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.figures: Figures | None = None
+        self.reasoning_tokens = 0  # tokens of deltas that carried reasoning only
+        self._open: dict[str, Any] | None = None  # the item text is going into
+        self._sequence = 0
+
+    @property
+    def response(self) -> dict[str, Any]:
+        spec = self.spec
+        body: dict[str, Any] = {
+            "id": spec.response_id, "object": "response", "created_at": self.created_at,
+            "status": self.status, "background": False,
+            "error": self.error, "incomplete_details": (
+                {"reason": self.incomplete_reason} if self.incomplete_reason else None),
+            "instructions": spec.instructions, "max_output_tokens": spec.max_output_tokens,
+            "metadata": spec.metadata, "model": spec.model, "output": self.output,
+            "parallel_tool_calls": spec.tools.parallel if spec.tools else True,
+            "previous_response_id": spec.previous_response_id,
+            "store": spec.store, "temperature": spec.sampling.temperature,
+            "text": {"format": spec.text_format}, "tool_choice": spec.tool_choice_given,
+            "tools": list(spec.tools_given), "top_logprobs": spec.sampling.top_logprobs,
+            "top_p": spec.sampling.top_p, "truncation": "disabled", "usage": self.usage,
+            "user": spec.user}
+        if self.figures is not None:
+            body["strata"] = self.figures.as_dict()
+        return body
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response),
+                self._event("response.in_progress", response=self.response)]
+
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = self._open_item("reasoning", {"summary": []}, "reasoning_text")
+        return [*events, self._delta("response.reasoning_text.delta", text)]
+
+    def text(self, text: str, logprobs: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        if not text and not logprobs:
+            return []
+        events = self._open_item("message", {"role": "assistant"}, "output_text")
+        listed = [_logprob(lp) for lp in logprobs] if self.spec.include_logprobs else []
+        self._open["content"][0]["logprobs"].extend(listed)  # type: ignore[index]
+        return [*events, self._delta("response.output_text.delta", text, logprobs=listed)]
+
+    def call(self, call: ToolCall) -> list[dict[str, Any]]:
+        events = self._close()
+        item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                "call_id": call.id, "name": call.name, "arguments": ""}
+        index = len(self.output)
+        self.output.append(item)
+        events.append(self._event("response.output_item.added", output_index=index,
+                                  item=dict(item)))
+        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=index, delta=call.arguments))
+        item.update(arguments=call.arguments, status="completed")
+        events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, name=call.name, arguments=call.arguments))
+        events.append(self._event("response.output_item.done", output_index=index,
+                                  item=dict(item)))
+        return events
+
+    def finish(self, reason: str, usage: dict[str, Any], figures: Figures
+               ) -> list[dict[str, Any]]:
+        """The engine's finish reason -> completed, or incomplete at max_output_tokens."""
+        if reason == "length":
+            self.incomplete_reason = "max_output_tokens"
+        if not self.output:  # an empty answer is still a message
+            self.text_item_now()
+        events = self._close("incomplete" if self.incomplete_reason else "completed")
+        self.status = "incomplete" if self.incomplete_reason else "completed"
+        self.usage, self.figures = usage, figures
+        events.append(self._event(f"response.{self.status}", response=self.response))
+        return events
+
+    def fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
+        """The engine failed after the stream began: `response.failed`, the error inside."""
+        self._close("incomplete")
+        self.status = "failed"
+        self.error = {"code": "server_error", "message": error["message"]}
+        return [self._event("response.failed", response=self.response)]
+
+    def text_item_now(self) -> None:
+        self._open_item("message", {"role": "assistant"}, "output_text")
+
+    def _open_item(self, kind: str, fields: dict[str, Any], part: str) -> list[dict[str, Any]]:
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        events = self._close()
+        empty = {"type": part, "text": ""}
+        if part == "output_text":
+            empty.update(annotations=[], logprobs=[])
+        item = {"id": _id("msg" if kind == "message" else "rs"), "type": kind,
+                "status": "in_progress", **fields, "content": [empty]}
+        self._open = item
+        index = len(self.output)
+        self.output.append(item)
+        events.append(self._event("response.output_item.added", output_index=index,
+                                  item={**item, "content": []}))
+        events.append(self._event("response.content_part.added", item_id=item["id"],
+                                  output_index=index, content_index=0, part=dict(empty)))
+        return events
+
+    def _delta(self, kind: str, text: str, **extra: Any) -> dict[str, Any]:
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += text
+        return self._event(kind, item_id=item["id"], output_index=len(self.output) - 1,
+                           content_index=0, delta=text, **extra)
+
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        part = item["content"][0]
+        kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
+        extra = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
+        item["status"] = status
+        return [self._event(f"response.{kind}.done", item_id=item["id"], output_index=index,
+                            content_index=0, text=part["text"], **extra),
+                self._event("response.content_part.done", item_id=item["id"],
+                            output_index=index, content_index=0, part=dict(part)),
+                self._event("response.output_item.done", output_index=index, item=dict(item))]
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """An event as things stand now: a response, item or part in it is copied, since the
+        builder goes on changing its own (the event may be written later, with others)."""
+        self._sequence += 1
+        if not kind.endswith(".delta"):
+            fields = copy.deepcopy(fields)
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+
+def _logprob(lp: Any) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                              "bytes": list(t.token_bytes)} for t in lp.top]}
+
+
+def stored_record(builder: ResponseBuilder, owner: str) -> dict[str, Any]:
+    """What the store keeps: the response, its input items, and the conversation so far (the
+    context, this input, this output) for a request that continues it."""
+    spec = builder.spec
+    return {"owner": owner, "response": builder.response,
+            "input_items": list(spec.input_items),
+            "context": [*spec.context, *spec.input_items, *builder.output]}
+
+
+def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: a page of a response's input items (`limit` 1-100,
+    default 20; `order` desc (default) or asc; `after` an item id)."""
+    unknown = sorted(set(query) - {"limit", "order", "after"})
+    if unknown:
+        raise InvalidRequest(f"'{unknown[0]}' is not a query parameter of input_items: Strata "
+                             "reads limit, order, after", unknown[0], code="unsupported_parameter")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("'limit' must be an integer from 1 to 100", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be 'asc' or 'desc'", "order")
+    ordered = items if order == "asc" else items[::-1]
+    if "after" in query:
+        ids = [item["id"] for item in ordered]
+        if query["after"] not in ids:
+            raise InvalidRequest(f"'after' names {_show(query['after'])}, which is not an input "
+                                 "item of this response", "after")
+        ordered = ordered[ids.index(query["after"]) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}

@@ -1,0 +1,252 @@
+"""The Responses API (`/v1/responses`) with the official openai client: against the real engine
+(its answers equal the chat path's for the same conversation), the scripted one (tool calls,
+failures), stored responses (read back, continued, deleted; per API key; through Redis), and a
+400 naming each field Strata does not implement."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from services.gateway.response_store import LocalResponseStore
+
+from .conftest import MODEL, real_engine
+
+
+def _client(base: str, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+
+async def test_a_response_answers_as_the_chat_path_does(make_gateway, tiny_checkpoint):
+    async with real_engine(tiny_checkpoint, "engine-responses") as (address, _, model):
+        base = await make_gateway(engine_addrs=(address,))
+        async with _client(base) as client:
+            kw = {"model": model, "temperature": 0}
+            chat = await client.chat.completions.create(
+                messages=[{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "the cache keeps"}],
+                max_tokens=6, logprobs=True, top_logprobs=2, **kw)
+            r = await client.responses.create(
+                instructions="Be brief.", input="the cache keeps", max_output_tokens=6,
+                include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+            stream = await client.responses.create(instructions="Be brief.", stream=True,
+                                                   input="the cache keeps", max_output_tokens=6,
+                                                   **kw)
+            events = [event async for event in stream]
+            streamed = events[-1].response
+    text = chat.choices[0].message.content
+    assert r.output_text == text and r.model == model and r.object == "response"
+    assert r.id.startswith("resp_") and r.instructions == "Be brief."
+    assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert [item.type for item in r.output] == ["message"]
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        chat.usage.prompt_tokens, 6, chat.usage.prompt_tokens + 6)
+    logprobs = r.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in logprobs] == [
+        (lp.token, lp.logprob) for lp in chat.choices[0].logprobs.content]
+    assert [[t.token for t in lp.top_logprobs] for lp in logprobs] == [
+        [t.token for t in lp.top_logprobs] for lp in chat.choices[0].logprobs.content]
+
+    assert streamed.output_text == text and streamed.id != r.id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert events[-1].response.usage.output_tokens == 6
+
+
+async def test_a_stored_response_is_read_back_continued_and_deleted(make_gateway,
+                                                                    tiny_checkpoint):
+    async with real_engine(tiny_checkpoint, "engine-responses-store") as (address, _, model):
+        base = await make_gateway(engine_addrs=(address,))
+        async with _client(base) as client:
+            kw = {"model": model, "temperature": 0, "max_output_tokens": 5}
+            first = await client.responses.create(input="the cache keeps", metadata={"k": "v"},
+                                                  **kw)
+            assert (await client.responses.retrieve(first.id)).model_dump() == \
+                first.model_dump()
+            second = await client.responses.create(previous_response_id=first.id,
+                                                   input="and then", **kw)
+            # the conversation it continued: the first input, its answer, the new input
+            chat = await client.chat.completions.create(
+                model=model, temperature=0, max_tokens=5,
+                messages=[{"role": "user", "content": "the cache keeps"},
+                          {"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "and then"}])
+            assert second.output_text == chat.choices[0].message.content
+            assert second.previous_response_id == first.id and first.metadata == {"k": "v"}
+            assert second.usage.input_tokens == chat.usage.prompt_tokens
+            items = await client.responses.input_items.list(second.id)
+            assert [(i.role, i.content[0].text) for i in items.data] == [("user", "and then")]
+            # the client's own way: pass the output back as input
+            by_hand = await client.responses.create(
+                input=[{"role": "user", "content": "the cache keeps"}, *first.output,
+                       {"role": "user", "content": "and then"}], **kw)
+            assert by_hand.output_text == second.output_text
+
+            await client.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError) as gone:
+                await client.responses.retrieve(first.id)
+            assert gone.value.body["code"] == "not_found"
+            with pytest.raises(openai.BadRequestError) as cannot:
+                await client.responses.create(previous_response_id=first.id, input="x", **kw)
+            assert cannot.value.body["code"] == "previous_response_not_found"
+            unstored = await client.responses.create(input="x", store=False, **kw)
+            assert unstored.store is False
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(unstored.id)
+
+
+async def test_function_calls_come_out_as_items_and_go_back_in_as_messages(engine,
+                                                                          make_gateway):
+    servicer, _ = engine
+    servicer.tool_call_format = "hermes"
+    servicer.tokens = ["Checking.", "<tool_call>",
+                       '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+                       "</tool_call>"]
+    tools = [{"type": "function", "name": "get_weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    base = await make_gateway()
+    async with _client(base) as client:
+        r = await client.responses.create(model=MODEL, input="weather in Paris?", tools=tools)
+        async with client.responses.stream(model=MODEL, input="weather in Paris?",
+                                           tools=tools) as stream:
+            kinds = [e.type async for e in stream]
+            streamed = await stream.get_final_response()
+        call = r.output[1]
+        assert [i.type for i in r.output] == ["message", "function_call"]
+        assert r.output_text == "Checking." and r.status == "completed"
+        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+        assert r.tools[0].name == "get_weather" and r.tool_choice == "auto"
+        assert [i.type for i in streamed.output] == ["message", "function_call"]
+        assert "response.function_call_arguments.done" in kinds and kinds[-1] == \
+            "response.completed"
+        sent = json.loads(servicer.requests[0].chat.tools_json)
+        assert sent == [{"type": "function", "function": {k: v for k, v in tools[0].items()
+                                                          if k != "type"}}]
+
+        servicer.tokens = ["Sunny."]
+        await client.responses.create(
+            model=MODEL, tools=tools, previous_response_id=r.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    messages = servicer.requests[-1].chat.messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].content == "Checking."
+    assert [(c.id, c.name) for c in messages[1].tool_calls] == [(call.call_id, "get_weather")]
+    assert (messages[2].tool_call_id, messages[2].content) == (call.call_id, "sunny")
+
+
+async def test_a_failure_after_the_stream_began_is_response_failed(engine, make_gateway):
+    servicer, _ = engine
+    servicer.abort_after = 2
+    base = await make_gateway()
+    async with _client(base) as client:
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+        events = [e async for e in stream]
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "failed"
+    assert "scripted abort" in events[-1].response.error.message
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        "Hello,"
+
+
+async def test_responses_are_their_api_keys_own(engine, make_gateway):
+    base = await make_gateway(api_keys=frozenset({"key-a", "key-b"}))
+    async with _client(base, "key-a") as a, _client(base, "key-b") as b:
+        r = await a.responses.create(model=MODEL, input="hi")
+        assert (await a.responses.retrieve(r.id)).id == r.id
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError) as other:
+            await b.responses.create(model=MODEL, input="x", previous_response_id=r.id)
+        assert other.value.body["param"] == "previous_response_id"
+
+
+async def test_gateways_sharing_redis_read_each_others_responses(engine, make_gateway,
+                                                                redis_server):
+    first = await make_gateway(redis_url=redis_server.url)
+    second = await make_gateway(redis_url=redis_server.url)
+    async with _client(first) as a, _client(second) as b:
+        r = await a.responses.create(model=MODEL, input="hi")
+        assert (await b.responses.retrieve(r.id)).output_text == "Hello, world!"
+        await b.responses.delete(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await a.responses.retrieve(r.id)
+
+
+async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes():
+    now = [0.0]
+    store = LocalResponseStore(ttl_s=10.0, max_bytes=200, clock=lambda: now[0])
+    await store.put("a", {"owner": "", "response": {"x": 1}})
+    assert await store.get("a", "") == {"owner": "", "response": {"x": 1}}
+    assert await store.get("a", "someone") is None  # another key's
+    now[0] = 10.0
+    assert await store.get("a", "") is None  # its time to live is over
+    for name in "bcd":
+        await store.put(name, {"owner": "", "pad": "x" * 60})
+    assert await store.get("b", "") is None and await store.get("d", "") is not None
+    assert store.num_bytes <= 200 and store.num_evicted == 1
+    await store.put("big", {"owner": "", "pad": "x" * 300})  # over the whole budget
+    assert await store.get("big", "") is None and await store.get("d", "") is not None
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "extra": 1}]},
+     "tools[0].extra"),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "g"},
+      "tools": [{"type": "function", "name": "f"}]}, "tool_choice.name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {},
+                                        "description": "d"}}}, "text.format.description"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "t"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "o"}]}, "input[0].call_id"),
+    ({"input": "x", "previous_response_id": "chatcmpl-1"}, "previous_response_id"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": []}, "input"),
+    ({"input": "\ud800"}, "input"),
+])
+async def test_a_field_strata_does_not_implement_is_a_400_naming_it(engine, make_gateway, body,
+                                                                    param):
+    base = await make_gateway()
+    async with aiohttp.ClientSession() as http, \
+            http.post(base + "/v1/responses", json={"model": MODEL, **body}) as r:
+        error = (await r.json())["error"]
+    assert (r.status, error["param"]) == (400, param), error
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_input_items_pages_and_unknown_query_parameters(engine, make_gateway):
+    base = await make_gateway()
+    async with _client(base) as client:
+        r = await client.responses.create(model=MODEL, input=[
+            {"role": "user", "content": f"m{i}"} for i in range(5)])
+        page = await client.responses.input_items.list(r.id, limit=2, order="asc")
+        assert [i.content[0].text for i in page.data] == ["m0", "m1"] and page.has_more
+        rest = await client.responses.input_items.list(r.id, after=page.last_id, order="asc")
+        assert [i.content[0].text for i in rest.data] == ["m2", "m3", "m4"]
+        assert not rest.has_more
+        newest = await client.responses.input_items.list(r.id)
+        assert newest.data[0].content[0].text == "m4"
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"{base}/v1/responses/{r.id}?stream=true") as got:
+        assert (got.status, (await got.json())["error"]["param"]) == (400, "stream")

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from services.common.genai_metrics import GenAIMetrics
+from services.common.pb.strata.v1 import engine_pb2
 from services.common.tool_calls import CHANNELED
 from services.gateway import sse
 from services.gateway.admission import Rejected, estimate_prompt_tokens
@@ -561,16 +562,14 @@ def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta) -> list[di
     if run.parser is None:
         return builder.text(delta.text, delta.logprobs)
     text, calls = run.parser.feed(delta.text)
-    thought = run.parser.take_reasoning()
-    if thought and not text:
-        builder.reasoning_tokens += delta.num_tokens or 1
-    events = builder.reasoning(thought) + builder.text(text, delta.logprobs)
+    events = builder.reasoning(run.parser.take_reasoning()) + builder.text(text, delta.logprobs)
     for call in calls:
         events += builder.call(call)
     return events
 
 
-def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished) -> list[dict[str, Any]]:
+async def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished
+                       ) -> list[dict[str, Any]]:
     """What the parser held back, then the terminal event (completed, or incomplete)."""
     events: list[dict[str, Any]] = []
     if run.parser is not None:
@@ -582,10 +581,30 @@ def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished) -> lis
     counted = run.usage(finished)
     events += builder.finish(finished.reason, response_usage(
         counted["prompt_tokens"], counted["completion_tokens"],
-        counted["prompt_tokens_details"]["cached_tokens"], builder.reasoning_tokens),
+        counted["prompt_tokens_details"]["cached_tokens"], await _reasoning_tokens(run, builder)),
         run.figures(finished))
     run.log_done(finished)
     return events
+
+
+async def _reasoning_tokens(run: _Run, builder: ResponseBuilder) -> int:
+    """The reasoning's tokens, as the engine's tokenizer counts its text (one Tokenize call,
+    only for an answer with reasoning: the engine's messages do not say which of their tokens
+    were thought)."""
+    thought = builder.reasoning_text
+    if not thought:
+        return 0
+    app = run.request.app
+    try:
+        ids = await app[POOL].tokenizer(run.call.engine, "Tokenize",
+                                        engine_pb2.TokenizeRequest(text=thought),
+                                        app[CONFIG].engine_timeout_s)
+    except EngineError as exc:
+        log.warning("request %s: usage.output_tokens_details.reasoning_tokens reported as 0: "
+                    "the engine did not count the reasoning's tokens (%s)",
+                    request_id(run.request), exc)
+        return 0
+    return len(ids.ids)
 
 
 async def _respond(run: _Run) -> web.StreamResponse:
@@ -615,7 +634,7 @@ async def _respond(run: _Run) -> web.StreamResponse:
                 elif isinstance(event, Finished):
                     if event.reason == "abort":
                         raise EngineAborted(event.error, run.call.engine)
-                    out += _respond_end(run, builder, event)
+                    out += await _respond_end(run, builder, event)
                     if spec.store:
                         await request.app[RESPONSE_STORE].put(
                             spec.response_id, stored_record(builder, owner(request)))

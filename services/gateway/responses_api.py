@@ -482,7 +482,6 @@ class ResponseBuilder:
         self.incomplete_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.figures: Figures | None = None
-        self.reasoning_tokens = 0  # tokens of deltas that carried reasoning only
         self._open: dict[str, Any] | None = None  # the item text is going into
         self._sequence = 0
 
@@ -506,6 +505,11 @@ class ResponseBuilder:
         if self.figures is not None:
             body["strata"] = self.figures.as_dict()
         return body
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(item["content"][0]["text"] for item in self.output
+                       if item["type"] == "reasoning")
 
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response),

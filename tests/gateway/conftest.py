@@ -95,6 +95,11 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
             self.running -= 1
 
 
+    async def Tokenize(self, request, context):
+        """One id a whitespace-separated word, as prompts are counted here."""
+        return engine_pb2.TokenIds(ids=range(len(request.text.split())))
+
+
 def _logprobs(sampling: engine_pb2.SamplingParams, i: int,
               text: str) -> list[engine_pb2.TokenLogprob]:
     """Token i has logprob -(i+1)/10; its k-th alternative is 'alt{k}' at -(i+1)/10 - k - 1."""

@@ -250,3 +250,53 @@ async def test_input_items_pages_and_unknown_query_parameters(engine, make_gatew
     async with aiohttp.ClientSession() as http, \
             http.get(f"{base}/v1/responses/{r.id}?stream=true") as got:
         assert (got.status, (await got.json())["error"]["param"]) == (400, "stream")
+
+
+async def test_text_format_holds_the_output_to_a_schema(make_gateway, tiny_checkpoint):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        mood: Literal["good", "bad"]
+
+    async with real_engine(tiny_checkpoint, "engine-responses-format") as (address, _, model):
+        base = await make_gateway(engine_addrs=(address,))
+        async with _client(base) as client:
+            parsed = await client.responses.parse(model=model, input="how is it?",
+                                                  text_format=Verdict, max_output_tokens=40,
+                                                  temperature=0)
+    assert parsed.status == "completed" and parsed.output_parsed.mood in ("good", "bad")
+    assert parsed.text.format.type == "json_schema" and parsed.text.format.strict is True
+
+
+async def test_a_harmony_answer_is_a_reasoning_item_then_the_message(engine, make_gateway):
+    servicer, _ = engine
+    servicer.tool_call_format = "harmony"
+    servicer.tokens = ["<|channel|>analysis<|message|>", "Think", " hard.", "<|end|>",
+                       "<|start|>assistant<|channel|>final<|message|>", "Done."]
+    base = await make_gateway(stream_interval_ms=0)
+    async with _client(base) as client:
+        r = await client.responses.create(model=MODEL, input="hi")
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+        events = [e async for e in stream]
+        servicer.tokens = ["<|channel|>final<|message|>", "Again."]
+        await client.responses.create(model=MODEL, input="more", previous_response_id=r.id)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Think hard." and r.output_text == "Done."
+    assert r.usage.output_tokens_details.reasoning_tokens == 2  # "Think hard.", word by word
+    assert events[-1].response.output[0].content[0].text == "Think hard."
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        "Think hard."
+    history = servicer.requests[-1].chat.messages
+    assert [(m.role, m.content, m.reasoning_content) for m in history] == [
+        ("user", "hi", ""), ("assistant", "Done.", "Think hard."), ("user", "more", "")]
+
+
+async def test_a_store_with_redis_away_keeps_responses_in_the_gateway(engine, make_gateway,
+                                                                     redis_server):
+    base = await make_gateway(redis_url=redis_server.url)
+    redis_server.stop()
+    async with _client(base) as client:
+        r = await client.responses.create(model=MODEL, input="hi")
+        assert (await client.responses.retrieve(r.id)).output_text == "Hello, world!"

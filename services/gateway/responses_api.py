@@ -214,7 +214,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | No
     raw, choice = body.get("tools"), body.get("tool_choice")
     chat: dict[str, Any] = {"parallel_tool_calls": body.get("parallel_tool_calls")}
     given: tuple[dict[str, Any], ...] = ()
-    if raw is not None:
+    if raw:  # an empty list offers no tools
         if not isinstance(raw, list):
             raise InvalidRequest("'tools' must be an array of tools", "tools")
         given = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
@@ -257,7 +257,10 @@ def _tool(raw: Any, param: str) -> dict[str, Any]:
                           ("strict", "true or false", isinstance(raw.get("strict"), bool))):
         if raw.get(key) is not None and not ok:
             raise InvalidRequest(f"{param}.{key} must be {kind}", f"{param}.{key}")
-    return {k: v for k, v in raw.items() if v is not None}
+    # the Responses API's functions are strict unless they say otherwise: their calls are
+    # held to the parameters by the grammar
+    return {**{k: v for k, v in raw.items() if v is not None},
+            "strict": raw.get("strict") is not False}
 
 
 def _text(raw: Any) -> tuple[dict[str, Any], Constraint | None]:

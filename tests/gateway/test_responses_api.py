@@ -128,9 +128,17 @@ async def test_function_calls_come_out_as_items_and_go_back_in_as_messages(engin
         assert [i.type for i in streamed.output] == ["message", "function_call"]
         assert "response.function_call_arguments.done" in kinds and kinds[-1] == \
             "response.completed"
+        # in the chat path's shape, strict unless the tool says otherwise (OpenAI's default)
         sent = json.loads(servicer.requests[0].chat.tools_json)
-        assert sent == [{"type": "function", "function": {k: v for k, v in tools[0].items()
-                                                          if k != "type"}}]
+        assert sent == [{"type": "function", "function": {
+            "name": "get_weather", "parameters": tools[0]["parameters"], "strict": True}}]
+        assert r.tools[0].strict is True
+        await client.responses.create(model=MODEL, input="hi", tools=[{**tools[0],
+                                                                      "strict": False}])
+        assert json.loads(servicer.requests[-1].chat.tools_json)[0]["function"]["strict"] is \
+            False
+        await client.responses.create(model=MODEL, input="hi", tools=[])
+        assert not servicer.requests[-1].chat.tools_json
 
         servicer.tokens = ["Sunny."]
         await client.responses.create(

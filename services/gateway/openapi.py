@@ -353,7 +353,11 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
     return out
 
 
-def _generation(summary: str, request: str) -> dict[str, Any]:
+_CHAT_STREAM = ("JSON body, or text/event-stream when stream is true (ends with `data: [DONE]`; "
+                "a failure mid-stream ends with an error event and no [DONE])")
+
+
+def _generation(summary: str, request: str, ok: str = _CHAT_STREAM) -> dict[str, Any]:
     return {"post": {
         "summary": summary, "security": [{"bearer": []}, {}],
         "parameters": [{"name": "X-Request-Id", "in": "header", "required": False,
@@ -363,9 +367,7 @@ def _generation(summary: str, request: str) -> dict[str, Any]:
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": _ref(request)}}},
         "responses": {
-            "200": {"description": "JSON body, or text/event-stream when stream is true (ends "
-                                   "with `data: [DONE]`; a failure mid-stream ends with an "
-                                   "error event and no [DONE])",
+            "200": {"description": ok,
                     "content": {"application/json": {"schema": {"type": "object"}},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
             "400": _error("invalid parameter"), "401": _error("missing or invalid API key"),
@@ -423,9 +425,12 @@ DOCUMENT: dict[str, Any] = {
     "paths": {
         "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
         "/v1/completions": _generation("Text completion", "CompletionRequest"),
-        "/v1/responses": _generation("A response (the Responses API): stream ends with "
-                                     "response.completed, response.incomplete or "
-                                     "response.failed, no [DONE]", "ResponsesRequest"),
+        "/v1/responses": _generation(
+            "A response (the Responses API, served by the chat path)", "ResponsesRequest",
+            "the response object, or text/event-stream when stream is true: named events "
+            "(`event: response.output_text.delta` ...), numbered by sequence_number, ending "
+            "with response.completed, response.incomplete or response.failed (a failure after "
+            "the stream began: the error inside), no [DONE]"),
         "/v1/responses/{response_id}": {
             "get": _stored("A stored response"),
             "delete": _stored("Delete a stored response")},

@@ -314,6 +314,11 @@ class Engine:
         """A text's ids as a completion prompt becomes: no special tokens added."""
         return list(self.runner.tokenizer.encode(text))  # type: ignore[attr-defined]
 
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
+        """The ids a request's prompt becomes, as `submit` makes them (a chat through the
+        template, with the generation prompt); InvalidRequest where submit would refuse it."""
+        return self._tokenize(request)
+
     def detokenize(self, ids: Sequence[int]) -> str:
         """Ids' text, special tokens kept; an id outside the vocabulary is an InvalidRequest."""
         self._check_ids("tokens", ids)

@@ -103,23 +103,26 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")
     if which == "chat":
-        chat = msg.chat
-        messages = tuple(
-            ChatTurn(m.role, m.content, tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
-                     m.tool_call_id, m.name, m.reasoning_content)
-            if m.tool_calls or m.tool_call_id or m.name or m.reasoning_content
-            else (m.role, m.content)
-            for m in chat.messages)
-        tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
-                         chat.parallel_tool_calls) if chat.tools_json else None
-        return EngineRequest(request_id, params, messages=messages, tools=tools,
-                             following=msg.following)
+        return chat_request(msg.chat, request_id, params, msg.following)
     if which == "prompt":
         return EngineRequest(request_id, params, prompt=msg.prompt, following=msg.following)
     if which == "prompt_token_ids":
         return EngineRequest(request_id, params, prompt=tuple(msg.prompt_token_ids.ids),
                              following=msg.following)
     raise InvalidRequest("request has neither chat messages nor a prompt")
+
+
+def chat_request(chat: engine_pb2.ChatInput, request_id: str, params: GenerateParams,
+                 following: int = 0) -> EngineRequest:
+    messages = tuple(
+        ChatTurn(m.role, m.content, tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
+                 m.tool_call_id, m.name, m.reasoning_content)
+        if m.tool_calls or m.tool_call_id or m.name or m.reasoning_content
+        else (m.role, m.content)
+        for m in chat.messages)
+    tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
+                     chat.parallel_tool_calls) if chat.tools_json else None
+    return EngineRequest(request_id, params, messages=messages, tools=tools, following=following)
 
 
 def constraint_from_proto(msg: engine_pb2.GenerateRequest) -> OutputConstraint | None:
@@ -249,6 +252,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     # A long text's tokenization runs off the event loop, which streams the running requests.
     async def Tokenize(self, request: engine_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> engine_pb2.TokenIds:
+        if request.WhichOneof("input") == "chat":
+            chat = chat_request(request.chat, "tokenize", GenerateParams())
+            try:
+                ids = await asyncio.to_thread(self._engine.prompt_ids, chat)
+            except InvalidRequest as exc:
+                await _abort_invalid(context, exc)
+            return engine_pb2.TokenIds(ids=ids)
         return engine_pb2.TokenIds(ids=await asyncio.to_thread(self._engine.tokenize,
                                                                request.text))
 

@@ -86,6 +86,7 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/responses", handlers.responses)
+    app.router.add_post("/v1/responses/input_tokens", tokenize.count_input_tokens)
     app.router.add_get("/v1/responses/{response_id}", response_routes.retrieve)
     app.router.add_delete("/v1/responses/{response_id}", response_routes.delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", response_routes.input_items)

@@ -183,14 +183,7 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
                                          stream_interval_ms=stream_interval_ms,
                                          following=following)
     if spec.is_chat:
-        request.chat.CopyFrom(engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(
-            role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
-            reasoning_content=m.reasoning_content, tool_calls=[engine_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                        for c in m.tool_calls]) for m in spec.messages]))
-        if (tools := spec.tools) is not None:
-            request.chat.tools_json = tools.tools_json
-            request.chat.tool_choice = tools.choice
-            request.chat.parallel_tool_calls = tools.parallel
+        request.chat.CopyFrom(chat_input(spec))
     elif isinstance(spec.prompt, tuple):
         request.prompt_token_ids.ids.extend(spec.prompt)
     else:
@@ -201,6 +194,20 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
         else:
             setattr(request.constraint, c.kind, c.text)
     return request
+
+
+def chat_input(spec: GenerateInput) -> engine_pb2.ChatInput:
+    """A chat request's messages and tools, as the engine takes them (Generate, Tokenize)."""
+    chat = engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(
+        role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+        reasoning_content=m.reasoning_content,
+        tool_calls=[engine_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                    for c in m.tool_calls]) for m in spec.messages])
+    if (tools := spec.tools) is not None:
+        chat.tools_json = tools.tools_json
+        chat.tool_choice = tools.choice
+        chat.parallel_tool_calls = tools.parallel
+    return chat
 
 
 # A channel to an engine that went away retries its connection at most a second apart (gRPC's

@@ -45,7 +45,7 @@ from services.gateway.errors import (
 )
 from services.gateway.harmony import HarmonyParser
 from services.gateway.middleware import log_failure
-from services.gateway.response_routes import owner
+from services.gateway.response_routes import owner, with_previous
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, usage
 from services.gateway.responses_api import (
     ResponseBuilder,
@@ -538,19 +538,7 @@ _COMPLETIONS = _Endpoint("text_completion", _parse_completion,
 
 async def _parse_responses(request: web.Request, body: Any) -> GenerateInput:
     """The request, with the stored conversation of its previous_response_id before it."""
-    spec = parse_responses(body)
-    context: list[dict[str, Any]] = []
-    if spec.previous_response_id is not None:
-        record = await request.app[RESPONSE_STORE].get(spec.previous_response_id, owner(request))
-        if record is None:
-            ttl_h = request.app[CONFIG].responses_ttl_s / 3600
-            raise InvalidRequest(f"previous response {spec.previous_response_id!r} is not stored "
-                                 f"here: it was made with store false, deleted, made with "
-                                 f"another API key, or is older than the store keeps ({ttl_h:g} "
-                                 "h, --responses-ttl-s)", "previous_response_id",
-                                 code="previous_response_not_found")
-        context = record["context"]
-    return spec.with_context(context)
+    return await with_previous(request, parse_responses(body))
 
 
 _RESPONSES = _Endpoint("chat", _parse_responses, lambda _, spec: ResponseBuilder(spec),

@@ -105,6 +105,56 @@ _SAMPLING = {
              "description": "the caller's end-user id, set on the request's trace span (user.id)"},
 }
 
+_RESPONSES_PROPERTIES: dict[str, Any] = {
+    "model": {"type": "string", "minLength": 1},
+    "input": {"oneOf": [
+        {"type": "string"},
+        {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+         "items": _ref("ResponsesInputItem")}]},
+    "instructions": {"type": ["string", "null"],
+                     "description": "a system message first; not carried over by "
+                                    "previous_response_id"},
+    "max_output_tokens": {**_MAX_TOKENS, "type": ["integer", "null"]},
+    "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+    "stream": {"type": ["boolean", "null"],
+               "description": "named events, response.created to response.completed / "
+                              "response.incomplete / response.failed"},
+    "store": {"type": ["boolean", "null"], "default": True,
+              "description": "kept for --responses-ttl-s: GET /v1/responses/{id}, "
+                             "previous_response_id"},
+    "metadata": {"type": ["object", "null"], "maxProperties": MAX_METADATA_KEYS,
+                 "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+                 "additionalProperties": {"type": "string",
+                                          "maxLength": MAX_METADATA_VALUE_CHARS}},
+    "previous_response_id": {"type": ["string", "null"], "pattern": "^resp_[0-9a-f]{32}$",
+                             "description": "continue a stored response's conversation"},
+    "text": {"type": ["object", "null"], "additionalProperties": False, "properties": {
+        "format": {"oneOf": [
+            {"type": "object", "required": ["type"], "additionalProperties": False,
+             "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "name", "schema"],
+             "additionalProperties": False, "properties": {
+                 "type": {"const": "json_schema"},
+                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                 "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}},
+            {"type": "null"}]}}},
+    "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS,
+              "items": _ref("FunctionTool")},
+    "tool_choice": {"oneOf": [
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "name"], "additionalProperties": False,
+         "properties": {"type": {"const": "function"}, "name": {"type": "string"}}},
+        {"type": "null"}]},
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+    "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
+    "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                     "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
+    "user": _SAMPLING["user"],
+    "safety_identifier": {**_SAMPLING["user"], "description": "as user"},
+    "truncation": {"enum": ["disabled", None]},
+    "background": {"enum": [False, None], "description": "background runs are refused"},
+}
+
 _SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"],
@@ -215,53 +265,21 @@ _SCHEMAS: dict[str, Any] = {
         "description": "the Responses API, served by the chat path: a field not listed is "
                        "refused with a 400 naming it (a null passes)",
         "properties": {
-        "model": {"type": "string", "minLength": 1},
-        "input": {"oneOf": [
-            {"type": "string"},
-            {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
-             "items": _ref("ResponsesInputItem")}]},
-        "instructions": {"type": ["string", "null"],
-                         "description": "a system message first; not carried over by "
-                                        "previous_response_id"},
-        "max_output_tokens": {**_MAX_TOKENS, "type": ["integer", "null"]},
-        "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
-        "stream": {"type": ["boolean", "null"],
-                   "description": "named events, response.created to response.completed / "
-                                  "response.incomplete / response.failed"},
-        "store": {"type": ["boolean", "null"], "default": True,
-                  "description": "kept for --responses-ttl-s: GET /v1/responses/{id}, "
-                                 "previous_response_id"},
-        "metadata": {"type": ["object", "null"], "maxProperties": MAX_METADATA_KEYS,
-                     "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
-                     "additionalProperties": {"type": "string",
-                                              "maxLength": MAX_METADATA_VALUE_CHARS}},
-        "previous_response_id": {"type": ["string", "null"], "pattern": "^resp_[0-9a-f]{32}$",
-                                 "description": "continue a stored response's conversation"},
-        "text": {"type": ["object", "null"], "additionalProperties": False, "properties": {
-            "format": {"oneOf": [
-                {"type": "object", "required": ["type"], "additionalProperties": False,
-                 "properties": {"type": {"enum": ["text", "json_object"]}}},
-                {"type": "object", "required": ["type", "name", "schema"],
-                 "additionalProperties": False, "properties": {
-                     "type": {"const": "json_schema"},
-                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-                     "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}},
-                {"type": "null"}]}}},
-        "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS,
-                  "items": _ref("FunctionTool")},
-        "tool_choice": {"oneOf": [
-            {"enum": ["none", "auto", "required"]},
-            {"type": "object", "required": ["type", "name"], "additionalProperties": False,
-             "properties": {"type": {"const": "function"}, "name": {"type": "string"}}},
-            {"type": "null"}]},
-        "parallel_tool_calls": {"type": ["boolean", "null"]},
-        "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
-        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
-                         "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
-        "user": _SAMPLING["user"],
-        "safety_identifier": {**_SAMPLING["user"], "description": "as user"},
-        "truncation": {"enum": ["disabled", None]},
-        "background": {"enum": [False, None], "description": "background runs are refused"},
+        **_RESPONSES_PROPERTIES,
+    }},
+    "ResponsesInputTokensRequest": {
+        "type": "object", "required": ["input"], "additionalProperties": False,
+        "description": "what shapes a Responses request's prompt; the count is the "
+                       "usage.input_tokens the request would report",
+        "properties": {
+        "model": {"type": ["string", "null"], "minLength": 1,
+                  "description": "default: the first model served"},
+        **{name: _RESPONSES_PROPERTIES[name] for name in (
+            "input", "instructions", "previous_response_id", "tools", "tool_choice",
+            "parallel_tool_calls", "truncation")},
+        "text": {**_RESPONSES_PROPERTIES["text"],
+                 "description": "checked; a format adds no prompt tokens (the grammar holds "
+                                "the output)"},
     }},
     "ResponsesInputItem": {"oneOf": [
         {"type": "object", "required": ["role", "content"], "additionalProperties": False,
@@ -431,6 +449,9 @@ DOCUMENT: dict[str, Any] = {
             "(`event: response.output_text.delta` ...), numbered by sequence_number, ending "
             "with response.completed, response.incomplete or response.failed (a failure after "
             "the stream began: the error inside), no [DONE]"),
+        "/v1/responses/input_tokens": _tokenizer(
+            "post", "The input tokens a Responses request would count (usage.input_tokens)",
+            "ResponsesInputTokensRequest"),
         "/v1/responses/{response_id}": {
             "get": _stored("A stored response"),
             "delete": _stored("Delete a stored response")},

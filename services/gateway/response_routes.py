@@ -10,7 +10,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from services.gateway.errors import GatewayError, InvalidRequest
-from services.gateway.responses_api import input_items_page
+from services.gateway.responses_api import ResponsesInput, input_items_page
 from services.gateway.state import CONFIG, RESPONSE_STORE
 
 
@@ -40,6 +40,22 @@ def owner(request: web.Request) -> str:
         return ""
     key = request.headers.get("Authorization", "").partition(" ")[2].strip()
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def with_previous(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
+    """A Responses request with the stored conversation of its previous_response_id before it
+    (a 400 naming the field where none is stored for this caller)."""
+    if spec.previous_response_id is None:
+        return spec.with_context([])
+    record = await request.app[RESPONSE_STORE].get(spec.previous_response_id, owner(request))
+    if record is None:
+        ttl_h = request.app[CONFIG].responses_ttl_s / 3600
+        raise InvalidRequest(f"previous response {spec.previous_response_id!r} is not stored "
+                             f"here: it was made with store false, deleted, made with another "
+                             f"API key, or is older than the store keeps ({ttl_h:g} h, "
+                             "--responses-ttl-s)", "previous_response_id",
+                             code="previous_response_not_found")
+    return spec.with_context(record["context"])
 
 
 async def _record(request: web.Request, query: frozenset[str] = frozenset()) -> dict[str, Any]:

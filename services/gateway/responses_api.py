@@ -53,6 +53,11 @@ RESPONSES_FIELDS = frozenset({
     "store", "metadata", "previous_response_id", "text", "tools", "tool_choice",
     "parallel_tool_calls", "top_logprobs", "include", "user", "safety_identifier", "truncation",
     "background"})
+# POST /v1/responses/input_tokens: what shapes the prompt (text.format adds no tokens here: the
+# grammar holds the output, nothing is written into the prompt)
+INPUT_TOKENS_FIELDS = frozenset({
+    "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "truncation"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -103,14 +108,14 @@ class ResponsesInput(GenerateInput):
         return replace(self, context=tuple(context), messages=tuple(messages))
 
 
-def parse_responses(body: Any) -> ResponsesInput:
+def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
+                    endpoint: str = "/v1/responses") -> ResponsesInput:
     """The request, validated; its messages still lack the conversation of
-    previous_response_id (`with_context`)."""
+    previous_response_id (`with_context`). `fields`: the ones the endpoint reads."""
     body = _object(body)
-    if (name := first_unknown(body, RESPONSES_FIELDS)) is not None:
-        raise InvalidRequest(f"'{name}' is not supported by Strata's /v1/responses; it reads "
-                             f"{', '.join(sorted(RESPONSES_FIELDS))}", name,
-                             code="unsupported_parameter")
+    if (name := first_unknown(body, fields)) is not None:
+        raise InvalidRequest(f"'{name}' is not supported by Strata's {endpoint}; it reads "
+                             f"{', '.join(sorted(fields))}", name, code="unsupported_parameter")
     if body.get("background") not in (None, False):
         raise InvalidRequest("'background' runs are not supported: send the request and wait "
                              "for it, or stream it", "background", code="unsupported_parameter")

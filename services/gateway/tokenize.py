@@ -4,6 +4,9 @@ chat template and context window (GET /tokenizer_info). lm-evaluation-harness fi
 itself and then needs no copy of the model's tokenizer (a GGUF's lives only inside its file):
 it sends token-id prompts built with them.
 
+The Responses API's `POST /v1/responses/input_tokens` is one more: a conversation's ids through
+the engine's chat template, counted.
+
 Each is one unary RPC to a ready engine serving the model asked for (the first one's without
 `model`), outside admission: no queue, no slot."""
 
@@ -15,8 +18,11 @@ from aiohttp import web
 
 from services.common.pb.strata.v1 import engine_pb2
 from services.gateway.admission import Rejected
+from services.gateway.engine_client import chat_input
 from services.gateway.errors import ModelNotFound
 from services.gateway.handlers import json_body, served_models
+from services.gateway.response_routes import with_previous
+from services.gateway.responses_api import INPUT_TOKENS_FIELDS, parse_responses
 from services.gateway.schemas import parse_detokenize, parse_tokenize
 from services.gateway.state import ADMISSION, CONFIG, POOL
 
@@ -50,6 +56,22 @@ async def tokenizer_info(request: web.Request) -> web.Response:
         "eos_token_ids": list(info.eos_token_ids), "vocab_size": info.vocab_size,
         "model_max_length": info.context_window, "chat_template": info.chat_template or None,
         "add_bos_token": False})
+
+
+async def count_input_tokens(request: web.Request) -> web.Response:
+    """`POST /v1/responses/input_tokens` (the openai client's `responses.input_tokens.count`):
+    the tokens a Responses request's prompt would be, its stored conversation, instructions
+    and tools through the chat template, counted by the engine (the `usage.input_tokens` the
+    request would report)."""
+    body = json_body(await request.read())
+    if isinstance(body, dict) and body.get("model") is None:  # optional: the first model served
+        body = {**body, "model": (await served_models(request.app))[0]}
+    spec = await with_previous(request, parse_responses(body, INPUT_TOKENS_FIELDS,
+                                                        "/v1/responses/input_tokens"))
+    address = await _engine(request.app, spec.model)
+    ids = await _call(request.app, address, "Tokenize",
+                      engine_pb2.TokenizeRequest(chat=chat_input(spec)))
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(ids.ids)})
 
 
 async def _engine(app: web.Application, model: str | None) -> str:

@@ -96,8 +96,13 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
 
 
     async def Tokenize(self, request, context):
-        """One id a whitespace-separated word, as prompts are counted here."""
-        return engine_pb2.TokenIds(ids=range(len(request.text.split())))
+        """One id a whitespace-separated word (and one a chat message), as prompts are
+        counted here."""
+        if request.WhichOneof("input") == "chat":
+            count = sum(len(m.content.split()) + 1 for m in request.chat.messages)
+        else:
+            count = len(request.text.split())
+        return engine_pb2.TokenIds(ids=range(count))
 
 
 def _logprobs(sampling: engine_pb2.SamplingParams, i: int,

@@ -31,6 +31,7 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                  "/v1/models/{model}", "/v1/responses",
+                                 "/v1/responses/input_tokens",
                                  "/v1/responses/{response_id}",
                                  "/v1/responses/{response_id}/input_items",
                                  "/tokenize", "/detokenize", "/tokenizer_info",
@@ -48,6 +49,7 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
     from services.gateway.responses_api import (
         FUNCTION_CALL_FIELDS,
         FUNCTION_OUTPUT_FIELDS,
+        INPUT_TOKENS_FIELDS,
         MESSAGE_ITEM_FIELDS,
         OUTPUT_TEXT_FIELDS,
         REASONING_FIELDS,
@@ -83,6 +85,8 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
                 ("CompletionRequest", COMPLETION_FIELDS, COMPLETIONS,
                  {"model": MODEL, "prompt": "hi"}),
                 ("ResponsesRequest", RESPONSES_FIELDS, RESPONSES, {"model": MODEL, "input": "hi"}),
+                ("ResponsesInputTokensRequest", INPUT_TOKENS_FIELDS,
+                 "/v1/responses/input_tokens", {"model": MODEL, "input": "hi"}),
                 ("TokenizeRequest", TOKENIZE_FIELDS, "/tokenize", {"prompt": "hi"}),
                 ("DetokenizeRequest", DETOKENIZE_FIELDS, "/detokenize", {"tokens": [1]})):
             assert schemas[name]["additionalProperties"] is False

@@ -308,3 +308,32 @@ async def test_a_store_with_redis_away_keeps_responses_in_the_gateway(engine, ma
     async with _client(base) as client:
         r = await client.responses.create(model=MODEL, input="hi")
         assert (await client.responses.retrieve(r.id)).output_text == "Hello, world!"
+
+
+async def test_input_tokens_counts_what_a_response_would_report(make_gateway, tiny_checkpoint):
+    async with real_engine(tiny_checkpoint, "engine-responses-count") as (address, _, model):
+        base = await make_gateway(engine_addrs=(address,))
+        tools = [{"type": "function", "name": "f"}]  # the template's tool preamble is long
+        async with _client(base) as client:
+            kw = {"model": model, "max_output_tokens": 2, "temperature": 0}
+            made = []
+            for extra in ({}, {"instructions": "Be brief."}, {"tools": tools}):
+                counted = await client.responses.input_tokens.count(
+                    model=model, input="the cache keeps", **extra)
+                made.append(await client.responses.create(input="the cache keeps", **kw, **extra))
+                assert counted.object == "response.input_tokens"
+                assert counted.input_tokens == made[-1].usage.input_tokens, extra
+            first = made[0]
+            follow = await client.responses.input_tokens.count(
+                input="and then", previous_response_id=first.id)  # model left out: the first
+            after = await client.responses.create(input="and then", previous_response_id=first.id,
+                                                  **kw)
+            assert follow.input_tokens == after.usage.input_tokens > first.usage.input_tokens
+            for body, param in (({"input": "x", "stream": True}, "stream"),
+                                ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+                                ({"input": [{"type": "item_reference", "id": "m"}]},
+                                 "input[0].type")):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.post("/responses/input_tokens", cast_to=object,
+                                      body={"model": model, **body})
+                assert refused.value.body["param"] == param

@@ -82,8 +82,10 @@ class EngineServicer:
 
     def Tokenize(self, request, context):
         """The model's tokenizer, as a prompt meets it: a text's ids (no special tokens added, as
-        Generate's prompt), ids' text (INVALID_ARGUMENT for an id outside the vocabulary), and the
-        tokenizer's special tokens and chat template.
+        Generate's prompt) or a chat's (its messages and tools through the chat template, with the
+        generation prompt, as Generate's chat: INVALID_ARGUMENT where Generate would refuse them),
+        ids' text (INVALID_ARGUMENT for an id outside the vocabulary), and the tokenizer's special
+        tokens and chat template.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -331,12 +331,22 @@ _SCHEMAS: dict[str, Any] = {
             "parameters": {"type": ["object", "null"]},
             "strict": {"type": ["boolean", "null"]}}},
     "TokenizeRequest": {
-        "type": "object", "required": ["prompt"], "additionalProperties": False,
+        "type": "object", "additionalProperties": False,
+        "oneOf": [{"required": ["prompt"], "not": {"required": ["messages"]}},
+                  {"required": ["messages"], "not": {"required": ["prompt"]}}],
+        "description": "a completion prompt, or a chat (messages, tools) through the chat "
+                       "template with its generation prompt",
         "properties": {
             "model": {"type": ["string", "null"], "minLength": 1},
             "prompt": {"type": "string"},
             "add_special_tokens": {"type": ["boolean", "null"], "const": False,
-                                   "description": "Strata adds none; true is refused"}}},
+                                   "description": "Strata adds none; true is refused"},
+            "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                         "items": _ref("ChatMessage")},
+            "tools": {"type": ["array", "null"], "minItems": 1, "maxItems": MAX_TOOLS,
+                      "items": _ref("Tool")},
+            "add_generation_prompt": {"type": ["boolean", "null"], "const": True,
+                                      "description": "always added; false is refused"}}},
     "DetokenizeRequest": {
         "type": "object", "required": ["tokens"], "additionalProperties": False,
         "properties": {

@@ -224,7 +224,8 @@ def _prompt(prompt: Any, param: str) -> Prompt:
     return tuple(prompt)
 
 
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens"})
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "messages", "tools",
+                             "add_generation_prompt"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -232,7 +233,9 @@ MAX_DETOKENIZE_TOKENS = 1 << 20
 @dataclass(frozen=True)
 class TokenizeInput:
     model: str | None  # None: the first ready engine's
-    prompt: str
+    prompt: str | None  # a completion prompt, or (None) a chat:
+    messages: tuple[Message, ...] = ()  # through the chat template, the generation prompt added
+    tools: Tools | None = None
 
 
 @dataclass(frozen=True)
@@ -243,12 +246,11 @@ class DetokenizeInput:
 
 def parse_tokenize(body: Any) -> TokenizeInput:
     """vLLM's POST /tokenize: a prompt's ids as /v1/completions would take it (no special
-    tokens added; `add_special_tokens` true is refused rather than ignored)."""
+    tokens added; `add_special_tokens` true is refused rather than ignored), or a chat's as
+    /v1/chat/completions would (`messages` and `tools` through the chat template, which adds
+    the generation prompt: `add_generation_prompt` false is refused)."""
     body = _object(body)
     _refuse_unknown(body, TOKENIZE_FIELDS, "/tokenize", DETOKENIZE_FIELDS, "/detokenize")
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise InvalidRequest("'prompt' must be a string", "prompt")
     special = body.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
         raise InvalidRequest("'add_special_tokens' must be true or false", "add_special_tokens")
@@ -256,7 +258,28 @@ def parse_tokenize(body: Any) -> TokenizeInput:
         raise InvalidRequest("Strata adds no special tokens to a prompt (a completion prompt "
                              "is tokenized as it is written); send add_special_tokens false, "
                              "or write the tokens into the text", "add_special_tokens")
-    return TokenizeInput(_optional_model(body), prompt)
+    if body.get("messages") is None:
+        for name in ("tools", "add_generation_prompt"):
+            if body.get(name) is not None:
+                raise InvalidRequest(f"'{name}' belongs to a chat: send 'messages'", name)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidRequest("'prompt' must be a string (or send 'messages')", "prompt")
+        return TokenizeInput(_optional_model(body), prompt)
+    if body.get("prompt") is not None:
+        raise InvalidRequest("give 'prompt' or 'messages', not both", "prompt")
+    generation = body.get("add_generation_prompt")
+    if generation is not None and generation is not True:
+        raise InvalidRequest("'add_generation_prompt' must be true: the chat template's "
+                             "generation prompt is always added, as a chat request's prompt "
+                             "has it", "add_generation_prompt")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise InvalidRequest(f"'messages' must be an array of 1-{MAX_MESSAGES} messages",
+                             "messages")
+    return TokenizeInput(_optional_model(body), None,
+                         tuple(_message(m, i) for i, m in enumerate(messages)),
+                         parse_tools({"tools": body.get("tools")}))
 
 
 def parse_detokenize(body: Any) -> DetokenizeInput:

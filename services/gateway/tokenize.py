@@ -1,6 +1,7 @@
 """vLLM's tokenizer endpoints, answered by an engine's own tokenizer: a prompt's ids as
 /v1/completions takes it (POST /tokenize), ids' text (POST /detokenize), and the special tokens,
-chat template and context window (GET /tokenizer_info). lm-evaluation-harness finds these by
+chat template and context window (GET /tokenizer_info); /tokenize also takes a chat
+(`messages`, `tools`), its ids through the chat template as a chat request's prompt. lm-evaluation-harness finds these by
 itself and then needs no copy of the model's tokenizer (a GGUF's lives only inside its file):
 it sends token-id prompts built with them.
 
@@ -23,15 +24,17 @@ from services.gateway.errors import ModelNotFound
 from services.gateway.handlers import json_body, served_models
 from services.gateway.response_routes import with_previous
 from services.gateway.responses_api import INPUT_TOKENS_FIELDS, parse_responses
-from services.gateway.schemas import parse_detokenize, parse_tokenize
+from services.gateway.schemas import GenerateInput, Sampling, parse_detokenize, parse_tokenize
 from services.gateway.state import ADMISSION, CONFIG, POOL
 
 
 async def tokenize(request: web.Request) -> web.Response:
     spec = parse_tokenize(json_body(await request.read()))
     address = await _engine(request.app, spec.model)
-    ids = await _call(request.app, address, "Tokenize",
-                      engine_pb2.TokenizeRequest(text=spec.prompt))
+    message = (engine_pb2.TokenizeRequest(text=spec.prompt) if spec.prompt is not None else
+               engine_pb2.TokenizeRequest(chat=chat_input(GenerateInput(
+                   spec.model or "", Sampling(), messages=spec.messages, tools=spec.tools))))
+    ids = await _call(request.app, address, "Tokenize", message)
     status = request.app[POOL].statuses.get(address)
     return web.json_response({"count": len(ids.ids), "tokens": list(ids.ids),
                               "max_model_len": status.context_window if status else None,

@@ -46,7 +46,16 @@ async def test_tokenizer_endpoints_answer_with_the_engines_own_tokenizer(
                     ("/detokenize", {"tokens": [1, -2]}, 400, "tokens[1]"),
                     ("/detokenize", {"tokens": [engine.runner.config.vocab_size]}, 400,
                      "tokens"),  # the engine's to say
-                    ("/detokenize", {"tokens": [1], "prompt": "x"}, 400, "prompt")):
+                    ("/detokenize", {"tokens": [1], "prompt": "x"}, 400, "prompt"),
+                    ("/tokenize", {"prompt": "x", "messages": [{"role": "user",
+                                                                 "content": "x"}]}, 400,
+                     "prompt"),
+                    ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                                   "add_generation_prompt": False}, 400,
+                     "add_generation_prompt"),
+                    ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools"),
+                    ("/tokenize", {"messages": [{"role": "bot", "content": "x"}]}, 400,
+                     "messages[0].role")):
                 status, error = await _post(http, base + url, body)
                 assert (status, error["error"]["param"]) == (code, param), (body, error)
         # the ids /tokenize gives are a prompt /v1/completions answers as it does the text
@@ -57,3 +66,22 @@ async def test_tokenizer_endpoints_answer_with_the_engines_own_tokenizer(
             by_ids = await client.completions.create(
                 prompt=tokenizer.encode("the cache keeps"), **kw)
     assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+async def test_a_chats_ids_are_the_prompt_a_chat_request_counts(make_gateway, tiny_checkpoint):
+    async with real_engine(tiny_checkpoint, "engine-tokenize-chat") as (address, engine, model):
+        base = await make_gateway(engine_addrs=(address,))
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "the cache keeps"}]
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        async with aiohttp.ClientSession() as http, openai.AsyncOpenAI(
+                base_url=base + "/v1", api_key="unused", max_retries=0) as client:
+            for extra in ({}, {"tools": tools}):
+                status, tokens = await _post(http, base + "/tokenize",
+                                             {"messages": messages, **extra})
+                chat = await client.chat.completions.create(model=model, messages=messages,
+                                                            max_tokens=1, **extra)
+                assert status == 200 and tokens["count"] == chat.usage.prompt_tokens, extra
+            _, back = await _post(http, base + "/detokenize", {"tokens": tokens["tokens"]})
+    assert back["prompt"].endswith(engine.runner.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True).rsplit("x", 1)[1])

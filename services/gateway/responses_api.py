@@ -129,7 +129,8 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("'instructions' must be a string", "instructions")
     previous = body.get("previous_response_id")
-    if previous is not None and (not isinstance(previous, str) or not RESPONSE_ID.fullmatch(previous)):
+    if previous is not None and not (isinstance(previous, str)
+                                     and RESPONSE_ID.fullmatch(previous)):
         raise InvalidRequest(f"'previous_response_id' must be a response id (resp_ and 32 hex "
                              f"digits); got {_show(previous)}", "previous_response_id")
     max_output = None

@@ -1,9 +1,9 @@
 """vLLM's tokenizer endpoints, answered by an engine's own tokenizer: a prompt's ids as
 /v1/completions takes it (POST /tokenize), ids' text (POST /detokenize), and the special tokens,
 chat template and context window (GET /tokenizer_info); /tokenize also takes a chat
-(`messages`, `tools`), its ids through the chat template as a chat request's prompt. lm-evaluation-harness finds these by
-itself and then needs no copy of the model's tokenizer (a GGUF's lives only inside its file):
-it sends token-id prompts built with them.
+(`messages`, `tools`), its ids through the chat template as a chat request's prompt.
+lm-evaluation-harness finds these by itself and then needs no copy of the model's tokenizer (a
+GGUF's lives only inside its file): it sends token-id prompts built with them.
 
 The Responses API's `POST /v1/responses/input_tokens` is one more: a conversation's ids through
 the engine's chat template, counted.

@@ -331,3 +331,28 @@ def test_n_choices_are_independent_requests_of_one_prompt(cluster):
         if chunk.usage is not None:
             assert chunk.usage.completion_tokens == 2 * one.usage.completion_tokens
     assert parts == {0: texts[0], 1: texts[0]} and set(finish) == {0, 1}
+
+
+def test_a_response_is_stored_in_redis_continued_and_deleted(cluster):
+    """The Responses API on the real cluster: its records in the cluster's Redis."""
+    import redis
+
+    c = client(cluster)
+    kw = {"model": MODEL, "max_output_tokens": 8, "temperature": 0}
+    first = c.responses.create(input="Name three prime numbers.", **kw)
+    chat = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8, temperature=0)
+    assert first.output_text == chat.choices[0].message.content
+    assert redis.Redis.from_url(cluster.redis_url).exists(f"strata:response:{first.id}")
+    events = list(c.responses.create(previous_response_id=first.id, input="And two more?",
+                                     stream=True, **kw))
+    second = events[-1].response
+    assert events[0].type == "response.created" and second.previous_response_id == first.id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        second.output_text
+    counted = c.responses.input_tokens.count(model=MODEL, input="And two more?",
+                                             previous_response_id=first.id)
+    assert counted.input_tokens == second.usage.input_tokens
+    assert c.responses.retrieve(second.id).output_text == second.output_text
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)

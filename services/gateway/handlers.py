@@ -545,34 +545,33 @@ _RESPONSES = _Endpoint("chat", _parse_responses, lambda _, spec: ResponseBuilder
                        lambda runs: _respond(runs[0]))
 
 
-def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta) -> list[dict[str, Any]]:
-    """A delta's events: its reasoning, its text, the calls it closed."""
+def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta) -> None:
+    """A delta into the response: its reasoning, its text, the calls it closed."""
     if run.parser is None:
-        return builder.text(delta.text, delta.logprobs)
+        builder.text(delta.text, delta.logprobs)
+        return
     text, calls = run.parser.feed(delta.text)
-    events = builder.reasoning(run.parser.take_reasoning()) + builder.text(text, delta.logprobs)
+    builder.reasoning(run.parser.take_reasoning())
+    builder.text(text, delta.logprobs)
     for call in calls:
-        events += builder.call(call)
-    return events
+        builder.call(call)
 
 
-async def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished
-                       ) -> list[dict[str, Any]]:
-    """What the parser held back, then the terminal event (completed, or incomplete)."""
-    events: list[dict[str, Any]] = []
+async def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished) -> None:
+    """What the parser held back, then the end: completed, or incomplete."""
     if run.parser is not None:
         before = len(run.parser.calls)
         rest = run.parser.finish()  # may close a call (harmony's last)
-        events += builder.reasoning(run.parser.take_reasoning()) + builder.text(rest)
+        builder.reasoning(run.parser.take_reasoning())
+        builder.text(rest)
         for call in run.parser.calls[before:]:
-            events += builder.call(call)
+            builder.call(call)
     counted = run.usage(finished)
-    events += builder.finish(finished.reason, response_usage(
+    builder.finish(finished.reason, response_usage(
         counted["prompt_tokens"], counted["completion_tokens"],
         counted["prompt_tokens_details"]["cached_tokens"], await _reasoning_tokens(run, builder)),
         run.figures(finished))
     run.log_done(finished)
-    return events
 
 
 async def _reasoning_tokens(run: _Run, builder: ResponseBuilder) -> int:
@@ -610,7 +609,7 @@ async def _respond(run: _Run) -> web.StreamResponse:
             "x-strata-queue-wait-ms": f"{run.queue_wait_s * 1e3:.3f}",
             "x-strata-engine-id": run.started.engine_id})
         await response.prepare(request)
-    out = builder.start()
+    builder.start()
     try:
         async for batch in _batches([run]):
             for _, event in _merged(batch):
@@ -618,23 +617,23 @@ async def _respond(run: _Run) -> web.StreamResponse:
                     raise event
                 if isinstance(event, Delta):
                     run.on_delta(event)
-                    out += _respond_delta(run, builder, event)
+                    _respond_delta(run, builder, event)
                 elif isinstance(event, Finished):
                     if event.reason == "abort":
                         raise EngineAborted(event.error, run.call.engine)
-                    out += await _respond_end(run, builder, event)
+                    await _respond_end(run, builder, event)
                     if spec.store:
                         await request.app[RESPONSE_STORE].put(
                             spec.response_id, stored_record(builder, owner(request)))
                 elif event is None and builder.status == "in_progress":
                     raise EngineError("INTERNAL", "the event stream ended without a "
                                       "Finished event", run.call.engine)
-            if response is not None and out and builder.status == "in_progress":
-                await response.write(b"".join(sse.named(e) for e in out))
-                out = []
+            if response is not None and builder.status == "in_progress" and \
+                    (events := builder.take_events()):
+                await response.write(b"".join(sse.named(e) for e in events))
         if response is None:
             return web.json_response(builder.response, headers=builder.figures.headers())
-        await response.write_eof(b"".join(sse.named(e) for e in out))
+        await response.write_eof(b"".join(sse.named(e) for e in builder.take_events()))
     except ConnectionResetError as exc:
         if response is None:
             raise
@@ -647,7 +646,7 @@ async def _respond(run: _Run) -> web.StreamResponse:
         run.outcome.fail(exc)
         error = http_error(exc, request_id(request))
         log_failure(request, exc, error.status)
-        out += builder.fail(error.body["error"])
+        builder.fail(error.body["error"])
         with contextlib.suppress(ConnectionResetError):
-            await response.write_eof(b"".join(sse.named(e) for e in out))
+            await response.write_eof(b"".join(sse.named(e) for e in builder.take_events()))
     return response

@@ -475,9 +475,9 @@ def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int,
 
 
 class ResponseBuilder:
-    """One response, built as the answer streams: each method returns the stream events it
-    makes (numbered), and `response` is the object so far. A non-streaming request makes the
-    same calls and keeps only `response`.
+    """One response, built as the answer streams: `response` is the object so far, and for a
+    streaming request each change queues the numbered stream events that tell it
+    (`take_events`). A non-streaming request makes the same calls and queues nothing.
 
     Output items open and close in order: a reasoning item, a message of output_text, function
     calls (each whole: their arguments arrive once the call has closed)."""
@@ -492,6 +492,7 @@ class ResponseBuilder:
         self.error: dict[str, Any] | None = None
         self.figures: Figures | None = None
         self._open: dict[str, Any] | None = None  # the item text is going into
+        self._events: list[dict[str, Any]] | None = [] if spec.stream else None
         self._sequence = 0
 
     @property
@@ -520,68 +521,66 @@ class ResponseBuilder:
         return "".join(item["content"][0]["text"] for item in self.output
                        if item["type"] == "reasoning")
 
-    def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response),
-                self._event("response.in_progress", response=self.response)]
-
-    def reasoning(self, text: str) -> list[dict[str, Any]]:
-        if not text:
+    def take_events(self) -> list[dict[str, Any]]:
+        """The events queued since the last call (none for a non-streaming request)."""
+        if not self._events:
             return []
-        events = self._open_item("reasoning", {"summary": []}, "reasoning_text")
-        return [*events, self._delta("response.reasoning_text.delta", text)]
+        events, self._events = self._events, []
+        return events
 
-    def text(self, text: str, logprobs: Sequence[Any] = ()) -> list[dict[str, Any]]:
+    def start(self) -> None:
+        self._event("response.created", response=self.response)
+        self._event("response.in_progress", response=self.response)
+
+    def reasoning(self, text: str) -> None:
+        if text:
+            self._open_item("reasoning", {"summary": []}, "reasoning_text")
+            self._delta("response.reasoning_text.delta", text)
+
+    def text(self, text: str, logprobs: Sequence[Any] = ()) -> None:
         if not text and not logprobs:
-            return []
-        events = self._open_item("message", {"role": "assistant"}, "output_text")
+            return
+        self._open_item("message", {"role": "assistant"}, "output_text")
         listed = [_logprob(lp) for lp in logprobs] if self.spec.include_logprobs else []
         self._open["content"][0]["logprobs"].extend(listed)  # type: ignore[index]
-        return [*events, self._delta("response.output_text.delta", text, logprobs=listed)]
+        self._delta("response.output_text.delta", text, logprobs=listed)
 
-    def call(self, call: ToolCall) -> list[dict[str, Any]]:
-        events = self._close()
+    def call(self, call: ToolCall) -> None:
+        self._close()
         item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
                 "call_id": call.id, "name": call.name, "arguments": ""}
         index = len(self.output)
         self.output.append(item)
-        events.append(self._event("response.output_item.added", output_index=index,
-                                  item=dict(item)))
-        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=index, delta=call.arguments))
+        self._event("response.output_item.added", output_index=index, item=item)
+        self._event("response.function_call_arguments.delta", item_id=item["id"],
+                    output_index=index, delta=call.arguments)
         item.update(arguments=call.arguments, status="completed")
-        events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=index, name=call.name, arguments=call.arguments))
-        events.append(self._event("response.output_item.done", output_index=index,
-                                  item=dict(item)))
-        return events
+        self._event("response.function_call_arguments.done", item_id=item["id"],
+                    output_index=index, name=call.name, arguments=call.arguments)
+        self._event("response.output_item.done", output_index=index, item=item)
 
-    def finish(self, reason: str, usage: dict[str, Any], figures: Figures
-               ) -> list[dict[str, Any]]:
+    def finish(self, reason: str, usage: dict[str, Any], figures: Figures) -> None:
         """The engine's finish reason -> completed, or incomplete at max_output_tokens."""
         if reason == "length":
             self.incomplete_reason = "max_output_tokens"
         if not self.output:  # an empty answer is still a message
-            self.text_item_now()
-        events = self._close("incomplete" if self.incomplete_reason else "completed")
+            self._open_item("message", {"role": "assistant"}, "output_text")
+        self._close("incomplete" if self.incomplete_reason else "completed")
         self.status = "incomplete" if self.incomplete_reason else "completed"
         self.usage, self.figures = usage, figures
-        events.append(self._event(f"response.{self.status}", response=self.response))
-        return events
+        self._event(f"response.{self.status}", response=self.response)
 
-    def fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
+    def fail(self, error: dict[str, Any]) -> None:
         """The engine failed after the stream began: `response.failed`, the error inside."""
         self._close("incomplete")
         self.status = "failed"
         self.error = {"code": "server_error", "message": error["message"]}
-        return [self._event("response.failed", response=self.response)]
+        self._event("response.failed", response=self.response)
 
-    def text_item_now(self) -> None:
-        self._open_item("message", {"role": "assistant"}, "output_text")
-
-    def _open_item(self, kind: str, fields: dict[str, Any], part: str) -> list[dict[str, Any]]:
+    def _open_item(self, kind: str, fields: dict[str, Any], part: str) -> None:
         if self._open is not None and self._open["type"] == kind:
-            return []
-        events = self._close()
+            return
+        self._close()
         empty = {"type": part, "text": ""}
         if part == "output_text":
             empty.update(annotations=[], logprobs=[])
@@ -590,41 +589,42 @@ class ResponseBuilder:
         self._open = item
         index = len(self.output)
         self.output.append(item)
-        events.append(self._event("response.output_item.added", output_index=index,
-                                  item={**item, "content": []}))
-        events.append(self._event("response.content_part.added", item_id=item["id"],
-                                  output_index=index, content_index=0, part=dict(empty)))
-        return events
+        self._event("response.output_item.added", output_index=index,
+                    item={**item, "content": []})
+        self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                    content_index=0, part=empty)
 
-    def _delta(self, kind: str, text: str, **extra: Any) -> dict[str, Any]:
+    def _delta(self, kind: str, text: str, **extra: Any) -> None:
         item = self._open
         assert item is not None
         item["content"][0]["text"] += text
-        return self._event(kind, item_id=item["id"], output_index=len(self.output) - 1,
-                           content_index=0, delta=text, **extra)
+        self._event(kind, item_id=item["id"], output_index=len(self.output) - 1,
+                    content_index=0, delta=text, **extra)
 
-    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> None:
         item, self._open = self._open, None
         if item is None:
-            return []
+            return
         index = self.output.index(item)
         part = item["content"][0]
         kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
         extra = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
         item["status"] = status
-        return [self._event(f"response.{kind}.done", item_id=item["id"], output_index=index,
-                            content_index=0, text=part["text"], **extra),
-                self._event("response.content_part.done", item_id=item["id"],
-                            output_index=index, content_index=0, part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=dict(item))]
+        self._event(f"response.{kind}.done", item_id=item["id"], output_index=index,
+                    content_index=0, text=part["text"], **extra)
+        self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                    content_index=0, part=part)
+        self._event("response.output_item.done", output_index=index, item=item)
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """An event as things stand now: a response, item or part in it is copied, since the
-        builder goes on changing its own (the event may be written later, with others)."""
-        self._sequence += 1
+    def _event(self, kind: str, **fields: Any) -> None:
+        """Queue an event as things stand now (streaming only): a response, item or part in it
+        is copied, since the builder goes on changing its own."""
+        if self._events is None:
+            return
         if not kind.endswith(".delta"):
             fields = copy.deepcopy(fields)
-        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+        self._events.append({"type": kind, "sequence_number": self._sequence, **fields})
+        self._sequence += 1
 
 
 def _logprob(lp: Any) -> dict[str, Any]:

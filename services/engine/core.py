@@ -80,6 +80,9 @@ serve_log = logging.getLogger("strata.serve")
 # A request scored at every prompt position (echo with logprobs) prefills in chunks whose fp32
 # logits rows stay within this: 64 MiB is 110 rows of a 151936-token vocabulary.
 SCORE_LOGITS_BYTES = 64 << 20
+# What a chat template gets from Strata itself, never from chat_template_kwargs.
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                    "eos_token"})
 
 
 class Runner(Protocol):
@@ -397,6 +400,7 @@ class Engine:
             self._check_names(request.messages)
             extra = {} if request.tools is None else {
                 "tools": json.loads(request.tools.tools_json)}
+            extra.update(self._template_kwargs(request))
             try:
                 text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
                     [m.as_template_message(tokenizer.tool_call_format in ARGUMENTS_AS_OBJECT)
@@ -416,6 +420,35 @@ class Engine:
         if not ids:
             raise InvalidRequest("prompt is empty")
         return list(ids)
+
+    def _template_kwargs(self, request: EngineRequest) -> dict[str, Any]:
+        """The request's template variables (chat_template_kwargs, reasoning_effort), each one
+        the model's chat template reads: one it does not would be ignored, so it is refused."""
+        variables = self.runner.tokenizer.template_variables  # type: ignore[attr-defined]
+        readable = sorted(variables - TEMPLATE_OWN_VARIABLES)
+        reads = f"it reads {', '.join(readable)}" if readable else "it reads no others"
+        out: dict[str, Any] = {}
+        for name, value in request.template_kwargs:
+            param = f"chat_template_kwargs.{name}"
+            if name in TEMPLATE_OWN_VARIABLES:
+                raise InvalidRequest(f"{param}: Strata sets '{name}' itself, from the request",
+                                     param)
+            if name not in variables:
+                raise InvalidRequest(f"{param}: this model's chat template does not read "
+                                     f"'{name}' ({reads}), so it would be ignored; send the "
+                                     "request without it", param, "unsupported_parameter")
+            out[name] = value
+        if request.reasoning_effort:
+            if "reasoning_effort" not in variables:
+                raise InvalidRequest("reasoning_effort: this model's chat template has no "
+                                     f"reasoning effort to set ({reads}), so it would be "
+                                     "ignored; send the request without it", "reasoning_effort",
+                                     "unsupported_parameter")
+            if "reasoning_effort" in out:
+                raise InvalidRequest("reasoning_effort is given twice, also in "
+                                     "chat_template_kwargs; give one", "reasoning_effort")
+            out["reasoning_effort"] = request.reasoning_effort
+        return out
 
     def _check_names(self, messages: Sequence[tuple[str, str] | ChatTurn]) -> None:
         """A participant name the chat template would drop is refused, not ignored."""

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.counters import ByPhase, CacheCounters
 from services.engine.grammar import OutputConstraint
@@ -112,6 +113,10 @@ class EngineRequest:
     prompt: str | tuple[int, ...] | None = None  # raw completion prompt: text, or token ids
     tools: ToolSpec | None = None
     following: int = 0  # requests the sender sends next (GenerateRequest.following)
+    # a chat's template variables beyond messages and tools: (name, JSON value) pairs
+    # (chat_template_kwargs), and the template's `reasoning_effort` ("": its default)
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    reasoning_effort: str = ""
 
 
 class _DraftFigures:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import math
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -122,7 +123,18 @@ def chat_request(chat: engine_pb2.ChatInput, request_id: str, params: GeneratePa
         for m in chat.messages)
     tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
                      chat.parallel_tool_calls) if chat.tools_json else None
-    return EngineRequest(request_id, params, messages=messages, tools=tools, following=following)
+    kwargs: Any = {}
+    if chat.template_kwargs_json:
+        try:
+            kwargs = json.loads(chat.template_kwargs_json)
+        except ValueError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("chat_template_kwargs must be a JSON object",
+                                 "chat_template_kwargs")
+    return EngineRequest(request_id, params, messages=messages, tools=tools, following=following,
+                         template_kwargs=tuple(sorted(kwargs.items())),
+                         reasoning_effort=chat.reasoning_effort)
 
 
 def constraint_from_proto(msg: engine_pb2.GenerateRequest) -> OutputConstraint | None:

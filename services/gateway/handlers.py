@@ -50,6 +50,7 @@ from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures
 from services.gateway.responses_api import (
     ResponseBuilder,
     ResponsesInput,
+    engine_param,
     parse_responses,
     response_usage,
     stored_record,
@@ -89,6 +90,8 @@ class _Endpoint:
     parse: Callable[[web.Request, Any], Awaitable[GenerateInput]]
     renderer: Callable[[str, GenerateInput], Any]
     reply: Callable[[list[_Run]], Awaitable[web.StreamResponse]]
+    # a field the engine names in its chat terms, as this endpoint's request writes it
+    engine_param: Callable[[str], str] = str
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -214,6 +217,8 @@ async def _generate(request: web.Request, endpoint: _Endpoint) -> web.StreamResp
         return await _answer(request, endpoint, outcome)
     except BaseException as exc:
         outcome.fail(exc)
+        if isinstance(exc, EngineError) and exc.param is not None:
+            exc.param = endpoint.engine_param(exc.param)
         raise
     finally:
         outcome.record(request.app[METRICS])
@@ -542,7 +547,7 @@ async def _parse_responses(request: web.Request, body: Any) -> GenerateInput:
 
 
 _RESPONSES = _Endpoint("chat", _parse_responses, lambda _, spec: ResponseBuilder(spec),
-                       lambda runs: _respond(runs[0]))
+                       lambda runs: _respond(runs[0]), engine_param)
 
 
 def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta) -> None:

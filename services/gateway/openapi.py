@@ -26,11 +26,13 @@ from services.gateway.schemas import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS,
     MAX_TOKEN_ID,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
     MAX_USER_CHARS,
+    REASONING_EFFORTS,
 )
 from services.gateway.tools import MAX_TOOLS
 
@@ -105,6 +107,15 @@ _SAMPLING = {
              "description": "the caller's end-user id, set on the request's trace span (user.id)"},
 }
 
+_REASONING_EFFORT = {"enum": [*REASONING_EFFORTS, None],
+                     "description": "gpt-oss's reasoning effort (its chat template's "
+                                    "reasoning_effort); refused (400) by a model whose template "
+                                    "has none"}
+_TEMPLATE_KWARGS = {"type": ["object", "null"], "maxProperties": MAX_TEMPLATE_KWARGS,
+                    "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$"},
+                    "description": "vLLM extension: variables for the chat template (e.g. "
+                                   "Qwen3's enable_thinking); one the model's template does "
+                                   "not read is refused (400 naming it)"}
 _RESPONSES_PROPERTIES: dict[str, Any] = {
     "model": {"type": "string", "minLength": 1},
     "input": {"oneOf": [
@@ -153,6 +164,9 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
     "safety_identifier": {**_SAMPLING["user"], "description": "as user"},
     "truncation": {"enum": ["disabled", None]},
     "background": {"enum": [False, None], "description": "background runs are refused"},
+    "reasoning": {"type": ["object", "null"], "additionalProperties": False, "properties": {
+        "effort": _REASONING_EFFORT,
+        "summary": {"type": "null", "description": "no summaries: the reasoning comes whole"}}},
 }
 
 _SCHEMAS: dict[str, Any] = {
@@ -230,6 +244,8 @@ _SCHEMAS: dict[str, Any] = {
             {"type": "null"}], "description": "required / a function: the answer is a call "
                                               "whose arguments follow its parameters"},
         "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "reasoning_effort": _REASONING_EFFORT,
+        "chat_template_kwargs": _TEMPLATE_KWARGS,
     }},
     "CompletionRequest": {
         "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
@@ -276,7 +292,7 @@ _SCHEMAS: dict[str, Any] = {
                   "description": "default: the first model served"},
         **{name: _RESPONSES_PROPERTIES[name] for name in (
             "input", "instructions", "previous_response_id", "tools", "tool_choice",
-            "parallel_tool_calls", "truncation")},
+            "parallel_tool_calls", "truncation", "reasoning")},
         "text": {**_RESPONSES_PROPERTIES["text"],
                  "description": "checked; a format adds no prompt tokens (the grammar holds "
                                 "the output)"},
@@ -346,7 +362,8 @@ _SCHEMAS: dict[str, Any] = {
             "tools": {"type": ["array", "null"], "minItems": 1, "maxItems": MAX_TOOLS,
                       "items": _ref("Tool")},
             "add_generation_prompt": {"type": ["boolean", "null"], "const": True,
-                                      "description": "always added; false is refused"}}},
+                                      "description": "always added; false is refused"},
+            "chat_template_kwargs": _TEMPLATE_KWARGS}},
     "DetokenizeRequest": {
         "type": "object", "required": ["tokens"], "additionalProperties": False,
         "properties": {

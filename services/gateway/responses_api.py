@@ -45,6 +45,7 @@ from services.gateway.schemas import (
     _model,
     _object,
     _show,
+    reasoning_effort,
 )
 from services.gateway.tools import FUNCTION_NAME, ToolCall, Tools, parse_tools
 
@@ -52,12 +53,12 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
     "store", "metadata", "previous_response_id", "text", "tools", "tool_choice",
     "parallel_tool_calls", "top_logprobs", "include", "user", "safety_identifier", "truncation",
-    "background"})
+    "background", "reasoning"})
 # POST /v1/responses/input_tokens: what shapes the prompt (text.format adds no tokens here: the
 # grammar holds the output, nothing is written into the prompt)
 INPUT_TOKENS_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
-    "parallel_tool_calls", "text", "truncation"})
+    "parallel_tool_calls", "text", "truncation", "reasoning"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -74,6 +75,7 @@ OUTPUT_TEXT_FIELDS = frozenset({"type", "text", "annotations", "logprobs"})
 REFUSAL_PART_FIELDS = frozenset({"type", "refusal"})
 TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict"})
 TEXT_FIELDS = frozenset({"format"})
+REASONING_CONFIG_FIELDS = frozenset({"effort", "summary"})
 FORMAT_FIELDS = frozenset({"type", "name", "schema", "strict"})
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 NOT_TEXT = ("input_image", "input_file", "input_audio")
@@ -156,6 +158,7 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
                              "the output's form; give one", "tool_choice")
     user = _user(body, "user")
     return ResponsesInput(
+        reasoning_effort=_reasoning(body.get("reasoning")),
         model=_model(body), sampling=sampling, stream=stream, constraint=constraint,
         tools=tools, user=_user(body, "safety_identifier") or user,
         response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
@@ -183,6 +186,27 @@ def _user(body: dict[str, Any], key: str) -> str | None:
         raise InvalidRequest(f"'{key}' must be a string of at most {MAX_USER_CHARS} characters",
                              key)
     return value
+
+
+def _reasoning(raw: Any) -> str:
+    """`reasoning.effort`, as the chat path's reasoning_effort ("" when not given)."""
+    if raw is None:
+        return ""
+    if not isinstance(raw, dict):
+        raise InvalidRequest("'reasoning' must be an object with an 'effort'", "reasoning")
+    refuse_unknown_keys(raw, REASONING_CONFIG_FIELDS, "reasoning", "'reasoning'")
+    if raw.get("summary") is not None:
+        raise InvalidRequest("'reasoning.summary': Strata writes no summaries; a reasoning "
+                             "model's thoughts come whole, as a reasoning item's content",
+                             "reasoning.summary", code="unsupported_parameter")
+    return reasoning_effort(raw.get("effort"), "reasoning.effort")
+
+
+def engine_param(param: str) -> str:
+    """A field the engine named in its chat terms, as this request wrote it."""
+    if param == "reasoning_effort":
+        return "reasoning.effort"
+    return "input" if param.startswith("messages") else param
 
 
 def _include(raw: Any) -> bool:
@@ -507,6 +531,7 @@ class ResponseBuilder:
             "metadata": spec.metadata, "model": spec.model, "output": self.output,
             "parallel_tool_calls": spec.tools.parallel if spec.tools else True,
             "previous_response_id": spec.previous_response_id,
+            "reasoning": {"effort": spec.reasoning_effort or None, "summary": None},
             "store": spec.store, "temperature": spec.sampling.temperature,
             "text": {"format": spec.text_format}, "tool_choice": spec.tool_choice_given,
             "tools": list(spec.tools_given), "top_logprobs": spec.sampling.top_logprobs,

@@ -48,7 +48,8 @@ COMMON_FIELDS = frozenset({
     "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "response_format", "user",
     "logprobs", *GUIDED_FIELDS})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                               "tool_choice", "parallel_tool_calls"}
+                               "tool_choice", "parallel_tool_calls", "reasoning_effort",
+                               "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 STREAM_OPTIONS = frozenset({"include_usage"})
 # A chat message's fields (openapi.py's ChatMessage lists exactly these) and a content part's.
@@ -58,6 +59,10 @@ TEXT_PART_FIELDS = frozenset({"type", "text"})
 RESPONSE_FORMAT_FIELDS = frozenset({"type", "json_schema"})  # json_object and text: type alone
 JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict"})
 MAX_NAME_CHARS = 256
+# gpt-oss's reasoning efforts (its chat template's `reasoning_effort`)
+REASONING_EFFORTS = ("low", "medium", "high")
+MAX_TEMPLATE_KWARGS = 32
+TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,11 @@ class GenerateInput:
     user: str | None = None  # the caller's end-user id: on the request's trace span (user.id)
     echo: bool = False  # /v1/completions: the prompt comes back before the completion
     echo_only: bool = False  # with echo, max_tokens 0: the prompt alone, nothing generated
+    # a chat's template variables: chat_template_kwargs as JSON text ("": none), and
+    # reasoning_effort ("": the template's default); the engine refuses what its template
+    # does not read
+    template_kwargs_json: str = ""
+    reasoning_effort: str = ""
 
     @property
     def is_chat(self) -> bool:
@@ -161,7 +171,36 @@ def parse_chat(body: Any) -> GenerateInput:
     return GenerateInput(
         model=_model(body), messages=parsed, **_stream(body), n=_choices(body),
         sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs),
-        constraint=constraint, tools=tools, user=_user(body))
+        constraint=constraint, tools=tools, user=_user(body),
+        template_kwargs_json=template_kwargs(body.get("chat_template_kwargs")),
+        reasoning_effort=reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"))
+
+
+def reasoning_effort(value: Any, param: str) -> str:
+    """OpenAI's reasoning effort, as gpt-oss's chat template takes it ("" when not given)."""
+    if value is None:
+        return ""
+    if value not in REASONING_EFFORTS:
+        raise InvalidRequest(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)} (the "
+                             f"efforts gpt-oss's chat template knows); got {_show(value)}",
+                             param)
+    return value
+
+
+def template_kwargs(value: Any) -> str:
+    """vLLM's chat_template_kwargs: variables for the chat template, as JSON text ("" when
+    none). Whether the model's template reads each is the engine's to say."""
+    if value is None or value == {}:
+        return ""
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"'chat_template_kwargs' must be an object of at most "
+                             f"{MAX_TEMPLATE_KWARGS} template variables", "chat_template_kwargs")
+    for name in value:
+        if not TEMPLATE_VARIABLE.fullmatch(name):
+            raise InvalidRequest(f"'chat_template_kwargs' names {_show(name)}, which is no "
+                                 "template variable (letters, digits, '_')",
+                                 f"chat_template_kwargs.{name}")
+    return json.dumps(value)
 
 
 def parse_completion(body: Any) -> GenerateInput:
@@ -225,7 +264,7 @@ def _prompt(prompt: Any, param: str) -> Prompt:
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "messages", "tools",
-                             "add_generation_prompt"})
+                             "add_generation_prompt", "chat_template_kwargs"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -236,6 +275,7 @@ class TokenizeInput:
     prompt: str | None  # a completion prompt, or (None) a chat:
     messages: tuple[Message, ...] = ()  # through the chat template, the generation prompt added
     tools: Tools | None = None
+    template_kwargs_json: str = ""
 
 
 @dataclass(frozen=True)
@@ -259,7 +299,7 @@ def parse_tokenize(body: Any) -> TokenizeInput:
                              "is tokenized as it is written); send add_special_tokens false, "
                              "or write the tokens into the text", "add_special_tokens")
     if body.get("messages") is None:
-        for name in ("tools", "add_generation_prompt"):
+        for name in ("tools", "add_generation_prompt", "chat_template_kwargs"):
             if body.get(name) is not None:
                 raise InvalidRequest(f"'{name}' belongs to a chat: send 'messages'", name)
         prompt = body.get("prompt")
@@ -279,7 +319,8 @@ def parse_tokenize(body: Any) -> TokenizeInput:
                              "messages")
     return TokenizeInput(_optional_model(body), None,
                          tuple(_message(m, i) for i, m in enumerate(messages)),
-                         parse_tools({"tools": body.get("tools")}))
+                         parse_tools({"tools": body.get("tools")}),
+                         template_kwargs(body.get("chat_template_kwargs")))
 
 
 def parse_detokenize(body: Any) -> DetokenizeInput:

@@ -20,10 +20,10 @@ from aiohttp import web
 from services.common.pb.strata.v1 import engine_pb2
 from services.gateway.admission import Rejected
 from services.gateway.engine_client import chat_input
-from services.gateway.errors import ModelNotFound
+from services.gateway.errors import EngineError, ModelNotFound
 from services.gateway.handlers import json_body, served_models
 from services.gateway.response_routes import with_previous
-from services.gateway.responses_api import INPUT_TOKENS_FIELDS, parse_responses
+from services.gateway.responses_api import INPUT_TOKENS_FIELDS, engine_param, parse_responses
 from services.gateway.schemas import GenerateInput, Sampling, parse_detokenize, parse_tokenize
 from services.gateway.state import ADMISSION, CONFIG, POOL
 
@@ -33,7 +33,8 @@ async def tokenize(request: web.Request) -> web.Response:
     address = await _engine(request.app, spec.model)
     message = (engine_pb2.TokenizeRequest(text=spec.prompt) if spec.prompt is not None else
                engine_pb2.TokenizeRequest(chat=chat_input(GenerateInput(
-                   spec.model or "", Sampling(), messages=spec.messages, tools=spec.tools))))
+                   spec.model or "", Sampling(), messages=spec.messages, tools=spec.tools,
+                   template_kwargs_json=spec.template_kwargs_json))))
     ids = await _call(request.app, address, "Tokenize", message)
     status = request.app[POOL].statuses.get(address)
     return web.json_response({"count": len(ids.ids), "tokens": list(ids.ids),
@@ -72,8 +73,13 @@ async def count_input_tokens(request: web.Request) -> web.Response:
     spec = await with_previous(request, parse_responses(body, INPUT_TOKENS_FIELDS,
                                                         "/v1/responses/input_tokens"))
     address = await _engine(request.app, spec.model)
-    ids = await _call(request.app, address, "Tokenize",
-                      engine_pb2.TokenizeRequest(chat=chat_input(spec)))
+    try:
+        ids = await _call(request.app, address, "Tokenize",
+                          engine_pb2.TokenizeRequest(chat=chat_input(spec)))
+    except EngineError as exc:
+        if exc.param is not None:
+            exc.param = engine_param(exc.param)
+        raise
     return web.json_response({"object": "response.input_tokens", "input_tokens": len(ids.ids)})
 
 

@@ -207,7 +207,8 @@ async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
@@ -330,7 +331,8 @@ async def test_input_tokens_counts_what_a_response_would_report(make_gateway, ti
                                                   **kw)
             assert follow.input_tokens == after.usage.input_tokens > first.usage.input_tokens
             for body, param in (({"input": "x", "stream": True}, "stream"),
-                                ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+                                ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
                                 ({"input": [{"type": "item_reference", "id": "m"}]},
                                  "input[0].type")):
                 with pytest.raises(openai.BadRequestError) as refused:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -114,6 +115,18 @@ class Tokenizer:
             return bytes([int(token[3:5], 16)])  # sentencepiece byte fallback
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (beyond its own globals):
+        what chat_template_kwargs may set. Empty without a template."""
+        if self.chat_template is None:
+            return frozenset()
+        try:
+            return frozenset(jinja2.meta.find_undeclared_variables(
+                _ENV.parse(self.chat_template))) - _ENV.globals.keys()
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
@@ -195,7 +208,7 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
@@ -204,7 +217,14 @@ def _compile(source: str) -> jinja2.Template:
     )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+_ENV = _environment()
+
+
+def _compile(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _ENV.from_string(source)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template does not compile: {e}") from e

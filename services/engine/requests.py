@@ -75,7 +75,9 @@ class ChatTurn:
         if self.name:
             message["name"] = self.name
         if self.reasoning_content:  # the template decides which turns' reasoning it keeps
-            message["reasoning_content"] = self.reasoning_content
+            # under both names templates read it by: Qwen3's and DeepSeek's reasoning_content,
+            # gpt-oss's thinking (its analysis channel, kept for a turn that made calls)
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": i, "type": "function", "function": {

@@ -219,6 +219,19 @@ def test_names_and_reasoning_reach_a_template_that_shows_them(tmp_path):
                                          reasoning_content="greet back"),
                   engine_pb2.ChatMessage(role="user", content="bye"))
     assert "user (ada)" in text and "<think>greet back</think>hello" in text
+    # gpt-oss's template reads an assistant's reasoning as `thinking`
+    thinking = templated_model_dir(tmp_path / "thinking", template.replace(
+        "m.reasoning_content", "m.thinking"))
+    engine_oss = Engine(ModelRunner(thinking, cache_slots=0, reserved_bytes=0))
+    oss_text = engine_oss.runner.tokenizer.decode(engine_oss._tokenize(request_from_proto(
+        engine_pb2.GenerateRequest(sampling=engine_pb2.SamplingParams(max_tokens=2),
+                                   chat=engine_pb2.ChatInput(messages=[
+                                       engine_pb2.ChatMessage(role="user", content="hi"),
+                                       engine_pb2.ChatMessage(role="assistant", content="hello",
+                                                              reasoning_content="greet back"),
+                                       engine_pb2.ChatMessage(role="user", content="bye")])))),
+        skip_special_tokens=False)
+    assert "<think>greet back</think>hello" in oss_text
     with pytest.raises(InvalidRequest) as caught:
         prompt(engine_pb2.ChatMessage(role="user", content="hi"),
                engine_pb2.ChatMessage(role="assistant", content="hello", name="bot"))

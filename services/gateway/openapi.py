@@ -105,6 +105,9 @@ _SAMPLING = {
                        "description": "vLLM extension: a Lark grammar (llguidance's dialect)"},
     "user": {"type": ["string", "null"], "maxLength": MAX_USER_CHARS,
              "description": "the caller's end-user id, set on the request's trace span (user.id)"},
+    "safety_identifier": {"type": ["string", "null"], "maxLength": MAX_USER_CHARS,
+                          "description": "OpenAI's current name for user; the one taken when "
+                                        "both are given"},
 }
 
 _REASONING_EFFORT = {"enum": [*REASONING_EFFORTS, None],
@@ -161,7 +164,7 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
     "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                      "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
     "user": _SAMPLING["user"],
-    "safety_identifier": {**_SAMPLING["user"], "description": "as user"},
+    "safety_identifier": _SAMPLING["safety_identifier"],
     "truncation": {"enum": ["disabled", None]},
     "background": {"enum": [False, None], "description": "background runs are refused"},
     "reasoning": {"type": ["object", "null"], "additionalProperties": False, "properties": {

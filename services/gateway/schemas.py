@@ -46,7 +46,7 @@ COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
     "n", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
     "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "response_format", "user",
-    "logprobs", *GUIDED_FIELDS})
+    "logprobs", "safety_identifier", *GUIDED_FIELDS})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                "tool_choice", "parallel_tool_calls", "reasoning_effort",
                                "chat_template_kwargs"}
@@ -393,13 +393,13 @@ def _refuse_unknown(body: dict[str, Any], fields: frozenset[str], endpoint: str,
 
 
 def _user(body: dict[str, Any]) -> str | None:
-    user = body.get("user")
-    if user is None:
-        return None
-    if not isinstance(user, str) or len(user) > MAX_USER_CHARS:
-        raise InvalidRequest(f"'user' must be a string of at most {MAX_USER_CHARS} characters",
-                             "user")
-    return user
+    """The end user: `safety_identifier` (OpenAI's current name), else `user`."""
+    for key in ("user", "safety_identifier"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+            raise InvalidRequest(f"'{key}' must be a string of at most {MAX_USER_CHARS} "
+                                 "characters", key)
+    return body.get("safety_identifier") or body.get("user")
 
 
 def _constraint(body: dict[str, Any]) -> Constraint | None:

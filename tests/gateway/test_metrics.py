@@ -142,3 +142,15 @@ async def test_the_server_span_is_the_engines_parent(observed_gateway, engine):
     assert span.attributes["user.id"] == "user-42"  # the request's `user`
     _, trace_id, span_id, _ = servicer.metadata["m-1"]["traceparent"].split("-")
     assert (int(trace_id, 16), int(span_id, 16)) == (span.context.trace_id, span.context.span_id)
+    # OpenAI's current name for it, on every generation endpoint; it wins over `user`
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
+                       ("/v1/completions", {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
+        async with (aiohttp.ClientSession() as http,
+                    http.post(base + path, json={"model": MODEL, "user": "old",
+                                                 "safety_identifier": "user-43", **body},
+                              headers={"X-Request-Id": "m-2"}) as r):
+            assert r.status == 200
+        [span] = [s for s in spans.get_finished_spans()
+                  if s.attributes.get("strata.request_id") == "m-2"]
+        assert span.attributes["user.id"] == "user-43", path
+        spans.clear()

@@ -36,6 +36,7 @@ from services.gateway.engine_client import (
     Started,
     TokenLogprob,
 )
+from services.gateway.engines import served_models
 from services.gateway.errors import (
     EngineAborted,
     EngineError,
@@ -45,7 +46,7 @@ from services.gateway.errors import (
 )
 from services.gateway.harmony import HarmonyParser
 from services.gateway.middleware import log_failure
-from services.gateway.response_routes import owner, with_previous
+from services.gateway.response_routes import as_prompted, owner
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, usage
 from services.gateway.responses_api import (
     ResponseBuilder,
@@ -69,16 +70,6 @@ from services.gateway.state import (
 from services.gateway.tools import ToolCallParser
 
 log = logging.getLogger("strata.gateway")
-
-async def served_models(app: web.Application) -> list[str]:
-    pool = app[POOL]
-    if not pool.models:  # the cache is empty or stale: ask the engines again
-        await pool.probe_all()
-    if not pool.models:
-        raise Rejected("no_engine", app[ADMISSION].retry_after_s(),
-                       "no engine answers GetStatus")
-    return pool.models
-
 
 @dataclass(frozen=True)
 class _Endpoint:
@@ -542,8 +533,8 @@ _COMPLETIONS = _Endpoint("text_completion", _parse_completion,
 
 
 async def _parse_responses(request: web.Request, body: Any) -> GenerateInput:
-    """The request, with the stored conversation of its previous_response_id before it."""
-    return await with_previous(request, parse_responses(body))
+    """The request as its prompt will be (response_routes.as_prompted)."""
+    return await as_prompted(request, parse_responses(body))
 
 
 _RESPONSES = _Endpoint("chat", _parse_responses, lambda _, spec: ResponseBuilder(spec),

@@ -18,8 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.engine_client import Finished
+from services.gateway.engines import served_models
 from services.gateway.errors import EngineError, ModelNotFound
-from services.gateway.handlers import served_models
 from services.gateway.schemas import GenerateInput, Sampling
 from services.gateway.state import ADMISSION, CONFIG, POOL
 

@@ -165,7 +165,9 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
                      "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
     "user": _SAMPLING["user"],
     "safety_identifier": _SAMPLING["safety_identifier"],
-    "truncation": {"enum": ["disabled", None]},
+    "truncation": {"enum": ["disabled", "auto", None],
+                   "description": "auto: the conversation's oldest turns are left out of the "
+                                  "prompt until it fits the context window"},
     "background": {"enum": [False, None], "description": "background runs are refused"},
     "reasoning": {"type": ["object", "null"], "additionalProperties": False, "properties": {
         "effort": _REASONING_EFFORT,

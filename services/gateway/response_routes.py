@@ -9,9 +9,12 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from services.common.pb.strata.v1 import engine_pb2
+from services.gateway.engine_client import chat_input
+from services.gateway.engines import ready_engine, tokenizer_call
 from services.gateway.errors import GatewayError, InvalidRequest
 from services.gateway.responses_api import ResponsesInput, input_items_page
-from services.gateway.state import CONFIG, RESPONSE_STORE
+from services.gateway.state import CONFIG, POOL, RESPONSE_STORE
 
 
 class ResponseNotFound(GatewayError):
@@ -40,6 +43,43 @@ def owner(request: web.Request) -> str:
         return ""
     key = request.headers.get("Authorization", "").partition(" ")[2].strip()
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def as_prompted(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
+    """The request as its prompt will be: after the stored conversation of its
+    previous_response_id, and with truncation "auto", less the oldest turns the context window
+    cannot hold."""
+    spec = await with_previous(request, spec)
+    return await _fit(request, spec) if spec.truncation == "auto" else spec
+
+
+async def _fit(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
+    """The conversation cut at the earliest turn from which it fits the context window (the
+    engine counts each candidate through the chat template: a binary search over the cuts).
+    Where even its last turn does not fit, that turn alone goes on, for the engine's 400."""
+    app = request.app
+    address = await ready_engine(app, spec.model)
+    status = app[POOL].statuses.get(address)
+    if status is None or not status.context_window:
+        return spec
+
+    async def fits(dropped: int) -> bool:
+        candidate = spec.with_context(spec.context, dropped)
+        ids = await tokenizer_call(app, address, "Tokenize",
+                                   engine_pb2.TokenizeRequest(chat=chat_input(candidate)))
+        return len(ids.ids) < status.context_window
+
+    cuts = spec.turn_starts()
+    if not cuts or await fits(0):
+        return spec
+    low, high = 0, len(cuts) - 1  # the answer: the first cut that fits, else the last
+    while low < high:
+        mid = (low + high) // 2
+        if await fits(cuts[mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return spec.with_context(spec.context, cuts[low])
 
 
 async def with_previous(request: web.Request, spec: ResponsesInput) -> ResponsesInput:

@@ -97,17 +97,32 @@ class ResponsesInput(GenerateInput):
     tool_choice_given: Any = "auto"
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     include_logprobs: bool = False
+    truncation: str = "disabled"  # "auto": the conversation's oldest turns may be left out
+    dropped: int = 0  # items of the conversation left out of the prompt (truncation "auto")
 
-    def with_context(self, context: Sequence[dict[str, Any]]) -> ResponsesInput:
-        """The request with the stored conversation it continues, as chat messages."""
-        messages = items_to_messages([*context, *self.input_items])
+    @property
+    def conversation(self) -> tuple[dict[str, Any], ...]:
+        return (*self.context, *self.input_items)
+
+    def with_context(self, context: Sequence[dict[str, Any]], dropped: int = 0
+                     ) -> ResponsesInput:
+        """The request with the stored conversation it continues, as chat messages, less its
+        first `dropped` items."""
+        messages = items_to_messages([*context, *self.input_items][dropped:])
         if self.instructions:
             messages = [Message("system", self.instructions), *messages]
         if len(messages) > MAX_MESSAGES:
             raise InvalidRequest(f"the conversation has {len(messages)} messages; at most "
                                  f"{MAX_MESSAGES}: start a new one", "previous_response_id"
                                  if context else "input")
-        return replace(self, context=tuple(context), messages=tuple(messages))
+        return replace(self, context=tuple(context), messages=tuple(messages), dropped=dropped)
+
+    def turn_starts(self) -> list[int]:
+        """Where the conversation may be cut (truncation "auto"): before each user message
+        but the first, so that what is left starts with a user's turn and no tool output
+        loses the call it answers."""
+        return [i for i, item in enumerate(self.conversation)
+                if i > 0 and item["type"] == "message" and item["role"] == "user"]
 
 
 def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
@@ -121,9 +136,10 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     if body.get("background") not in (None, False):
         raise InvalidRequest("'background' runs are not supported: send the request and wait "
                              "for it, or stream it", "background", code="unsupported_parameter")
-    if body.get("truncation") not in (None, "disabled"):
-        raise InvalidRequest("'truncation' must be 'disabled': Strata never drops the start of "
-                             "a conversation; a conversation past the context window is a 400",
+    truncation = body.get("truncation") or "disabled"
+    if truncation not in ("disabled", "auto"):
+        raise InvalidRequest("'truncation' must be 'disabled' (a conversation past the context "
+                             "window is a 400) or 'auto' (its oldest turns are left out)",
                              "truncation")
     stream = _bool(body, "stream", False)
     store = _bool(body, "store", True)
@@ -165,7 +181,7 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
         instructions=instructions, previous_response_id=previous, store=store,
         metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
         tools_given=tools_given, tool_choice_given=body.get("tool_choice") or "auto",
-        text_format=text_format, include_logprobs=include)
+        text_format=text_format, include_logprobs=include, truncation=truncation)
 
 
 # -- request pieces ----------------------------------------------------------------------------
@@ -535,7 +551,7 @@ class ResponseBuilder:
             "store": spec.store, "temperature": spec.sampling.temperature,
             "text": {"format": spec.text_format}, "tool_choice": spec.tool_choice_given,
             "tools": list(spec.tools_given), "top_logprobs": spec.sampling.top_logprobs,
-            "top_p": spec.sampling.top_p, "truncation": "disabled", "usage": self.usage,
+            "top_p": spec.sampling.top_p, "truncation": spec.truncation, "usage": self.usage,
             "user": spec.user}
         if self.figures is not None:
             body["strata"] = self.figures.as_dict()

@@ -13,29 +13,27 @@ Each is one unary RPC to a ready engine serving the model asked for (the first o
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from services.common.pb.strata.v1 import engine_pb2
-from services.gateway.admission import Rejected
 from services.gateway.engine_client import chat_input
-from services.gateway.errors import EngineError, ModelNotFound
-from services.gateway.handlers import json_body, served_models
-from services.gateway.response_routes import with_previous
+from services.gateway.engines import ready_engine, served_models, tokenizer_call
+from services.gateway.errors import EngineError
+from services.gateway.handlers import json_body
+from services.gateway.response_routes import as_prompted
 from services.gateway.responses_api import INPUT_TOKENS_FIELDS, engine_param, parse_responses
 from services.gateway.schemas import GenerateInput, Sampling, parse_detokenize, parse_tokenize
-from services.gateway.state import ADMISSION, CONFIG, POOL
+from services.gateway.state import POOL
 
 
 async def tokenize(request: web.Request) -> web.Response:
     spec = parse_tokenize(json_body(await request.read()))
-    address = await _engine(request.app, spec.model)
+    address = await ready_engine(request.app, spec.model)
     message = (engine_pb2.TokenizeRequest(text=spec.prompt) if spec.prompt is not None else
                engine_pb2.TokenizeRequest(chat=chat_input(GenerateInput(
                    spec.model or "", Sampling(), messages=spec.messages, tools=spec.tools,
                    template_kwargs_json=spec.template_kwargs_json))))
-    ids = await _call(request.app, address, "Tokenize", message)
+    ids = await tokenizer_call(request.app, address, "Tokenize", message)
     status = request.app[POOL].statuses.get(address)
     return web.json_response({"count": len(ids.ids), "tokens": list(ids.ids),
                               "max_model_len": status.context_window if status else None,
@@ -44,15 +42,16 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     spec = parse_detokenize(json_body(await request.read()))
-    address = await _engine(request.app, spec.model)
-    reply = await _call(request.app, address, "Detokenize", engine_pb2.TokenIds(ids=spec.tokens))
+    address = await ready_engine(request.app, spec.model)
+    reply = await tokenizer_call(request.app, address, "Detokenize",
+                                 engine_pb2.TokenIds(ids=spec.tokens))
     return web.json_response({"prompt": reply.text})
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
     model = request.query.get("model")
-    address = await _engine(request.app, model)
-    info = await _call(request.app, address, "GetTokenizerInfo",
+    address = await ready_engine(request.app, model)
+    info = await tokenizer_call(request.app, address, "GetTokenizerInfo",
                        engine_pb2.GetTokenizerInfoRequest())
     return web.json_response({
         "model": info.model, "bos_token": info.bos_token or None,
@@ -70,31 +69,14 @@ async def count_input_tokens(request: web.Request) -> web.Response:
     body = json_body(await request.read())
     if isinstance(body, dict) and body.get("model") is None:  # optional: the first model served
         body = {**body, "model": (await served_models(request.app))[0]}
-    spec = await with_previous(request, parse_responses(body, INPUT_TOKENS_FIELDS,
-                                                        "/v1/responses/input_tokens"))
-    address = await _engine(request.app, spec.model)
+    spec = await as_prompted(request, parse_responses(body, INPUT_TOKENS_FIELDS,
+                                                      "/v1/responses/input_tokens"))
+    address = await ready_engine(request.app, spec.model)
     try:
-        ids = await _call(request.app, address, "Tokenize",
+        ids = await tokenizer_call(request.app, address, "Tokenize",
                           engine_pb2.TokenizeRequest(chat=chat_input(spec)))
     except EngineError as exc:
         if exc.param is not None:
             exc.param = engine_param(exc.param)
         raise
     return web.json_response({"object": "response.input_tokens", "input_tokens": len(ids.ids)})
-
-
-async def _engine(app: web.Application, model: str | None) -> str:
-    served = await served_models(app)
-    if model is not None and model not in served:
-        raise ModelNotFound(model, served)
-    statuses, admission = app[POOL].statuses, app[ADMISSION]
-    for address in admission.ready_engines:
-        status = statuses.get(address)
-        if status is not None and (model is None or status.model == model):
-            return address
-    raise Rejected("no_engine", admission.retry_after_s(),
-                   f"no engine serving {model or 'a model'} is ready")
-
-
-async def _call(app: web.Application, address: str, method: str, message: Any) -> Any:
-    return await app[POOL].tokenizer(address, method, message, app[CONFIG].request_timeout_s)

@@ -210,7 +210,7 @@ async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
@@ -339,3 +339,34 @@ async def test_input_tokens_counts_what_a_response_would_report(make_gateway, ti
                     await client.post("/responses/input_tokens", cast_to=object,
                                       body={"model": model, **body})
                 assert refused.value.body["param"] == param
+
+
+async def test_truncation_auto_leaves_out_the_oldest_turns_that_do_not_fit(engine, make_gateway):
+    servicer, _ = engine  # a context window of 32: a message is its words and one more
+    words = "one two three four five six seven"
+    turns = [{"role": role, "content": f"{role} {words}"}
+             for role in ("user", "assistant", "user", "assistant", "user")]  # 9 each: 45
+    base = await make_gateway()
+    async with _client(base) as client:
+        with pytest.raises(openai.BadRequestError) as too_long:
+            await client.responses.create(model=MODEL, input=turns)
+        assert "context window" in too_long.value.body["message"]
+        kw = {"model": MODEL, "input": turns, "truncation": "auto", "instructions": "be brief"}
+        r = await client.responses.create(**kw)
+        sent = servicer.requests[-1].chat.messages
+        # the instructions (3), then the last user turn and what came after: 3 + 9 ... fits
+        assert [m.role for m in sent] == ["system", "user", "assistant", "user"]
+        assert r.truncation == "auto" and r.usage.input_tokens == 3 + 3 * 9
+        counted = await client.responses.input_tokens.count(**kw)
+        assert counted.input_tokens == r.usage.input_tokens
+        # the record keeps the whole conversation; the next turn is cut again as it needs
+        await client.responses.create(model=MODEL, previous_response_id=r.id, input="and?",
+                                      truncation="auto")
+        sent = servicer.requests[-1].chat.messages
+        assert [m.role for m in sent] == ["user", "assistant", "user"]
+        assert sent[0].content == "user " + words and sent[-1].content == "and?"
+        # a last turn that cannot fit alone goes on, for the engine's 400
+        with pytest.raises(openai.BadRequestError):
+            await client.responses.create(model=MODEL, truncation="auto",
+                                          input=[*turns, {"role": "user",
+                                                          "content": "x " * 40}])

@@ -416,6 +416,14 @@ class Engine:
             return list(request.prompt)
         else:
             text = request.prompt or ""
+            if request.suffix:
+                fim = tokenizer.fim_tokens  # type: ignore[attr-defined]
+                if fim is None:
+                    raise InvalidRequest("suffix: this model's vocabulary has no fill-in-the-"
+                                         "middle tokens, so it cannot write between a prompt "
+                                         "and a suffix; send the prompt alone",
+                                         "suffix", "unsupported_parameter")
+                text = f"{fim[0]}{text}{fim[1]}{request.suffix}{fim[2]}"
         ids = tokenizer.encode(text)  # type: ignore[attr-defined]
         if not ids:
             raise InvalidRequest("prompt is empty")

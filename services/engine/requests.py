@@ -119,6 +119,7 @@ class EngineRequest:
     # (chat_template_kwargs), and the template's `reasoning_effort` ("": its default)
     template_kwargs: tuple[tuple[str, Any], ...] = ()
     reasoning_effort: str = ""
+    suffix: str = ""  # a text prompt's: fill in the middle between the two
 
 
 class _DraftFigures:

@@ -103,10 +103,13 @@ def request_from_proto(msg: engine_pb2.GenerateRequest) -> EngineRequest:
         sampling=sampling, constraint=constraint_from_proto(msg))
     request_id = msg.request_id or uuid.uuid4().hex
     which = msg.WhichOneof("input")
+    if msg.suffix and which != "prompt":
+        raise InvalidRequest("suffix: fill in the middle takes a text prompt", "suffix")
     if which == "chat":
         return chat_request(msg.chat, request_id, params, msg.following)
     if which == "prompt":
-        return EngineRequest(request_id, params, prompt=msg.prompt, following=msg.following)
+        return EngineRequest(request_id, params, prompt=msg.prompt, following=msg.following,
+                             suffix=msg.suffix)
     if which == "prompt_token_ids":
         return EngineRequest(request_id, params, prompt=tuple(msg.prompt_token_ids.ids),
                              following=msg.following)

@@ -188,6 +188,7 @@ def _request(spec: GenerateInput, request_id: str, stream_interval_ms: float,
         request.prompt_token_ids.ids.extend(spec.prompt)
     else:
         request.prompt = spec.prompt or ""
+        request.suffix = spec.suffix
     if (c := spec.constraint) is not None:
         if c.kind == "json_object":
             request.constraint.json_object = True

@@ -279,7 +279,10 @@ _SCHEMAS: dict[str, Any] = {
                  "description": "the prompt comes back before each choice's completion; with "
                                 "logprobs, its tokens' too (the first token's null)"},
         "best_of": {"type": ["integer", "null"], "const": 1},
-        "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported"},
+        "suffix": {"type": ["string", "null"],
+                   "description": "fill in the middle: the text after the gap (text prompts, "
+                                  "no echo); refused (400) by a model whose vocabulary has no "
+                                  "FIM tokens"},
     }},
     "ResponsesRequest": {
         "type": "object", "required": ["model", "input"], "additionalProperties": False,

@@ -127,6 +127,7 @@ class GenerateInput:
     # does not read
     template_kwargs_json: str = ""
     reasoning_effort: str = ""
+    suffix: str = ""  # /v1/completions: fill in the middle between each prompt and this
 
     @property
     def is_chat(self) -> bool:
@@ -218,8 +219,13 @@ def parse_completion(body: Any) -> GenerateInput:
     top_logprobs = None
     if body.get("logprobs") is not None:  # legacy form: the number of alternatives, 0-20
         top_logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    if body.get("suffix"):
-        raise InvalidRequest("'suffix' is not supported", "suffix")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("'suffix' must be a string", "suffix")
+    if suffix and (echo or any(isinstance(p, tuple) for p in prompts)):
+        raise InvalidRequest("'suffix' fills in the middle of text prompts, and comes back "
+                             "with no 'echo'" if echo else "'suffix' needs text prompts, not "
+                             "token ids", "suffix")
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise InvalidRequest("'best_of' must be 1", "best_of")
@@ -235,7 +241,7 @@ def parse_completion(body: Any) -> GenerateInput:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=_model(body), prompts=prompts, **_stream(body), n=n,
                          sampling=sampling, constraint=_constraint(body), user=_user(body),
-                         echo=bool(echo), echo_only=echo_only)
+                         echo=bool(echo), echo_only=echo_only, suffix=suffix or "")
 
 
 def _prompts(prompt: Any) -> tuple[Prompt, ...]:

@@ -116,6 +116,14 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     @functools.cached_property
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """The tokens a fill-in-the-middle prompt is written with, prefix-suffix-middle order:
+        `PRE prompt SUF suffix MID`, the model writing the middle. None where the vocabulary
+        has no such set (Qwen's, DeepSeek-Coder's and StarCoder's are known)."""
+        return next((fim for fim in FIM_TOKENS
+                     if all(self.token_to_id(t) is not None for t in fim)), None)
+
+    @functools.cached_property
     def template_variables(self) -> frozenset[str]:
         """The variables the chat template reads from its caller (beyond its own globals):
         what chat_template_kwargs may set. Empty without a template."""
@@ -154,6 +162,12 @@ class Tokenizer:
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
 
+
+# Fill-in-the-middle token sets (prefix, suffix, middle): Qwen2.5/Qwen3(-Coder)'s,
+# DeepSeek-Coder's, StarCoder's.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
 
 _PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": ""}}
 # Tokenizer.named_roles' probes: role -> (a conversation, the index of that role's message).

@@ -163,7 +163,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "chat", "prompt", "prompt_token_ids", "sampling", "stream_interval_ms", "constraint", "following")
+    __slots__ = ("request_id", "chat", "prompt", "prompt_token_ids", "sampling", "stream_interval_ms", "constraint", "following", "suffix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class GenerateRequest(_message.Message):
     STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chat: ChatInput
     prompt: str
@@ -180,7 +181,8 @@ class GenerateRequest(_message.Message):
     stream_interval_ms: float
     constraint: OutputConstraint
     following: int
-    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_interval_ms: _Optional[float] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ..., following: _Optional[int] = ...) -> None: ...
+    suffix: str
+    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_interval_ms: _Optional[float] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ..., following: _Optional[int] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("prompt_tokens", "context_window", "engine_id", "tool_call_format")

@@ -103,7 +103,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Prometheus scrape port for the request metrics at /metrics (0 disables it)"),
     Setting("responses_ttl_s", "STRATA_RESPONSES_TTL_S", positive_float, 86400.0,
             "how long a stored response of /v1/responses (store true, the default) can be read "
-            "back or continued with previous_response_id"),
+            "back or continued with previous_response_id, from when it was made or its "
+            "conversation last continued"),
     Setting("responses_max_bytes", "STRATA_RESPONSES_MAX_BYTES", parse_bytes, 256 * 1024 * 1024,
             "stored responses this gateway keeps in memory (without --redis-url, or while Redis "
             "is away); past it the oldest go first"),

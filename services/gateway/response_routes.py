@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -13,7 +14,7 @@ from services.common.pb.strata.v1 import engine_pb2
 from services.gateway.engine_client import chat_input
 from services.gateway.engines import ready_engine, tokenizer_call
 from services.gateway.errors import GatewayError, InvalidRequest
-from services.gateway.responses_api import ResponsesInput, input_items_page
+from services.gateway.responses_api import ResponsesInput, conversation, input_items_page
 from services.gateway.state import CONFIG, POOL, RESPONSE_STORE
 
 
@@ -87,15 +88,26 @@ async def with_previous(request: web.Request, spec: ResponsesInput) -> Responses
     (a 400 naming the field where none is stored for this caller)."""
     if spec.previous_response_id is None:
         return spec.with_context([])
-    record = await request.app[RESPONSE_STORE].get(spec.previous_response_id, owner(request))
+    store, caller = request.app[RESPONSE_STORE], owner(request)
+    ttl_h = request.app[CONFIG].responses_ttl_s / 3600
+    record = await store.get(spec.previous_response_id, caller)
     if record is None:
-        ttl_h = request.app[CONFIG].responses_ttl_s / 3600
         raise InvalidRequest(f"previous response {spec.previous_response_id!r} is not stored "
                              f"here: it was made with store false, deleted, made with another "
-                             f"API key, or is older than the store keeps ({ttl_h:g} h, "
-                             "--responses-ttl-s)", "previous_response_id",
+                             f"API key, or was last used longer ago than the store keeps "
+                             f"({ttl_h:g} h, --responses-ttl-s)", "previous_response_id",
                              code="previous_response_not_found")
-    return spec.with_context(record["context"])
+    chain = [*record["ancestors"], spec.previous_response_id]
+    earlier = await store.get_many(record["ancestors"], caller)
+    if (gone := next((i for i, r in zip(record["ancestors"], earlier, strict=True)
+                      if r is None), None)) is not None:
+        raise InvalidRequest(f"response {gone!r}, earlier in the conversation that "
+                             f"{spec.previous_response_id!r} continues, is no longer stored "
+                             f"(deleted, or last used longer ago than the store keeps: "
+                             f"{ttl_h:g} h); start the conversation again",
+                             "previous_response_id", code="previous_response_not_found")
+    await store.touch(chain)  # a conversation in use stays
+    return replace(spec.with_context(conversation([*earlier, record])), ancestors=tuple(chain))
 
 
 async def _record(request: web.Request, query: frozenset[str] = frozenset()) -> dict[str, Any]:

@@ -5,10 +5,13 @@
     RedisResponseStore   Redis (`--redis-url`): every gateway replica reads every response;
                          while Redis does not answer, records go to the local store instead
 
-A record is `{"owner", "response", "input_items", "context"}`: the response object as returned,
-this request's input items, and every item of the conversation so far (what a following
-request's `previous_response_id` continues). `owner` is the SHA-256 of the API key that made
-it, so with keys on one key cannot read another's responses ("" when auth is off).
+A record is `{"owner", "response", "input_items", "ancestors"}`: the response object as
+returned, this request's input items, and the ids of the responses before it in its
+conversation, oldest first (a following request's `previous_response_id` reads them all at
+once: each turn is stored once, so a conversation's records grow with its length, not its
+square). A record lives `ttl_s` after it was made or last continued (`touch`). `owner` is the
+SHA-256 of the API key that made it, so with keys on one key cannot read another's responses
+("" when auth is off).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class ResponseStore(Protocol):
     async def put(self, response_id: str, record: Record) -> None: ...
 
     async def get(self, response_id: str, owner: str) -> Record | None: ...
+
+    async def get_many(self, response_ids: list[str], owner: str) -> list[Record | None]: ...
+
+    async def touch(self, response_ids: list[str]) -> None: ...
 
     async def delete(self, response_id: str, owner: str) -> bool: ...
 
@@ -83,6 +90,15 @@ class LocalResponseStore:
             return None
         record: Record = json.loads(entry[1])
         return record if record.get("owner") == owner else None
+
+    async def get_many(self, response_ids: list[str], owner: str) -> list[Record | None]:
+        return [await self.get(i, owner) for i in response_ids]
+
+    async def touch(self, response_ids: list[str]) -> None:
+        """Their time to live starts again (a conversation in use)."""
+        for response_id in response_ids:
+            if (entry := self._records.get(response_id)) is not None:
+                self._records[response_id] = (self.clock() + self.ttl_s, entry[1])
 
     async def delete(self, response_id: str, owner: str) -> bool:
         if await self.get(response_id, owner) is None:
@@ -134,6 +150,37 @@ class RedisResponseStore:
             return await self.local.get(response_id, owner)
         record: Record = json.loads(text)
         return record if record.get("owner") == owner else None
+
+    async def get_many(self, response_ids: list[str], owner: str) -> list[Record | None]:
+        """One MGET; a record Redis lacks (or all, while it does not answer) is looked for in
+        this gateway's own."""
+        if not response_ids:
+            return []
+        try:
+            texts = await self.redis.mget([KEY_PREFIX + i for i in response_ids])
+        except (RedisError, OSError) as exc:
+            log.warning("Redis at %s did not answer (%s); looking in this gateway's own records "
+                        "only", self.redis_url, exc)
+            texts = [None] * len(response_ids)
+        out: list[Record | None] = []
+        for response_id, text in zip(response_ids, texts, strict=True):
+            if text is None:
+                out.append(await self.local.get(response_id, owner))
+                continue
+            record: Record = json.loads(text)
+            out.append(record if record.get("owner") == owner else None)
+        return out
+
+    async def touch(self, response_ids: list[str]) -> None:
+        await self.local.touch(response_ids)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for response_id in response_ids:
+                    pipe.pexpire(KEY_PREFIX + response_id, max(int(self.ttl_s * 1e3), 1))
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("Redis at %s did not renew %d records' time to live (%s)",
+                        self.redis_url, len(response_ids), exc)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         if await self.get(response_id, owner) is None:

@@ -88,6 +88,7 @@ class ResponsesInput(GenerateInput):
     response_id: str = ""
     input_items: tuple[dict[str, Any], ...] = ()  # this request's, normalized, each with an id
     context: tuple[dict[str, Any], ...] = ()  # the conversation before it (previous_response_id)
+    ancestors: tuple[str, ...] = ()  # the stored responses that conversation is, oldest first
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -675,12 +676,18 @@ def _logprob(lp: Any) -> dict[str, Any]:
 
 
 def stored_record(builder: ResponseBuilder, owner: str) -> dict[str, Any]:
-    """What the store keeps: the response, its input items, and the conversation so far (the
-    context, this input, this output) for a request that continues it."""
+    """What the store keeps: the response, its input items, and the responses before it in
+    its conversation (their ids, oldest first: each turn is stored once, in its own record)."""
     spec = builder.spec
     return {"owner": owner, "response": builder.response,
-            "input_items": list(spec.input_items),
-            "context": [*spec.context, *spec.input_items, *builder.output]}
+            "input_items": list(spec.input_items), "ancestors": list(spec.ancestors)}
+
+
+def conversation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation's items from its responses' records, oldest first: each one's input
+    items, then its output."""
+    return [item for record in records
+            for item in (*record["input_items"], *record["response"]["output"])]
 
 
 def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:

@@ -370,3 +370,49 @@ async def test_truncation_auto_leaves_out_the_oldest_turns_that_do_not_fit(engin
             await client.responses.create(model=MODEL, truncation="auto",
                                           input=[*turns, {"role": "user",
                                                           "content": "x " * 40}])
+
+
+async def test_a_conversation_stores_each_turn_once(engine, make_gateway, redis_server):
+    """Each record holds its own turn and its ancestors' ids, so records do not grow with the
+    conversation; continuing reads the whole chain, and a turn gone from it is a clear 400."""
+    import redis.asyncio as aioredis
+
+    servicer, _ = engine
+    servicer.context_window = 10**6
+    base = await make_gateway(redis_url=redis_server.url)
+    r = aioredis.Redis.from_url(redis_server.url)
+    async with _client(base) as client:
+        ids, previous = [], None
+        for turn in range(6):
+            made = await client.responses.create(model=MODEL, input=f"turn {turn} " * 20,
+                                                 previous_response_id=previous)
+            ids.append(previous := made.id)
+        sizes = [await r.strlen(f"strata:response:{i}") for i in ids]
+        assert max(sizes) < 1.5 * sizes[0], sizes
+        messages = servicer.requests[-1].chat.messages
+        assert [m.role for m in messages] == ["user", "assistant"] * 5 + ["user"]
+        assert messages[0].content.startswith("turn 0") and messages[-1].content.startswith(
+            "turn 5")
+        await client.responses.delete(ids[2])
+        with pytest.raises(openai.BadRequestError) as gone:
+            await client.responses.create(model=MODEL, input="more",
+                                          previous_response_id=ids[-1])
+        assert gone.value.body["code"] == "previous_response_not_found"
+        assert ids[2] in gone.value.body["message"]
+    await r.aclose()
+
+
+async def test_continuing_a_conversation_keeps_its_earlier_turns(engine, make_gateway):
+    now = [1000.0]
+    base = await make_gateway(clock=lambda: now[0], responses_ttl_s=10.0)
+    async with _client(base) as client:
+        first = await client.responses.create(model=MODEL, input="one")
+        now[0] += 8
+        second = await client.responses.create(model=MODEL, input="two",
+                                               previous_response_id=first.id)
+        now[0] += 8  # the first was made 16 s ago, continued 8 s ago: still kept
+        await client.responses.create(model=MODEL, input="three",
+                                      previous_response_id=second.id)
+        now[0] += 11  # nothing continued for 11 s: gone
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)

@@ -169,6 +169,9 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
                    "description": "auto: the conversation's oldest turns are left out of the "
                                   "prompt until it fits the context window"},
     "background": {"enum": [False, None], "description": "background runs are refused"},
+    "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                       "properties": {"include_obfuscation": {"enum": [False, None]}},
+                       "description": "with stream true; Strata pads no events"},
     "reasoning": {"type": ["object", "null"], "additionalProperties": False, "properties": {
         "effort": _REASONING_EFFORT,
         "summary": {"type": "null", "description": "no summaries: the reasoning comes whole"}}},

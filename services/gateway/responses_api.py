@@ -53,7 +53,7 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
     "store", "metadata", "previous_response_id", "text", "tools", "tool_choice",
     "parallel_tool_calls", "top_logprobs", "include", "user", "safety_identifier", "truncation",
-    "background", "reasoning"})
+    "background", "reasoning", "stream_options"})
 # POST /v1/responses/input_tokens: what shapes the prompt (text.format adds no tokens here: the
 # grammar holds the output, nothing is written into the prompt)
 INPUT_TOKENS_FIELDS = frozenset({
@@ -143,6 +143,7 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
                              "window is a 400) or 'auto' (its oldest turns are left out)",
                              "truncation")
     stream = _bool(body, "stream", False)
+    _stream_options(body.get("stream_options"), stream)
     store = _bool(body, "store", True)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -203,6 +204,25 @@ def _user(body: dict[str, Any], key: str) -> str | None:
         raise InvalidRequest(f"'{key}' must be a string of at most {MAX_USER_CHARS} characters",
                              key)
     return value
+
+
+def _stream_options(raw: Any, stream: bool) -> None:
+    """`include_obfuscation`: Strata pads no deltas (false asks for what it does; true is
+    refused)."""
+    if raw is None:
+        return
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed with 'stream': true",
+                             "stream_options")
+    if not isinstance(raw, dict):
+        raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    refuse_unknown_keys(raw, frozenset({"include_obfuscation"}), "stream_options",
+                        "'stream_options'")
+    if raw.get("include_obfuscation") not in (None, False):
+        raise InvalidRequest("'stream_options.include_obfuscation': Strata pads no stream "
+                             "events (a server on your own network has no side channel to "
+                             "hide); send false", "stream_options.include_obfuscation",
+                             code="unsupported_parameter")
 
 
 def _reasoning(raw: Any) -> str:

@@ -151,6 +151,16 @@ async def test_function_calls_come_out_as_items_and_go_back_in_as_messages(engin
     assert (messages[2].tool_call_id, messages[2].content) == (call.call_id, "sunny")
 
 
+async def test_a_stream_without_obfuscation_is_what_strata_streams(engine, make_gateway):
+    base = await make_gateway()
+    async with _client(base) as client:
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True,
+                                               stream_options={"include_obfuscation": False})
+        events = [e async for e in stream]
+    assert events[-1].type == "response.completed"
+    assert all(getattr(e, "obfuscation", None) is None for e in events)
+
+
 async def test_a_failure_after_the_stream_began_is_response_failed(engine, make_gateway):
     servicer, _ = engine
     servicer.abort_after = 2
@@ -214,6 +224,8 @@ async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"input": "x", "stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options.include_obfuscation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "extra": 1}]},
      "tools[0].extra"),

@@ -19,7 +19,6 @@ than functions, non-text content, background runs, truncation "auto", conversati
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import time
@@ -684,9 +683,21 @@ class ResponseBuilder:
         if self._events is None:
             return
         if not kind.endswith(".delta"):
-            fields = copy.deepcopy(fields)
+            fields = _snapshot(fields)
         self._events.append({"type": kind, "sequence_number": self._sequence, **fields})
         self._sequence += 1
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of the objects and lists the builder may still change (the response, its items
+    and parts); a logprob entry never changes once made, so a list of them is copied, not its
+    entries (a 4096-token answer's last events took 400 ms with every entry copied)."""
+    if isinstance(value, dict):
+        return {k: list(v) if k == "logprobs" and isinstance(v, list) else _snapshot(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
 
 
 def _logprob(lp: Any) -> dict[str, Any]:

@@ -552,6 +552,7 @@ class ResponseBuilder:
         self.error: dict[str, Any] | None = None
         self.figures: Figures | None = None
         self._open: dict[str, Any] | None = None  # the item text is going into
+        self._pieces: list[str] = []  # its text so far, joined when it closes
         self._events: list[dict[str, Any]] | None = [] if spec.stream else None
         self._sequence = 0
 
@@ -579,8 +580,8 @@ class ResponseBuilder:
 
     @property
     def reasoning_text(self) -> str:
-        return "".join(item["content"][0]["text"] for item in self.output
-                       if item["type"] == "reasoning")
+        return "".join("".join(self._pieces) if item is self._open else item["content"][0]["text"]
+                       for item in self.output if item["type"] == "reasoning")
 
     def take_events(self) -> list[dict[str, Any]]:
         """The events queued since the last call (none for a non-streaming request)."""
@@ -658,7 +659,7 @@ class ResponseBuilder:
     def _delta(self, kind: str, text: str, **extra: Any) -> None:
         item = self._open
         assert item is not None
-        item["content"][0]["text"] += text
+        self._pieces.append(text)
         self._event(kind, item_id=item["id"], output_index=len(self.output) - 1,
                     content_index=0, delta=text, **extra)
 
@@ -668,6 +669,7 @@ class ResponseBuilder:
             return
         index = self.output.index(item)
         part = item["content"][0]
+        part["text"], self._pieces = "".join(self._pieces), []
         kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
         extra = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
         item["status"] = status

@@ -428,3 +428,15 @@ async def test_continuing_a_conversation_keeps_its_earlier_turns(engine, make_ga
         now[0] += 11  # nothing continued for 11 s: gone
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
+
+
+async def test_an_answer_cut_while_reasoning_counts_its_reasoning(engine, make_gateway):
+    servicer, _ = engine
+    servicer.tool_call_format = "harmony"
+    servicer.tokens = ["<|channel|>analysis<|message|>", "Think", " hard", " and", " long."]
+    base = await make_gateway()
+    async with _client(base) as client:
+        r = await client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    assert (r.status, [i.type for i in r.output]) == ("incomplete", ["reasoning"])
+    assert r.output[0].content[0].text == "Think hard and"
+    assert r.usage.output_tokens_details.reasoning_tokens == 3

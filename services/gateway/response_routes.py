@@ -1,5 +1,7 @@
-"""The Responses API's stored responses over HTTP: `GET` and `DELETE /v1/responses/{id}`, and
-`GET /v1/responses/{id}/input_items`. With API keys on, a response is its key's alone."""
+"""The Responses API around the store: the conversation a request continues, as its prompt
+will be (`as_prompted`: previous_response_id's chain, truncation "auto"), and the stored
+responses over HTTP (`GET` and `DELETE /v1/responses/{id}`, `GET
+/v1/responses/{id}/input_items`). With API keys on, a response is its key's alone."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ class ResponseNotFound(GatewayError):
 
     def __init__(self, response_id: str, ttl_s: float) -> None:
         super().__init__(f"no stored response {response_id!r}: it was made with store false, "
-                         f"deleted, made with another API key, or is older than the store keeps "
-                         f"({ttl_s / 3600:g} h, --responses-ttl-s)", None, "not_found")
+                         f"deleted, made with another API key, or neither made nor continued "
+                         f"within the time the store keeps ({ttl_s / 3600:g} h, "
+                         "--responses-ttl-s)", None, "not_found")
 
 
 class StoreUnavailable(GatewayError):

@@ -5,7 +5,7 @@ request becomes a chat request, and the answer goes back as Responses objects an
     instructions                         -> a system message, first (never carried over)
     input: a string, or items            -> chat messages:
         message (user, system, developer, assistant; text parts)
-        reasoning                        -> the next assistant message's reasoning_content
+        reasoning                        -> the next assistant message's reasoning
         function_call                    -> a call of an assistant message
         function_call_output             -> a tool message
       after the stored conversation of previous_response_id
@@ -14,7 +14,7 @@ request becomes a chat request, and the answer goes back as Responses objects an
                                             function calls
 
 Any field Strata does not read is refused by name, as on the other endpoints: tool types other
-than functions, non-text content, background runs, truncation "auto", conversations.
+than functions, non-text content, background runs, conversations, reasoning summaries.
 """
 
 from __future__ import annotations

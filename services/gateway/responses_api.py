@@ -39,12 +39,12 @@ from services.gateway.schemas import (
     GenerateInput,
     Message,
     Sampling,
-    _float,
-    _int,
-    _model,
-    _object,
-    _show,
+    int_field,
+    model_field,
+    number_field,
     reasoning_effort,
+    request_object,
+    shown,
 )
 from services.gateway.tools import FUNCTION_NAME, ToolCall, Tools, parse_tools
 
@@ -129,7 +129,7 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
                     endpoint: str = "/v1/responses") -> ResponsesInput:
     """The request, validated; its messages still lack the conversation of
     previous_response_id (`with_context`). `fields`: the ones the endpoint reads."""
-    body = _object(body)
+    body = request_object(body)
     if (name := first_unknown(body, fields)) is not None:
         raise InvalidRequest(f"'{name}' is not supported by Strata's {endpoint}; it reads "
                              f"{', '.join(sorted(fields))}", name, code="unsupported_parameter")
@@ -151,21 +151,21 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     if previous is not None and not (isinstance(previous, str)
                                      and RESPONSE_ID.fullmatch(previous)):
         raise InvalidRequest(f"'previous_response_id' must be a response id (resp_ and 32 hex "
-                             f"digits); got {_show(previous)}", "previous_response_id")
+                             f"digits); got {shown(previous)}", "previous_response_id")
     max_output = None
     if body.get("max_output_tokens") is not None:
-        max_output = _int(body, "max_output_tokens", low=1, high=MAX_TOKENS_LIMIT)
+        max_output = int_field(body, "max_output_tokens", low=1, high=MAX_TOKENS_LIMIT)
     include = _include(body.get("include"))
     top_logprobs = 0
     if body.get("top_logprobs") is not None:
-        top_logprobs = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        top_logprobs = int_field(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
         if top_logprobs and not include:
             raise InvalidRequest(f"'top_logprobs' needs 'include': ['{LOGPROBS_INCLUDE}'], which "
                                  "asks for the logprobs they belong to", "top_logprobs")
-    top_p = _float(body, "top_p", 1.0, low=0.0, high=1.0)
+    top_p = number_field(body, "top_p", 1.0, low=0.0, high=1.0)
     if top_p == 0.0:
         raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
-    sampling = Sampling(temperature=_float(body, "temperature", 1.0, low=0.0, high=2.0),
+    sampling = Sampling(temperature=number_field(body, "temperature", 1.0, low=0.0, high=2.0),
                         top_p=top_p, max_tokens=max_output or 0, logprobs=include,
                         top_logprobs=top_logprobs)
     tools_given, tools = _tools(body)
@@ -176,7 +176,7 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     user = _user(body, "user")
     return ResponsesInput(
         reasoning_effort=_reasoning(body.get("reasoning")),
-        model=_model(body), sampling=sampling, stream=stream, constraint=constraint,
+        model=model_field(body), sampling=sampling, stream=stream, constraint=constraint,
         tools=tools, user=_user(body, "safety_identifier") or user,
         response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
         instructions=instructions, previous_response_id=previous, store=store,
@@ -253,7 +253,7 @@ def _include(raw: Any) -> bool:
         raise InvalidRequest("'include' must be an array", "include")
     for i, value in enumerate(raw):
         if value != LOGPROBS_INCLUDE:
-            raise InvalidRequest(f"'include[{i}]' is {_show(value)}; Strata can include "
+            raise InvalidRequest(f"'include[{i}]' is {shown(value)}; Strata can include "
                                  f"'{LOGPROBS_INCLUDE}' only", f"include[{i}]",
                                  code="unsupported_parameter")
     return bool(raw)
@@ -270,7 +270,7 @@ def _metadata(raw: Any) -> dict[str, str]:
                 or len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidRequest(f"'metadata' maps keys of at most {MAX_METADATA_KEY_CHARS} "
                                  f"characters to strings of at most {MAX_METADATA_VALUE_CHARS}; "
-                                 f"{_show(key)} does not", f"metadata.{key}")
+                                 f"{shown(key)} does not", f"metadata.{key}")
     return dict(raw)
 
 
@@ -288,13 +288,13 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | No
                                                            if k != "type"}} for t in given]
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise InvalidRequest(f"'tool_choice' of type {_show(choice.get('type'))} is not "
+            raise InvalidRequest(f"'tool_choice' of type {shown(choice.get('type'))} is not "
                                  "supported: Strata's tools are functions", "tool_choice.type",
                                  code="unsupported_parameter")
         refuse_unknown_keys(choice, frozenset({"type", "name"}), "tool_choice", "'tool_choice'")
         name = choice.get("name")
         if name not in {t["name"] for t in given}:
-            raise InvalidRequest(f"'tool_choice' names {_show(name)}, which is not in 'tools'",
+            raise InvalidRequest(f"'tool_choice' names {shown(name)}, which is not in 'tools'",
                                  "tool_choice.name")
         choice = {"type": "function", "function": {"name": name}}
     elif choice is not None and choice not in ("none", "auto", "required"):
@@ -309,7 +309,7 @@ def _tool(raw: Any, param: str) -> dict[str, Any]:
         raise InvalidRequest(f"{param} must be {{'type': 'function', 'name': ..., "
                              "'parameters': {...}}", param)
     if raw.get("type") != "function":
-        raise InvalidRequest(f"{param}.type {_show(raw.get('type'))} is not supported: Strata "
+        raise InvalidRequest(f"{param}.type {shown(raw.get('type'))} is not supported: Strata "
                              "runs no hosted tools; declare functions (type 'function') and "
                              "run them yourself", f"{param}.type", code="unsupported_parameter")
     refuse_unknown_keys(raw, TOOL_FIELDS, param, "a function tool")
@@ -389,7 +389,7 @@ def _input(raw: Any) -> tuple[dict[str, Any], ...]:
         kind = item.get("type", "message")
         check = _ITEMS.get(kind)
         if check is None:
-            raise InvalidRequest(f"{param}.type {_show(kind)} is not supported: Strata reads "
+            raise InvalidRequest(f"{param}.type {shown(kind)} is not supported: Strata reads "
                                  f"items of type {', '.join(sorted(_ITEMS))}", f"{param}.type",
                                  code="unsupported_parameter")
         items.append(check(item, param))
@@ -401,7 +401,7 @@ def _message_item(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in ROLES:
         raise InvalidRequest(f"{param}.role must be one of user, system, developer, assistant; "
-                             f"got {_show(role)}", f"{param}.role")
+                             f"got {shown(role)}", f"{param}.role")
     content = item.get("content")
     if isinstance(content, str):
         content = [{"type": "output_text" if role == "assistant" else "input_text",
@@ -743,7 +743,7 @@ def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict
     if "after" in query:
         ids = [item["id"] for item in ordered]
         if query["after"] not in ids:
-            raise InvalidRequest(f"'after' names {_show(query['after'])}, which is not an input "
+            raise InvalidRequest(f"'after' names {shown(query['after'])}, which is not an input "
                                  "item of this response", "after")
         ordered = ordered[ids.index(query["after"]) + 1:]
     page = ordered[:limit]

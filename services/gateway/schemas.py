@@ -146,7 +146,7 @@ class GenerateInput:
 
 
 def parse_chat(body: Any) -> GenerateInput:
-    body = _object(body)
+    body = request_object(body)
     _refuse_unsupported_chat(body)
     _refuse_unknown(body, CHAT_FIELDS, "/v1/chat/completions",
                     COMPLETION_FIELDS, "/v1/completions")
@@ -162,7 +162,7 @@ def parse_chat(body: Any) -> GenerateInput:
         raise InvalidRequest("'logprobs' must be true or false", "logprobs")
     top_logprobs = 0
     if body.get("top_logprobs") is not None:
-        top_logprobs = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        top_logprobs = int_field(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
         if top_logprobs and not logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     constraint, tools = _constraint(body), parse_tools(body)
@@ -170,7 +170,7 @@ def parse_chat(body: Any) -> GenerateInput:
         raise InvalidRequest("'tool_choice' that requires a call and 'response_format' both "
                              "decide the output's form; give one", "tool_choice")
     return GenerateInput(
-        model=_model(body), messages=parsed, **_stream(body), n=_choices(body),
+        model=model_field(body), messages=parsed, **_stream(body), n=_choices(body),
         sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs),
         constraint=constraint, tools=tools, user=_user(body),
         template_kwargs_json=template_kwargs(body.get("chat_template_kwargs")),
@@ -183,7 +183,7 @@ def reasoning_effort(value: Any, param: str) -> str:
         return ""
     if value not in REASONING_EFFORTS:
         raise InvalidRequest(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)} (the "
-                             f"efforts gpt-oss's chat template knows); got {_show(value)}",
+                             f"efforts gpt-oss's chat template knows); got {shown(value)}",
                              param)
     return value
 
@@ -198,14 +198,14 @@ def template_kwargs(value: Any) -> str:
                              f"{MAX_TEMPLATE_KWARGS} template variables", "chat_template_kwargs")
     for name in value:
         if not TEMPLATE_VARIABLE.fullmatch(name):
-            raise InvalidRequest(f"'chat_template_kwargs' names {_show(name)}, which is no "
+            raise InvalidRequest(f"'chat_template_kwargs' names {shown(name)}, which is no "
                                  "template variable (letters, digits, '_')",
                                  f"chat_template_kwargs.{name}")
     return json.dumps(value)
 
 
 def parse_completion(body: Any) -> GenerateInput:
-    body = _object(body)
+    body = request_object(body)
     _refuse_unknown(body, COMPLETION_FIELDS, "/v1/completions",
                     CHAT_FIELDS, "/v1/chat/completions")
     prompts, n = _prompts(body.get("prompt")), _choices(body)
@@ -218,7 +218,7 @@ def parse_completion(body: Any) -> GenerateInput:
         raise InvalidRequest("'echo' must be true or false", "echo")
     top_logprobs = None
     if body.get("logprobs") is not None:  # legacy form: the number of alternatives, 0-20
-        top_logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        top_logprobs = int_field(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest("'suffix' must be a string", "suffix")
@@ -239,7 +239,7 @@ def parse_completion(body: Any) -> GenerateInput:
                              "alone) does not generate", "min_tokens")
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
-    return GenerateInput(model=_model(body), prompts=prompts, **_stream(body), n=n,
+    return GenerateInput(model=model_field(body), prompts=prompts, **_stream(body), n=n,
                          sampling=sampling, constraint=_constraint(body), user=_user(body),
                          echo=bool(echo), echo_only=echo_only, suffix=suffix or "")
 
@@ -264,7 +264,7 @@ def _prompt(prompt: Any, param: str) -> Prompt:
                              "token ids", param)
     for j, t in enumerate(prompt):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
-            raise InvalidRequest(f"'{param}[{j}]' is {_show(t)}; token ids are integers from "
+            raise InvalidRequest(f"'{param}[{j}]' is {shown(t)}; token ids are integers from "
                                  f"0 to {MAX_TOKEN_ID}", f"{param}[{j}]")
     return tuple(prompt)
 
@@ -295,7 +295,7 @@ def parse_tokenize(body: Any) -> TokenizeInput:
     tokens added; `add_special_tokens` true is refused rather than ignored), or a chat's as
     /v1/chat/completions would (`messages` and `tools` through the chat template, which adds
     the generation prompt: `add_generation_prompt` false is refused)."""
-    body = _object(body)
+    body = request_object(body)
     _refuse_unknown(body, TOKENIZE_FIELDS, "/tokenize", DETOKENIZE_FIELDS, "/detokenize")
     special = body.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
@@ -331,7 +331,7 @@ def parse_tokenize(body: Any) -> TokenizeInput:
 
 def parse_detokenize(body: Any) -> DetokenizeInput:
     """vLLM's POST /detokenize: token ids' text (special tokens kept)."""
-    body = _object(body)
+    body = request_object(body)
     _refuse_unknown(body, DETOKENIZE_FIELDS, "/detokenize", TOKENIZE_FIELDS, "/tokenize")
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or len(tokens) > MAX_DETOKENIZE_TOKENS:
@@ -342,13 +342,13 @@ def parse_detokenize(body: Any) -> DetokenizeInput:
 
 
 def _optional_model(body: dict[str, Any]) -> str | None:
-    return None if body.get("model") is None else _model(body)
+    return None if body.get("model") is None else model_field(body)
 
 
 # -- pieces ------------------------------------------------------------------------------------
 
 
-def _object(body: Any) -> dict[str, Any]:
+def request_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     _unicode(body)
@@ -375,7 +375,7 @@ def _unicode(body: dict[str, Any]) -> None:
                                      f"character {e.start})", path or None) from None
 
 
-def _model(body: dict[str, Any]) -> str:
+def model_field(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string (see GET /v1/models)", "model")
@@ -425,7 +425,7 @@ def _constraint(body: dict[str, Any]) -> Constraint | None:
         elif fmt["type"] == "json_schema":
             found.append(("response_format", Constraint("json_schema", _json_schema(fmt))))
         elif fmt["type"] != "text":
-            raise InvalidRequest(f"response_format type {_show(fmt['type'])} is not one of 'text', "
+            raise InvalidRequest(f"response_format type {shown(fmt['type'])} is not one of 'text', "
                                  "'json_object', 'json_schema'", "response_format.type")
     for name in GUIDED_FIELDS:
         value = body.get(name)
@@ -507,7 +507,7 @@ def _message(raw: Any, index: int) -> Message:
     role = raw.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidRequest(f"{param}.role must be one of system, developer, user, assistant, "
-                             f"tool; got {_show(role)}", f"{param}.role")
+                             f"tool; got {shown(role)}", f"{param}.role")
     refuse_unknown_keys(raw, MESSAGE_FIELDS, param, "a chat message")
     for key, wanted in (("tool_calls", "assistant"), ("refusal", "assistant"),
                         ("reasoning_content", "assistant"), ("tool_call_id", "tool")):
@@ -583,25 +583,25 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
               default_max_tokens: int) -> Sampling:
     max_tokens = default_max_tokens
     if max_tokens_key is not None:
-        max_tokens = _int(body, max_tokens_key, low=1, high=MAX_TOKENS_LIMIT)
-    temperature = _float(body, "temperature", 1.0, low=0.0, high=2.0)
-    top_p = _float(body, "top_p", 1.0, low=0.0, high=1.0)
+        max_tokens = int_field(body, max_tokens_key, low=1, high=MAX_TOKENS_LIMIT)
+    temperature = number_field(body, "temperature", 1.0, low=0.0, high=2.0)
+    top_p = number_field(body, "top_p", 1.0, low=0.0, high=1.0)
     if top_p == 0.0:
         raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
     top_k = 0
     if body.get("top_k") is not None:
-        top_k = _int(body, "top_k", low=-1, high=MAX_TOP_K)
+        top_k = int_field(body, "top_k", low=-1, high=MAX_TOP_K)
         top_k = max(top_k, 0)  # -1 (vLLM's "off") means the same as 0
     seed = None
     if body.get("seed") is not None:
-        seed = _int(body, "seed", low=0, high=2**64 - 1)
-    repetition = _float(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY)
+        seed = int_field(body, "seed", low=0, high=2**64 - 1)
+    repetition = number_field(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY)
     if repetition == 0.0:
         raise InvalidRequest(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}]",
                              "repetition_penalty")
     min_tokens = 0
     if body.get("min_tokens") is not None:
-        min_tokens = _int(body, "min_tokens", low=0, high=MAX_TOKENS_LIMIT)
+        min_tokens = int_field(body, "min_tokens", low=0, high=MAX_TOKENS_LIMIT)
         if max_tokens and min_tokens > max_tokens:
             raise InvalidRequest(f"'min_tokens' ({min_tokens}) exceeds the maximum tokens "
                                  f"({max_tokens})", "min_tokens")
@@ -610,23 +610,25 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
         raise InvalidRequest("'ignore_eos' must be true or false", "ignore_eos")
     return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     max_tokens=max_tokens, stop=_stop(body.get("stop")),
-                    presence_penalty=_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
-                    frequency_penalty=_float(body, "frequency_penalty", 0.0, low=-2.0,
-                                             high=2.0),
+                    presence_penalty=number_field(body, "presence_penalty", 0.0, low=-2.0,
+                                                  high=2.0),
+                    frequency_penalty=number_field(body, "frequency_penalty", 0.0, low=-2.0,
+                                                   high=2.0),
                     repetition_penalty=repetition, logit_bias=_logit_bias(body.get("logit_bias")),
-                    min_p=_float(body, "min_p", 0.0, low=0.0, high=1.0), min_tokens=min_tokens,
-                    ignore_eos=bool(ignore_eos), stop_token_ids=_token_ids(body))
+                    min_p=number_field(body, "min_p", 0.0, low=0.0, high=1.0),
+                    min_tokens=min_tokens, ignore_eos=bool(ignore_eos),
+                    stop_token_ids=_token_ids(body))
 
 
 def _choices(body: dict[str, Any]) -> int:
-    return 1 if body.get("n") is None else _int(body, "n", low=1, high=MAX_CHOICES)
+    return 1 if body.get("n") is None else int_field(body, "n", low=1, high=MAX_CHOICES)
 
 
 def _max_tokens_key(body: dict[str, Any]) -> str | None:
     """The chat limit's key: max_completion_tokens (OpenAI's current name) or max_tokens; both
     are validated, and given together they must agree."""
     given = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
-    values = {k: _int(body, k, low=1, high=MAX_TOKENS_LIMIT) for k in given}
+    values = {k: int_field(body, k, low=1, high=MAX_TOKENS_LIMIT) for k in given}
     if len(set(values.values())) > 1:
         raise InvalidRequest(f"'max_completion_tokens' ({values['max_completion_tokens']}) and "
                              f"'max_tokens' ({values['max_tokens']}) disagree; give one",
@@ -647,12 +649,12 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in raw.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise InvalidRequest(f"'logit_bias' keys are token ids (non-negative integers as "
-                                 f"strings); got {_show(key)}", "logit_bias")
+                                 f"strings); got {shown(key)}", "logit_bias")
         if not _is_number(bias) or not -100 <= bias <= 100:
             raise InvalidRequest(f"'logit_bias' values must be numbers in [-100, 100]; got "
-                                 f"{_show(bias)} for {_show(key)}", "logit_bias")
+                                 f"{shown(bias)} for {shown(key)}", "logit_bias")
         if len(key) > 10 or int(key) >= 2**31:
-            raise InvalidRequest(f"'logit_bias' token id {_show(key)} is out of range",
+            raise InvalidRequest(f"'logit_bias' token id {shown(key)} is out of range",
                                  "logit_bias")
         out.append((int(key), float(bias)))
     return tuple(sorted(out))
@@ -695,7 +697,7 @@ def _is_number(value: Any) -> bool:
     return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
-def _show(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value for an error message, short (an integer past Python's digit limit has no
     repr at all)."""
     if _is_int(value) and value.bit_length() > 128:
@@ -704,22 +706,23 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _int(body: dict[str, Any], key: str, *, low: int, high: int | None = None) -> int:
+def int_field(body: dict[str, Any], key: str, *, low: int, high: int | None = None) -> int:
     value = body[key]
     if not _is_int(value):
-        raise InvalidRequest(f"'{key}' must be an integer; got {_show(value)}", key)
+        raise InvalidRequest(f"'{key}' must be an integer; got {shown(value)}", key)
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise InvalidRequest(f"'{key}' must be {bound}; got {_show(value)}", key)
+        raise InvalidRequest(f"'{key}' must be {bound}; got {shown(value)}", key)
     return value
 
 
-def _float(body: dict[str, Any], key: str, default: float, *, low: float, high: float) -> float:
+def number_field(body: dict[str, Any], key: str, default: float, *, low: float,
+                 high: float) -> float:
     value = body.get(key)
     if value is None:
         return default
     if not _is_number(value):
-        raise InvalidRequest(f"'{key}' must be a number; got {_show(value)}", key)
+        raise InvalidRequest(f"'{key}' must be a number; got {shown(value)}", key)
     if not low <= value <= high:
-        raise InvalidRequest(f"'{key}' must be in [{low:g}, {high:g}]; got {_show(value)}", key)
+        raise InvalidRequest(f"'{key}' must be in [{low:g}, {high:g}]; got {shown(value)}", key)
     return float(value)

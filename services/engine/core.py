@@ -432,6 +432,8 @@ class Engine:
     def _template_kwargs(self, request: EngineRequest) -> dict[str, Any]:
         """The request's template variables (chat_template_kwargs, reasoning_effort), each one
         the model's chat template reads: one it does not would be ignored, so it is refused."""
+        if not request.template_kwargs and not request.reasoning_effort:
+            return {}
         variables = self.runner.tokenizer.template_variables  # type: ignore[attr-defined]
         readable = sorted(variables - TEMPLATE_OWN_VARIABLES)
         reads = f"it reads {', '.join(readable)}" if readable else "it reads no others"

@@ -36,6 +36,9 @@ async def ready_engine(app: web.Application, model: str | None) -> str:
                    f"no engine serving {model or 'a model'} is ready")
 
 
-async def tokenizer_call(app: web.Application, address: str, method: str, message: Any) -> Any:
-    """One of the engine's tokenizer RPCs (Tokenize, Detokenize, GetTokenizerInfo)."""
-    return await app[POOL].tokenizer(address, method, message, app[CONFIG].request_timeout_s)
+async def tokenizer_call(app: web.Application, address: str, method: str, message: Any,
+                         timeout_s: float | None = None) -> Any:
+    """One of the engine's tokenizer RPCs (Tokenize, Detokenize, GetTokenizerInfo), within
+    `timeout_s` (default: the request timeout)."""
+    return await app[POOL].tokenizer(address, method, message,
+                                     timeout_s or app[CONFIG].request_timeout_s)

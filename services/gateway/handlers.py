@@ -36,7 +36,7 @@ from services.gateway.engine_client import (
     Started,
     TokenLogprob,
 )
-from services.gateway.engines import served_models
+from services.gateway.engines import served_models, tokenizer_call
 from services.gateway.errors import (
     EngineAborted,
     EngineError,
@@ -429,6 +429,17 @@ def _merged(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     return out
 
 
+async def _event_stream(run: _Run) -> web.StreamResponse:
+    """The SSE response of a streaming request, its headers sent."""
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        "X-Request-Id": request_id(run.request),
+        "x-strata-queue-wait-ms": f"{run.queue_wait_s * 1e3:.3f}",
+        "x-strata-engine-id": run.started.engine_id})
+    await response.prepare(run.request)
+    return response
+
+
 async def _stream(runs: list[_Run]) -> web.StreamResponse:
     """SSE for n choices: each choice's chunks carry its index, in the engine's order, a
     batch of arrivals written at once; then (with include_usage) one usage chunk for all,
@@ -438,12 +449,7 @@ async def _stream(runs: list[_Run]) -> web.StreamResponse:
     has taken the request, the role chunks with the first tokens, and the last batch with
     [DONE] and the end of the body."""
     run0 = runs[0]
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-        "X-Request-Id": request_id(run0.request),
-        "x-strata-queue-wait-ms": f"{run0.queue_wait_s * 1e3:.3f}",
-        "x-strata-engine-id": run0.started.engine_id})
-    await response.prepare(run0.request)
+    response = await _event_stream(run0)
     renderer, finished = run0.renderer, {}
     out = [sse.event(renderer.chunk(first=True, index=i)) for i in range(len(runs))]
     try:
@@ -579,9 +585,9 @@ async def _reasoning_tokens(run: _Run, builder: ResponseBuilder) -> int:
         return 0
     app = run.request.app
     try:
-        ids = await app[POOL].tokenizer(run.call.engine, "Tokenize",
-                                        engine_pb2.TokenizeRequest(text=thought),
-                                        app[CONFIG].engine_timeout_s)
+        ids = await tokenizer_call(app, run.call.engine, "Tokenize",
+                                   engine_pb2.TokenizeRequest(text=thought),
+                                   app[CONFIG].engine_timeout_s)
     except EngineError as exc:
         log.warning("request %s: usage.output_tokens_details.reasoning_tokens reported as 0: "
                     "the engine did not count the reasoning's tokens (%s)",
@@ -597,14 +603,7 @@ async def _respond(run: _Run) -> web.StreamResponse:
     it back at once finds it. A failure after the stream began is `response.failed`."""
     request, builder = run.request, run.renderer
     spec: ResponsesInput = builder.spec
-    response: web.StreamResponse | None = None
-    if spec.stream:
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": request_id(request),
-            "x-strata-queue-wait-ms": f"{run.queue_wait_s * 1e3:.3f}",
-            "x-strata-engine-id": run.started.engine_id})
-        await response.prepare(request)
+    response = await _event_stream(run) if spec.stream else None
     builder.start()
     try:
         async for batch in _batches([run]):

@@ -140,16 +140,7 @@ class RedisResponseStore:
             self.local.put_text(response_id, text)
 
     async def get(self, response_id: str, owner: str) -> Record | None:
-        try:
-            text = await self.redis.get(KEY_PREFIX + response_id)
-        except (RedisError, OSError) as exc:
-            log.warning("response %s: Redis at %s did not answer (%s); looking in this gateway's "
-                        "own records only", response_id, self.redis_url, exc)
-            return await self.local.get(response_id, owner)
-        if text is None:
-            return await self.local.get(response_id, owner)
-        record: Record = json.loads(text)
-        return record if record.get("owner") == owner else None
+        return (await self.get_many([response_id], owner))[0]
 
     async def get_many(self, response_ids: list[str], owner: str) -> list[Record | None]:
         """One MGET; a record Redis lacks (or all, while it does not answer) is looked for in

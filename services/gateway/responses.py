@@ -58,6 +58,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
+    """A token's logprob as the chat API and the Responses API write it: the token, its
+    logprob and bytes, and its top alternatives alike."""
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
+                             for t in lp.top]}
+
+
 class Renderer:
     """Builds one request's bodies; subclasses fix the OpenAI object kind."""
 
@@ -147,10 +155,7 @@ class ChatRenderer(Renderer):
         """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
         if logprobs is None:
             return None
-        return {"content": [{
-            "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
-                             for t in lp.top]} for lp in logprobs], "refusal": None}
+        return {"content": [logprob_entry(lp) for lp in logprobs], "refusal": None}
 
     def _chunk_choice(self, text: str | None, finish_reason: str | None,
                       first: bool) -> dict[str, Any]:

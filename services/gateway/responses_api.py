@@ -19,7 +19,6 @@ than functions, non-text content, background runs, conversations, reasoning summ
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -28,23 +27,26 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.gateway.errors import InvalidRequest, first_unknown, refuse_unknown_keys
-from services.gateway.responses import Figures
+from services.gateway.responses import Figures, logprob_entry
 from services.gateway.schemas import (
     MAX_GRAMMAR_CHARS,
     MAX_MESSAGES,
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
-    MAX_USER_CHARS,
     Constraint,
     GenerateInput,
     Message,
     Sampling,
+    bool_field,
+    end_user,
     int_field,
+    json_schema_text,
     model_field,
     number_field,
     reasoning_effort,
     request_object,
     shown,
+    stream_options,
 )
 from services.gateway.tools import FUNCTION_NAME, ToolCall, Tools, parse_tools
 
@@ -63,7 +65,6 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
-FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # The keys read at each level of an input item (openapi.py's ResponsesInputItem lists them).
 MESSAGE_ITEM_FIELDS = frozenset({"type", "role", "content", "id", "status"})
 FUNCTION_CALL_FIELDS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
@@ -141,9 +142,9 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
         raise InvalidRequest("'truncation' must be 'disabled' (a conversation past the context "
                              "window is a 400) or 'auto' (its oldest turns are left out)",
                              "truncation")
-    stream = _bool(body, "stream", False)
-    _stream_options(body.get("stream_options"), stream)
-    store = _bool(body, "store", True)
+    stream = bool_field(body, "stream", False)
+    _stream_options(body, stream)
+    store = bool_field(body, "store", True)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("'instructions' must be a string", "instructions")
@@ -173,11 +174,10 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     if constraint is not None and tools is not None and tools.choice != "auto":
         raise InvalidRequest("'tool_choice' that requires a call and 'text.format' both decide "
                              "the output's form; give one", "tool_choice")
-    user = _user(body, "user")
     return ResponsesInput(
         reasoning_effort=_reasoning(body.get("reasoning")),
         model=model_field(body), sampling=sampling, stream=stream, constraint=constraint,
-        tools=tools, user=_user(body, "safety_identifier") or user,
+        tools=tools, user=end_user(body),
         response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
         instructions=instructions, previous_response_id=previous, store=store,
         metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
@@ -188,36 +188,11 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
 # -- request pieces ----------------------------------------------------------------------------
 
 
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{key}' must be true or false", key)
-    return value
-
-
-def _user(body: dict[str, Any], key: str) -> str | None:
-    value = body.get(key)
-    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
-        raise InvalidRequest(f"'{key}' must be a string of at most {MAX_USER_CHARS} characters",
-                             key)
-    return value
-
-
-def _stream_options(raw: Any, stream: bool) -> None:
+def _stream_options(body: dict[str, Any], stream: bool) -> None:
     """`include_obfuscation`: Strata pads no deltas (false asks for what it does; true is
     refused)."""
-    if raw is None:
-        return
-    if not stream:
-        raise InvalidRequest("'stream_options' is only allowed with 'stream': true",
-                             "stream_options")
-    if not isinstance(raw, dict):
-        raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    refuse_unknown_keys(raw, frozenset({"include_obfuscation"}), "stream_options",
-                        "'stream_options'")
-    if raw.get("include_obfuscation") not in (None, False):
+    if bool_field(stream_options(body, stream, frozenset({"include_obfuscation"})),
+                  "include_obfuscation", False, "stream_options."):
         raise InvalidRequest("'stream_options.include_obfuscation': Strata pads no stream "
                              "events (a server on your own network has no side channel to "
                              "hide); send false", "stream_options.include_obfuscation",
@@ -343,28 +318,11 @@ def _text(raw: Any) -> tuple[dict[str, Any], Constraint | None]:
         raise InvalidRequest("'text.format' must be {'type': 'text'}, {'type': 'json_object'} "
                              "or {'type': 'json_schema', 'name': ..., 'schema': {...}}",
                              "text.format")
-    if fmt.get("description") is not None:
-        raise InvalidRequest("'text.format.description' is not shown to the model (no chat "
-                             "template has a place for it); the schema alone holds the output: "
-                             "say what the answer is for in the instructions",
-                             "text.format.description", code="unsupported_parameter")
-    refuse_unknown_keys(fmt, FORMAT_FIELDS if fmt["type"] == "json_schema"
-                        else frozenset({"type"}), "text.format", "'text.format'")
-    if fmt["type"] == "text":
-        return dict(fmt), None
-    if fmt["type"] == "json_object":
-        return dict(fmt), Constraint("json_object")
-    name = fmt.get("name")
-    if not isinstance(name, str) or not FORMAT_NAME.fullmatch(name):
-        raise InvalidRequest("'text.format.name' must be 1-64 letters, digits, '_' or '-'",
-                             "text.format.name")
-    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
-        raise InvalidRequest("'text.format.strict' must be true or false", "text.format.strict")
-    schema = fmt.get("schema")
-    if not isinstance(schema, dict):
-        raise InvalidRequest("'text.format.schema' must be a JSON Schema object",
-                             "text.format.schema")
-    text = json.dumps(schema)  # strict or not, the output is held to the schema
+    if fmt["type"] == "json_schema":  # the chat path's check, its keys beside the type here
+        text = json_schema_text(fmt, "text.format", FORMAT_FIELDS)
+    else:
+        refuse_unknown_keys(fmt, frozenset({"type"}), "text.format", "'text.format'")
+        return dict(fmt), None if fmt["type"] == "text" else Constraint("json_object")
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidRequest(f"'text.format.schema' is {len(text)} characters; at most "
                              f"{MAX_GRAMMAR_CHARS}", "text.format.schema")
@@ -603,7 +561,7 @@ class ResponseBuilder:
         if not text and not logprobs:
             return
         self._open_item("message", {"role": "assistant"}, "output_text")
-        listed = [_logprob(lp) for lp in logprobs] if self.spec.include_logprobs else []
+        listed = [logprob_entry(lp) for lp in logprobs] if self.spec.include_logprobs else []
         self._open["content"][0]["logprobs"].extend(listed)  # type: ignore[index]
         self._delta("response.output_text.delta", text, logprobs=listed)
 
@@ -700,12 +658,6 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, list):
         return [_snapshot(v) for v in value]
     return value
-
-
-def _logprob(lp: Any) -> dict[str, Any]:
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob,
-                              "bytes": list(t.token_bytes)} for t in lp.top]}
 
 
 def stored_record(builder: ResponseBuilder, owner: str) -> dict[str, Any]:

@@ -16,7 +16,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.errors import InvalidRequest, first_unknown, refuse_unknown_keys
-from services.gateway.tools import ToolCall, Tools, parse_history_calls, parse_tools
+from services.gateway.tools import (
+    FUNCTION_NAME,
+    ToolCall,
+    Tools,
+    parse_history_calls,
+    parse_tools,
+)
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -157,9 +163,7 @@ def parse_chat(body: Any) -> GenerateInput:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages per request", "messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
     sampling = _sampling(body, _max_tokens_key(body), default_max_tokens=0)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise InvalidRequest("'logprobs' must be true or false", "logprobs")
+    logprobs = bool_field(body, "logprobs", False)
     top_logprobs = 0
     if body.get("top_logprobs") is not None:
         top_logprobs = int_field(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
@@ -171,8 +175,8 @@ def parse_chat(body: Any) -> GenerateInput:
                              "decide the output's form; give one", "tool_choice")
     return GenerateInput(
         model=model_field(body), messages=parsed, **_stream(body), n=_choices(body),
-        sampling=replace(sampling, logprobs=bool(logprobs), top_logprobs=top_logprobs),
-        constraint=constraint, tools=tools, user=_user(body),
+        sampling=replace(sampling, logprobs=logprobs, top_logprobs=top_logprobs),
+        constraint=constraint, tools=tools, user=end_user(body),
         template_kwargs_json=template_kwargs(body.get("chat_template_kwargs")),
         reasoning_effort=reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"))
 
@@ -213,9 +217,7 @@ def parse_completion(body: Any) -> GenerateInput:
         raise InvalidRequest(f"{len(prompts)} prompts with 'n' {n} ask for {len(prompts) * n} "
                              f"choices; at most {MAX_CHOICES} per request: send fewer prompts "
                              "per request", "prompt")
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise InvalidRequest("'echo' must be true or false", "echo")
+    echo = bool_field(body, "echo", False)
     top_logprobs = None
     if body.get("logprobs") is not None:  # legacy form: the number of alternatives, 0-20
         top_logprobs = int_field(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
@@ -231,7 +233,7 @@ def parse_completion(body: Any) -> GenerateInput:
         raise InvalidRequest("'best_of' must be 1", "best_of")
     max_tokens = _first_present(body, "max_tokens")
     # OpenAI's legacy scoring form: echo with max_tokens 0 gives the prompt's logprobs alone
-    echo_only = bool(echo) and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    echo_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
     sampling = _sampling(body, None if echo_only else max_tokens,
                          default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
     if echo_only and sampling.min_tokens:
@@ -240,8 +242,8 @@ def parse_completion(body: Any) -> GenerateInput:
     if top_logprobs is not None:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=model_field(body), prompts=prompts, **_stream(body), n=n,
-                         sampling=sampling, constraint=_constraint(body), user=_user(body),
-                         echo=bool(echo), echo_only=echo_only, suffix=suffix or "")
+                         sampling=sampling, constraint=_constraint(body), user=end_user(body),
+                         echo=echo, echo_only=echo_only, suffix=suffix or "")
 
 
 def _prompts(prompt: Any) -> tuple[Prompt, ...]:
@@ -297,10 +299,7 @@ def parse_tokenize(body: Any) -> TokenizeInput:
     the generation prompt: `add_generation_prompt` false is refused)."""
     body = request_object(body)
     _refuse_unknown(body, TOKENIZE_FIELDS, "/tokenize", DETOKENIZE_FIELDS, "/detokenize")
-    special = body.get("add_special_tokens")
-    if special is not None and not isinstance(special, bool):
-        raise InvalidRequest("'add_special_tokens' must be true or false", "add_special_tokens")
-    if special:
+    if bool_field(body, "add_special_tokens", False):
         raise InvalidRequest("Strata adds no special tokens to a prompt (a completion prompt "
                              "is tokenized as it is written); send add_special_tokens false, "
                              "or write the tokens into the text", "add_special_tokens")
@@ -398,7 +397,7 @@ def _refuse_unknown(body: dict[str, Any], fields: frozenset[str], endpoint: str,
     raise InvalidRequest(why, name, code="unsupported_parameter")
 
 
-def _user(body: dict[str, Any]) -> str | None:
+def end_user(body: dict[str, Any]) -> str | None:
     """The end user: `safety_identifier` (OpenAI's current name), else `user`."""
     for key in ("user", "safety_identifier"):
         value = body.get(key)
@@ -423,7 +422,13 @@ def _constraint(body: dict[str, Any]) -> Constraint | None:
         if fmt["type"] == "json_object":
             found.append(("response_format", Constraint("json_object")))
         elif fmt["type"] == "json_schema":
-            found.append(("response_format", Constraint("json_schema", _json_schema(fmt))))
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise InvalidRequest("'response_format.json_schema' must be an object with a "
+                                     "'name' and a 'schema'", "response_format.json_schema")
+            found.append(("response_format", Constraint("json_schema", json_schema_text(
+                spec, "response_format.json_schema", JSON_SCHEMA_FIELDS,
+                default={"type": "object"}))))
         elif fmt["type"] != "text":
             raise InvalidRequest(f"response_format type {shown(fmt['type'])} is not one of 'text', "
                                  "'json_object', 'json_schema'", "response_format.type")
@@ -443,30 +448,27 @@ def _constraint(body: dict[str, Any]) -> Constraint | None:
     return constraint
 
 
-def _json_schema(fmt: dict[str, Any]) -> str:
-    spec = fmt.get("json_schema")
-    param = "response_format.json_schema"
-    if not isinstance(spec, dict):
-        raise InvalidRequest("'response_format.json_schema' must be an object with a 'name' "
-                             "and a 'schema'", param)
+def json_schema_text(spec: dict[str, Any], param: str, fields: frozenset[str],
+                     default: dict[str, Any] | None = None) -> str:
+    """A json_schema output format (`spec`, at `param`; it may hold `fields`) -> its schema as
+    JSON text: `name` checked, `strict` true or false (the output is held to the schema
+    either way, OpenAI's strict), `schema` an object (`default` where it is left out, else
+    required), and `description` refused, since no chat template shows it to the model."""
     if spec.get("description") is not None:
-        raise InvalidRequest("'response_format.json_schema.description' is not shown to the "
-                             "model (no chat template has a place for it); the schema alone "
-                             "holds the output: say what the answer is for in a message",
+        raise InvalidRequest(f"'{param}.description' is not shown to the model (no chat "
+                             "template has a place for it); the schema alone holds the output: "
+                             "say what the answer is for in a message",
                              f"{param}.description", code="unsupported_parameter")
-    refuse_unknown_keys(spec, JSON_SCHEMA_FIELDS, param, "'response_format.json_schema'")
+    refuse_unknown_keys(spec, fields, param, f"'{param}'")
     name = spec.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-        raise InvalidRequest("'response_format.json_schema.name' must be 1-64 letters, digits, "
-                             "'_' or '-'", f"{param}.name")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise InvalidRequest("'response_format.json_schema.strict' must be true or false",
-                             f"{param}.strict")
-    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise InvalidRequest(f"'{param}.name' must be 1-64 letters, digits, '_' or '-'",
+                             f"{param}.name")
+    bool_field(spec, "strict", True, f"{param}.")
+    schema = spec.get("schema", default)
     if not isinstance(schema, dict):
-        raise InvalidRequest("'response_format.json_schema.schema' must be a JSON Schema "
-                             "object", f"{param}.schema")
-    # strict or not, the output is held to the schema (OpenAI's strict: true)
+        raise InvalidRequest(f"'{param}.schema' must be a JSON Schema object",
+                             f"{param}.schema")
     return json.dumps(schema)
 
 
@@ -560,23 +562,36 @@ def _text_part(part: Any, param: str) -> str:
 
 
 def _stream(body: dict[str, Any]) -> dict[str, bool]:
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be true or false", "stream")
-    if body.get("stream_options") is not None and not stream:
+    stream = bool_field(body, "stream", False)
+    options = stream_options(body, stream, STREAM_OPTIONS)
+    include_usage = bool_field(options, "include_usage", False, "stream_options.")
+    return {"stream": stream, "include_usage": stream and include_usage}
+
+
+def stream_options(body: dict[str, Any], stream: bool, fields: frozenset[str]
+                   ) -> dict[str, Any]:
+    """`stream_options`: only with `stream: true`, an object of these keys ({} when none)."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not stream:
         raise InvalidRequest("'stream_options' is only allowed with 'stream': true",
                              "stream_options")
-    options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    refuse_unknown_keys(options, STREAM_OPTIONS, "stream_options", "'stream_options'")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise InvalidRequest("'stream_options.include_usage' must be true or false",
-                             "stream_options.include_usage")
-    return {"stream": stream, "include_usage": stream and include_usage}
+    refuse_unknown_keys(options, fields, "stream_options", "'stream_options'")
+    return options
+
+
+def bool_field(body: dict[str, Any], key: str, default: bool, prefix: str = "") -> bool:
+    """`key` as true or false (`default` when null or left out); `prefix`: where `body` sits
+    in the request, for the 400's name."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{prefix}{key}' must be true or false", prefix + key)
+    return value
 
 
 def _sampling(body: dict[str, Any], max_tokens_key: str | None,
@@ -605,9 +620,7 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
         if max_tokens and min_tokens > max_tokens:
             raise InvalidRequest(f"'min_tokens' ({min_tokens}) exceeds the maximum tokens "
                                  f"({max_tokens})", "min_tokens")
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise InvalidRequest("'ignore_eos' must be true or false", "ignore_eos")
+    ignore_eos = bool_field(body, "ignore_eos", False)
     return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     max_tokens=max_tokens, stop=_stop(body.get("stop")),
                     presence_penalty=number_field(body, "presence_penalty", 0.0, low=-2.0,
@@ -616,7 +629,7 @@ def _sampling(body: dict[str, Any], max_tokens_key: str | None,
                                                    high=2.0),
                     repetition_penalty=repetition, logit_bias=_logit_bias(body.get("logit_bias")),
                     min_p=number_field(body, "min_p", 0.0, low=0.0, high=1.0),
-                    min_tokens=min_tokens, ignore_eos=bool(ignore_eos),
+                    min_tokens=min_tokens, ignore_eos=ignore_eos,
                     stop_token_ids=_token_ids(body))
 
 

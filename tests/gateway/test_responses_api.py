@@ -440,3 +440,21 @@ async def test_an_answer_cut_while_reasoning_counts_its_reasoning(engine, make_g
     assert (r.status, [i.type for i in r.output]) == ("incomplete", ["reasoning"])
     assert r.output[0].content[0].text == "Think hard and"
     assert r.usage.output_tokens_details.reasoning_tokens == 3
+
+
+async def test_each_sampling_and_shape_field_reaches_the_engine(engine, make_gateway):
+    servicer, _ = engine
+    base = await make_gateway()
+    tools = [{"type": "function", "name": "f"}]
+    async with _client(base) as client:
+        r = await client.responses.create(
+            model=MODEL, input="hi", temperature=0.3, top_p=0.5, max_output_tokens=3,
+            tools=tools, parallel_tool_calls=False, background=False, user="u-1",
+            text={"format": {"type": "json_object"}})
+    sent = servicer.requests[-1]
+    assert (round(sent.sampling.temperature, 3), sent.sampling.top_p,
+            sent.sampling.max_tokens) == (0.3, 0.5, 3)
+    assert sent.chat.parallel_tool_calls is False and sent.chat.tool_choice == "auto"
+    assert sent.constraint.json_object is True
+    assert (r.parallel_tool_calls, r.background, r.user, r.text.format.type) == (
+        False, False, "u-1", "json_object")

@@ -5,6 +5,9 @@
                          ──acquire()──> granted | queue_timeout | no_engine
                   ──> Rejected("queue_full" | "no_engine" | "draining")  at once, before any
                       engine work
+    place(ticket, key)  once the body is read: a request with a cache key (prompt_cache_key)
+                        goes to the key's engine where that engine has a slot, so that one
+                        conversation's turns meet their prompt's KV at the same engine
 
 The counts live in a ledger (ledger.py): this process's, or Redis shared by every gateway, where
 each step is one atomic script, so the caps hold exactly across replicas. Waiters here are served
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import math
@@ -73,6 +77,7 @@ class Ticket:
     granted_at: float | None = None
     forwarded: bool = False  # its engine call was made (Admission.forward)
     released: bool = False
+    prefer: str | None = None  # its cache key's engine (place): granted there when it has a slot
     _granted: asyncio.Future[str] | None = field(default=None, repr=False)
 
     @property
@@ -265,6 +270,40 @@ class Admission:
             self.release(ticket)  # also hands on a slot granted in the meantime
             raise
 
+    async def place(self, ticket: Ticket, key: str | None) -> None:
+        """Steer the ticket to its cache key's engine (`key_engine`), where its prompt's
+        prefix is most likely already held: a granted ticket moves there if that engine has a
+        slot (else it stays: load wins over the hint), a queued one is granted there first.
+        With one engine ready, or no key, nothing changes."""
+        engines = self.ready_engines
+        if key is None or len(engines) < 2 or ticket.released:
+            return
+        ticket.prefer = target = key_engine(key, engines)
+        source = ticket.engine
+        if source is None or source == target or ticket.forwarded:
+            return
+        # Shielded: once the ledger is asked, the move's bookkeeping lands even when the
+        # request is cancelled meanwhile (its release then frees the lease where it went).
+        await asyncio.shield(self._move(ticket, source, target))
+
+    async def _move(self, ticket: Ticket, source: str, target: str) -> None:
+        try:
+            moved = await self.ledger.move(ticket.lease, source, target)
+        except Exception:
+            log.exception("moving lease %s to its cache key's engine failed; it stays at %s",
+                          ticket.lease, source)
+            return
+        if not moved:
+            return
+        if ticket.released:  # released at the source meanwhile: free it where it went
+            self._ledger_release(ticket.lease, target)
+            return
+        for counts in (self._inflight, self._unforwarded):
+            counts[source] -= 1
+            counts[target] = counts.get(target, 0) + 1
+        ticket.engine = target
+        self._wake()  # the source's slot is free for a waiter
+
     def forward(self, ticket: Ticket) -> int:
         """The granted ticket's engine call is being made; returns how many requests this
         gateway has taken in for the same engine and forwards after it (granted ones, and
@@ -323,7 +362,7 @@ class Admission:
                 if not engines:
                     break
                 try:
-                    engine = await self.ledger.grant_queued(ticket.lease, engines)
+                    engine = await self.ledger.grant_queued(ticket.lease, engines, ticket.prefer)
                 except Exception:
                     log.exception("granting a queued request failed; retrying")
                     break
@@ -376,6 +415,13 @@ class Admission:
     def _no_engine(self) -> Rejected:
         return Rejected(NO_ENGINE, self.retry_after_s(),
                         "no engine is ready; the gateway retries them every few seconds")
+
+
+def key_engine(key: str, engines: Iterable[str]) -> str:
+    """The engine a cache key belongs to: rendezvous hashing, so every gateway replica picks the
+    same one with no shared state, and an engine that leaves or joins moves only its own keys."""
+    return max(engines, key=lambda engine: hashlib.blake2b(
+        f"{key}\0{engine}".encode(), digest_size=8).digest())
 
 
 class RejectionLog:

@@ -8,6 +8,9 @@ locally, one Lua script in Redis), so the caps hold exactly however many gateway
                          else room in the queue (length and queued tokens) -> queued
                          else rejected
     grant_queued(lease)  an engine below max_inflight -> granted, the lease leaves the queue
+                         (the preferred engine when it has a slot, else the least loaded)
+    move(lease, a, b)    a granted lease goes from engine a to engine b if b is below
+                         max_inflight (prompt_cache_key's engine, admission.place)
     release(lease)       the lease is gone (queued or granted)
 
 Redis leases expire after `lease_ttl_s` unless renewed, so the slots of a gateway that dies come
@@ -66,7 +69,12 @@ class LocalLedger:
     def num_waiting(self) -> int:
         return len(self.queued)
 
-    def _least_loaded(self, engines: Sequence[str]) -> str | None:
+    def _has_slot(self, engine: str) -> bool:
+        return len(self.inflight.get(engine, ())) < self.limits.max_inflight
+
+    def _least_loaded(self, engines: Sequence[str], prefer: str | None = None) -> str | None:
+        if prefer in engines and self._has_slot(prefer):
+            return prefer
         loads = {e: len(self.inflight.get(e, ())) for e in engines}
         free = [e for e in engines if loads[e] < self.limits.max_inflight]
         return min(free, key=loads.__getitem__, default=None)
@@ -94,11 +102,18 @@ class LocalLedger:
             return Entered(None, True, len(self.queued))
         return Entered(None, False, len(self.queued))
 
-    async def grant_queued(self, lease: str, engines: Sequence[str]) -> str | None:
-        engine = self._least_loaded(engines)
+    async def grant_queued(self, lease: str, engines: Sequence[str],
+                           prefer: str | None = None) -> str | None:
+        engine = self._least_loaded(engines, prefer)
         if engine is not None:
             self.force_grant(lease, engine)
         return engine
+
+    async def move(self, lease: str, source: str, target: str) -> bool:
+        if lease not in self.inflight.get(source, ()) or not self._has_slot(target):
+            return False
+        self.force_move(lease, source, target)
+        return True
 
     async def release(self, lease: str, engine: str | None) -> None:
         self.queued.pop(lease, None)
@@ -112,6 +127,10 @@ class LocalLedger:
     def force_enqueue(self, lease: str, tokens: int) -> None:
         self.queued[lease] = tokens
 
+    def force_move(self, lease: str, source: str, target: str) -> None:
+        self.inflight.get(source, set()).discard(lease)
+        self.inflight.setdefault(target, set()).add(lease)
+
 
 # KEYS: queue zset, queued-tokens hash, inflight zset per candidate engine.
 # Scores are lease expiry times (ms, Redis clock); expired leases are purged before counting.
@@ -124,7 +143,11 @@ for _, m in ipairs(expired) do
   redis.call('ZREM', KEYS[1], m)
   redis.call('HDEL', KEYS[2], m)
 end
-local function least_loaded(max_inflight)
+local function least_loaded(max_inflight, prefer)
+  if prefer and prefer >= 3 and prefer <= #KEYS then
+    redis.call('ZREMRANGEBYSCORE', KEYS[prefer], '-inf', now)
+    if redis.call('ZCARD', KEYS[prefer]) < max_inflight then return prefer end
+  end
   local best, best_n = 0, max_inflight
   for i = 3, #KEYS do
     redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
@@ -156,9 +179,10 @@ if waiting < tonumber(ARGV[3]) and
 end
 return {0, -1, waiting}
 """
-# ARGV: lease, max_inflight, ttl_ms -> engine index (0-based) or -1
+# ARGV: lease, max_inflight, ttl_ms, preferred engine index (0-based) or -1
+# -> engine index (0-based) or -1
 _GRANT = _PRELUDE + """
-local best = least_loaded(tonumber(ARGV[2]))
+local best = least_loaded(tonumber(ARGV[2]), tonumber(ARGV[4]) + 3)
 if best == 0 then return -1 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
@@ -172,6 +196,18 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
 return 0
+"""
+# KEYS: the source engine's inflight zset, the target's. ARGV: lease, max_inflight, ttl_ms.
+# -> 1 moved, 0 not (the target is full, or the lease is no longer at the source)
+_MOVE = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[2]) then return 0 end
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+return 1
 """
 # KEYS: queued-tokens hash, then one zset per lease. ARGV: ttl_ms, 'xx' (renew) or 'add'
 # (re-register), then lease, tokens ('' for a granted lease) pairs.
@@ -215,6 +251,7 @@ class RedisLedger:
         self._grant = self.redis.register_script(_GRANT)
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
+        self._move = self.redis.register_script(_MOVE)
         self._queue_keys = [KEY_PREFIX + "queue", KEY_PREFIX + "queued_tokens"]
 
     @staticmethod
@@ -229,10 +266,18 @@ class RedisLedger:
             self.lease_ttl_ms])
         return Entered(engines[index] if kind == 1 else None, kind == 2, int(waiting))
 
-    async def grant_queued(self, lease: str, engines: Sequence[str]) -> str | None:
+    async def grant_queued(self, lease: str, engines: Sequence[str],
+                           prefer: str | None = None) -> str | None:
         keys = self._queue_keys + [self.inflight_key(e) for e in engines]
-        index = await self._grant(keys, [lease, self.limits.max_inflight, self.lease_ttl_ms])
+        preferred = engines.index(prefer) if prefer in engines else -1
+        index = await self._grant(keys, [lease, self.limits.max_inflight, self.lease_ttl_ms,
+                                         preferred])
         return engines[index] if index >= 0 else None
+
+    async def move(self, lease: str, source: str, target: str) -> bool:
+        keys = [self.inflight_key(source), self.inflight_key(target)]
+        return bool(await self._move(keys, [lease, self.limits.max_inflight,
+                                            self.lease_ttl_ms]))
 
     async def release(self, lease: str, engine: str | None) -> None:
         keys = self._queue_keys if engine is None else [*self._queue_keys,
@@ -325,17 +370,30 @@ class SharedLedger:
         gateway's together fill them too."""
         return self.local.refuses(engines, tokens, pending)
 
-    async def grant_queued(self, lease: str, engines: Sequence[str]) -> str | None:
+    async def grant_queued(self, lease: str, engines: Sequence[str],
+                           prefer: str | None = None) -> str | None:
         if self.shared:
             try:
-                engine = await self.remote.grant_queued(lease, engines)
+                engine = await self.remote.grant_queued(lease, engines, prefer)
             except (RedisError, OSError) as exc:
                 self._fall_back(exc)
             else:
                 if engine is not None:
                     self.local.force_grant(lease, engine)
                 return engine
-        return await self.local.grant_queued(lease, engines)
+        return await self.local.grant_queued(lease, engines, prefer)
+
+    async def move(self, lease: str, source: str, target: str) -> bool:
+        if self.shared:
+            try:
+                moved = await self.remote.move(lease, source, target)
+            except (RedisError, OSError) as exc:
+                self._fall_back(exc)
+                return False  # it stays where it is, in Redis and here
+            if moved:
+                self.local.force_move(lease, source, target)
+            return moved
+        return await self.local.move(lease, source, target)
 
     async def release(self, lease: str, engine: str | None) -> None:
         await self.local.release(lease, engine)

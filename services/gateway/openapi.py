@@ -16,6 +16,7 @@ from services.gateway.responses_api import (
     MAX_METADATA_VALUE_CHARS,
 )
 from services.gateway.schemas import (
+    MAX_CACHE_KEY_CHARS,
     MAX_CHOICES,
     MAX_DETOKENIZE_TOKENS,
     MAX_GRAMMAR_CHARS,
@@ -108,6 +109,11 @@ _SAMPLING = {
     "safety_identifier": {"type": ["string", "null"], "maxLength": MAX_USER_CHARS,
                           "description": "OpenAI's current name for user; the one taken when "
                                         "both are given"},
+    "prompt_cache_key": {"type": ["string", "null"], "minLength": 1,
+                         "maxLength": MAX_CACHE_KEY_CHARS,
+                         "description": "requests with the same key go to the same engine "
+                                        "while it has a free slot, so that they reuse their "
+                                        "shared prefix there (with one engine: always)"},
 }
 
 _REASONING_EFFORT = {"enum": [*REASONING_EFFORTS, None],
@@ -165,6 +171,9 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
                      "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
     "user": _SAMPLING["user"],
     "safety_identifier": _SAMPLING["safety_identifier"],
+    "prompt_cache_key": {**_SAMPLING["prompt_cache_key"], "description": (
+        _SAMPLING["prompt_cache_key"]["description"] + "; without one, a stored "
+        "conversation's turns go to one engine")},
     "truncation": {"enum": ["disabled", "auto", None],
                    "description": "auto: the conversation's oldest turns are left out of the "
                                   "prompt until it fits the context window"},

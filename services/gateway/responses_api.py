@@ -38,6 +38,7 @@ from services.gateway.schemas import (
     Message,
     Sampling,
     bool_field,
+    cache_key,
     end_user,
     int_field,
     json_schema_text,
@@ -54,7 +55,7 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
     "store", "metadata", "previous_response_id", "text", "tools", "tool_choice",
     "parallel_tool_calls", "top_logprobs", "include", "user", "safety_identifier", "truncation",
-    "background", "reasoning", "stream_options"})
+    "background", "reasoning", "stream_options", "prompt_cache_key"})
 # POST /v1/responses/input_tokens: what shapes the prompt (text.format adds no tokens here: the
 # grammar holds the output, nothing is written into the prompt)
 INPUT_TOKENS_FIELDS = frozenset({
@@ -104,6 +105,16 @@ class ResponsesInput(GenerateInput):
     @property
     def conversation(self) -> tuple[dict[str, Any], ...]:
         return (*self.context, *self.input_items)
+
+    @property
+    def placement_key(self) -> str | None:
+        """prompt_cache_key, else the conversation's first response: a stored conversation's
+        turns go to one engine, where its prefix is (an unstored lone turn: any engine)."""
+        if self.cache_key is not None:
+            return self.cache_key
+        if self.ancestors:
+            return self.ancestors[0]
+        return self.response_id if self.store else None
 
     def with_context(self, context: Sequence[dict[str, Any]], dropped: int = 0
                      ) -> ResponsesInput:
@@ -177,7 +188,7 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     return ResponsesInput(
         reasoning_effort=_reasoning(body.get("reasoning")),
         model=model_field(body), sampling=sampling, stream=stream, constraint=constraint,
-        tools=tools, user=end_user(body),
+        tools=tools, user=end_user(body), cache_key=cache_key(body),
         response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
         instructions=instructions, previous_response_id=previous, store=store,
         metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
@@ -526,6 +537,7 @@ class ResponseBuilder:
             "metadata": spec.metadata, "model": spec.model, "output": self.output,
             "parallel_tool_calls": spec.tools.parallel if spec.tools else True,
             "previous_response_id": spec.previous_response_id,
+            "prompt_cache_key": spec.cache_key,
             "reasoning": {"effort": spec.reasoning_effort or None, "summary": None},
             "store": spec.store, "temperature": spec.sampling.temperature,
             "text": {"format": spec.text_format}, "tool_choice": spec.tool_choice_given,

@@ -45,6 +45,7 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 # The deprecated forms of tools / tool_choice: refused by name, never ignored.
 LEGACY_TOOL_FIELDS = ("functions", "function_call")
 MAX_USER_CHARS = 256
+MAX_CACHE_KEY_CHARS = 256
 # The fields each endpoint reads. Any other is refused by name (a request field is implemented
 # or refused, never silently ignored); openapi.py's request schemas list exactly these, with
 # additionalProperties false (tests/gateway/test_openapi.py holds the two equal).
@@ -52,7 +53,7 @@ COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
     "n", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
     "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "response_format", "user",
-    "logprobs", "safety_identifier", *GUIDED_FIELDS})
+    "logprobs", "safety_identifier", "prompt_cache_key", *GUIDED_FIELDS})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                "tool_choice", "parallel_tool_calls", "reasoning_effort",
                                "chat_template_kwargs"}
@@ -134,10 +135,18 @@ class GenerateInput:
     template_kwargs_json: str = ""
     reasoning_effort: str = ""
     suffix: str = ""  # /v1/completions: fill in the middle between each prompt and this
+    # prompt_cache_key: requests with the same key go to the same engine where it has a slot
+    # (admission.place), so that their shared prefix is reused there
+    cache_key: str | None = None
 
     @property
     def is_chat(self) -> bool:
         return not self.prompts
+
+    @property
+    def placement_key(self) -> str | None:
+        """The key that steers the request to an engine (admission.place); None: any."""
+        return self.cache_key
 
     @property
     def prompt(self) -> Prompt | None:
@@ -176,7 +185,7 @@ def parse_chat(body: Any) -> GenerateInput:
     return GenerateInput(
         model=model_field(body), messages=parsed, **_stream(body), n=_choices(body),
         sampling=replace(sampling, logprobs=logprobs, top_logprobs=top_logprobs),
-        constraint=constraint, tools=tools, user=end_user(body),
+        constraint=constraint, tools=tools, user=end_user(body), cache_key=cache_key(body),
         template_kwargs_json=template_kwargs(body.get("chat_template_kwargs")),
         reasoning_effort=reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"))
 
@@ -243,7 +252,8 @@ def parse_completion(body: Any) -> GenerateInput:
         sampling = replace(sampling, logprobs=True, top_logprobs=top_logprobs)
     return GenerateInput(model=model_field(body), prompts=prompts, **_stream(body), n=n,
                          sampling=sampling, constraint=_constraint(body), user=end_user(body),
-                         echo=echo, echo_only=echo_only, suffix=suffix or "")
+                         cache_key=cache_key(body), echo=echo, echo_only=echo_only,
+                         suffix=suffix or "")
 
 
 def _prompts(prompt: Any) -> tuple[Prompt, ...]:
@@ -405,6 +415,16 @@ def end_user(body: dict[str, Any]) -> str | None:
             raise InvalidRequest(f"'{key}' must be a string of at most {MAX_USER_CHARS} "
                                  "characters", key)
     return body.get("safety_identifier") or body.get("user")
+
+
+def cache_key(body: dict[str, Any]) -> str | None:
+    """`prompt_cache_key`: the engine that keeps a conversation's prefix (admission.place)."""
+    value = body.get("prompt_cache_key")
+    if value is not None and (not isinstance(value, str) or not value
+                              or len(value) > MAX_CACHE_KEY_CHARS):
+        raise InvalidRequest(f"'prompt_cache_key' must be a non-empty string of at most "
+                             f"{MAX_CACHE_KEY_CHARS} characters", "prompt_cache_key")
+    return value
 
 
 def _constraint(body: dict[str, Any]) -> Constraint | None:

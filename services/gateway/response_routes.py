@@ -6,6 +6,8 @@ responses over HTTP (`GET` and `DELETE /v1/responses/{id}`, `GET
 from __future__ import annotations
 
 import hashlib
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +19,7 @@ from services.gateway.engine_client import chat_input
 from services.gateway.engines import ready_engine, tokenizer_call
 from services.gateway.errors import GatewayError, InvalidRequest
 from services.gateway.responses_api import ResponsesInput, conversation, input_items_page
+from services.gateway.schemas import MAX_MESSAGES
 from services.gateway.state import CONFIG, POOL, RESPONSE_STORE
 
 
@@ -59,13 +62,24 @@ async def as_prompted(request: web.Request, spec: ResponsesInput) -> ResponsesIn
 
 async def _fit(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
     """The conversation cut at the earliest turn from which it fits the context window (the
-    engine counts each candidate through the chat template: a binary search over the cuts).
-    Where even its last turn does not fit, that turn alone goes on, for the engine's 400."""
+    engine counts each candidate through the chat template: a binary search over the cuts)
+    and Strata's MAX_MESSAGES. Where even its last turn does not fit the window, that turn
+    alone goes on, for the engine's 400."""
     app = request.app
+    cuts = [0, *spec.turn_starts()]
+
+    def few_enough(dropped: int) -> bool:
+        return len(spec.with_context(spec.context, dropped).messages) <= MAX_MESSAGES
+
+    first = await _first(cuts, few_enough)
+    if not few_enough(cuts[first]):
+        raise InvalidRequest(f"even the conversation's last turn is over {MAX_MESSAGES} "
+                             "messages; start a new one", "input")
+    cuts = cuts[first:]
     address = await ready_engine(app, spec.model)
     status = app[POOL].statuses.get(address)
     if status is None or not status.context_window:
-        return spec
+        return spec.with_context(spec.context, cuts[0])
 
     async def fits(dropped: int) -> bool:
         candidate = spec.with_context(spec.context, dropped)
@@ -73,17 +87,27 @@ async def _fit(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
                                    engine_pb2.TokenizeRequest(chat=chat_input(candidate)))
         return len(ids.ids) < status.context_window
 
-    cuts = spec.turn_starts()
-    if not cuts or await fits(0):
-        return spec
-    low, high = 0, len(cuts) - 1  # the answer: the first cut that fits, else the last
+    return spec.with_context(spec.context, cuts[await _first(cuts, fits)])
+
+
+async def _first(cuts: list[int], holds: Callable[[int], bool | Awaitable[bool]]) -> int:
+    """The index of the first cut for which `holds` (true of every later cut once of one),
+    else the last: the first cut alone when it holds (the usual case), else a binary search."""
+
+    async def ask(cut: int) -> bool:
+        answer = holds(cut)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    if await ask(cuts[0]):
+        return 0
+    low, high = 1, len(cuts) - 1
     while low < high:
         mid = (low + high) // 2
-        if await fits(cuts[mid]):
+        if await ask(cuts[mid]):
             high = mid
         else:
             low = mid + 1
-    return spec.with_context(spec.context, cuts[low])
+    return low
 
 
 async def with_previous(request: web.Request, spec: ResponsesInput) -> ResponsesInput:

@@ -123,7 +123,7 @@ class ResponsesInput(GenerateInput):
         messages = items_to_messages([*context, *self.input_items][dropped:])
         if self.instructions:
             messages = [Message("system", self.instructions), *messages]
-        if len(messages) > MAX_MESSAGES:
+        if len(messages) > MAX_MESSAGES and self.truncation != "auto":  # auto: _fit cuts
             raise InvalidRequest(f"the conversation has {len(messages)} messages; at most "
                                  f"{MAX_MESSAGES}: start a new one", "previous_response_id"
                                  if context else "input")

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from services.gateway.response_store import LocalResponseStore
+from services.gateway.schemas import MAX_MESSAGES
 
 from .conftest import MODEL, real_engine
 
@@ -382,6 +383,29 @@ async def test_truncation_auto_leaves_out_the_oldest_turns_that_do_not_fit(engin
             await client.responses.create(model=MODEL, truncation="auto",
                                           input=[*turns, {"role": "user",
                                                           "content": "x " * 40}])
+
+
+async def test_truncation_auto_also_keeps_a_conversation_within_the_message_cap(
+        engine, make_gateway):
+    """Past MAX_MESSAGES a continued conversation is a 400 naming previous_response_id, and
+    with truncation "auto" it loses its oldest turns instead, as past the context window."""
+    servicer, _ = engine
+    servicer.context_window = 10**6
+    base = await make_gateway()
+    async with _client(base) as client:
+        first = await client.responses.create(
+            model=MODEL, input=[{"role": "user", "content": f"u{i}"} for i in range(4000)])
+        more = [{"role": "user", "content": f"v{i}"} for i in range(200)]
+        with pytest.raises(openai.BadRequestError) as too_many:
+            await client.responses.create(model=MODEL, previous_response_id=first.id,
+                                          input=more)
+        assert too_many.value.body["param"] == "previous_response_id"
+        await client.responses.create(model=MODEL, previous_response_id=first.id, input=more,
+                                      truncation="auto", instructions="be brief")
+        sent = servicer.requests[-1].chat.messages
+        assert len(sent) == MAX_MESSAGES and sent[0].role == "system"
+        assert [m.content for m in sent[-2:]] == ["v198", "v199"]
+        assert sent[1].content == f"u{4000 + 1 + 200 + 1 - MAX_MESSAGES}"  # the oldest kept
 
 
 async def test_a_conversation_stores_each_turn_once(engine, make_gateway, redis_server):

@@ -5,6 +5,9 @@
                          ──acquire()──> granted | queue_timeout | no_engine
                   ──> Rejected("queue_full" | "no_engine" | "draining")  at once, before any
                       engine work
+    reestimate(ticket, tokens)  once the body is read and the prompt is known better (a
+                        Responses conversation continued from the store): a queued ticket's
+                        tokens are counted again against max_queued_tokens, 429 if over
     place(ticket, key)  once the body is read: a request with a cache key (prompt_cache_key)
                         goes to the key's engine where that engine has a slot, so that one
                         conversation's turns meet their prompt's KV at the same engine
@@ -269,6 +272,21 @@ class Admission:
         except asyncio.CancelledError:
             self.release(ticket)  # also hands on a slot granted in the meantime
             raise
+
+    async def reestimate(self, ticket: Ticket, tokens: int) -> None:
+        """The ticket's prompt is `tokens` after all (it was estimated from its body before the
+        body was read). A ticket still queued counts them against the queued tokens; where
+        they do not fit, it leaves the queue and Rejected (429) is raised."""
+        if tokens <= ticket.tokens or ticket.released:
+            return
+        ticket.tokens = tokens
+        if ticket.engine is not None or ticket.ticket_id not in self._waiting:
+            return
+        if await self.ledger.requeue(ticket.lease, tokens):
+            return
+        self.release(ticket)
+        raise self._queue_full(self._shared_waiting if self.ledger.mode == "redis"
+                               else self.num_waiting, tokens)
 
     async def place(self, ticket: Ticket, key: str | None) -> None:
         """Steer the ticket to its cache key's engine (`key_engine`), where its prompt's

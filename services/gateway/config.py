@@ -80,7 +80,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("queue_timeout_s", "STRATA_QUEUE_TIMEOUT_S", positive_float, 30.0,
             "longest a request waits in the queue before a 429"),
     Setting("max_queued_tokens", "STRATA_MAX_QUEUED_TOKENS", positive_int, 131072,
-            "estimated prompt tokens waiting in the queue (body bytes / 4); beyond it: 429"),
+            "estimated prompt tokens waiting in the queue (body bytes / 4; a continued "
+            "Responses conversation: its text / 4); beyond it: 429"),
     Setting("api_keys", "STRATA_API_KEYS", _keys, frozenset(),
             "accepted bearer API keys, comma-separated; empty (and no key file) disables auth"),
     Setting("api_keys_file", "STRATA_API_KEYS_FILE", load_key_file, None,

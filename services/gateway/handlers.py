@@ -3,7 +3,8 @@
     (middlewares: request id, trace, body limit, auth)
     -> estimate prompt tokens from the body size -> admission.enter()   429/503 here, before
        the body is parsed or tokenized
-    -> read + parse body -> check model -> admission.place() (prompt_cache_key's engine)
+    -> read + parse body -> check model -> admission.reestimate() (a stored conversation's
+       prompt) -> admission.place() (prompt_cache_key's engine)
     -> admission.acquire() (queue deadline)
     -> engine Generate (deadline, request id, traceparent) -> JSON body | SSE stream -> release
     -> request metrics (GenAI conventions: duration, TTFT, time per output token, token usage)
@@ -243,6 +244,7 @@ async def _answer(request: web.Request, endpoint: _Endpoint,
             await pool.probe_all()
             if spec.model not in (served := await served_models(app)):
                 raise ModelNotFound(spec.model, served)
+        await admission.reestimate(ticket, spec.prompt_estimate)
         await admission.place(ticket, spec.placement_key)
         engine = await admission.acquire(ticket, min(config.queue_timeout_s,
                                                      deadline - clock()))

@@ -9,6 +9,9 @@ locally, one Lua script in Redis), so the caps hold exactly however many gateway
                          else rejected
     grant_queued(lease)  an engine below max_inflight -> granted, the lease leaves the queue
                          (the preferred engine when it has a slot, else the least loaded)
+    requeue(lease, t)    a queued lease's estimate becomes t tokens, if the queued tokens stay
+                         under max_queued_tokens (or it is alone in the queue); else it is
+                         refused and stays as it was (a lease no longer queued: accepted)
     move(lease, a, b)    a granted lease goes from engine a to engine b if b is below
                          max_inflight (prompt_cache_key's engine, admission.place)
     release(lease)       the lease is gone (queued or granted)
@@ -109,6 +112,15 @@ class LocalLedger:
             self.force_grant(lease, engine)
         return engine
 
+    async def requeue(self, lease: str, tokens: int) -> bool:
+        if lease not in self.queued:
+            return True
+        others = sum(self.queued.values()) - self.queued[lease]
+        if len(self.queued) > 1 and others + tokens > self.limits.max_queued_tokens:
+            return False
+        self.queued[lease] = tokens
+        return True
+
     async def move(self, lease: str, source: str, target: str) -> bool:
         if lease not in self.inflight.get(source, ()) or not self._has_slot(target):
             return False
@@ -197,6 +209,18 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
 return 0
 """
+# KEYS: queue zset, queued-tokens hash. ARGV: lease, max_queued_tokens, tokens.
+# -> 1 accepted (or no longer queued), 0 refused
+_REQUEUE = """
+local old = redis.call('HGET', KEYS[2], ARGV[1])
+if not old or not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 1 end
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + tonumber(v) end
+if redis.call('ZCARD', KEYS[1]) > 1 and
+   total - tonumber(old) + tonumber(ARGV[3]) > tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+return 1
+"""
 # KEYS: the source engine's inflight zset, the target's. ARGV: lease, max_inflight, ttl_ms.
 # -> 1 moved, 0 not (the target is full, or the lease is no longer at the source)
 _MOVE = """
@@ -252,6 +276,7 @@ class RedisLedger:
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
         self._move = self.redis.register_script(_MOVE)
+        self._requeue = self.redis.register_script(_REQUEUE)
         self._queue_keys = [KEY_PREFIX + "queue", KEY_PREFIX + "queued_tokens"]
 
     @staticmethod
@@ -273,6 +298,10 @@ class RedisLedger:
         index = await self._grant(keys, [lease, self.limits.max_inflight, self.lease_ttl_ms,
                                          preferred])
         return engines[index] if index >= 0 else None
+
+    async def requeue(self, lease: str, tokens: int) -> bool:
+        return bool(await self._requeue(self._queue_keys, [
+            lease, self.limits.max_queued_tokens, tokens]))
 
     async def move(self, lease: str, source: str, target: str) -> bool:
         keys = [self.inflight_key(source), self.inflight_key(target)]
@@ -382,6 +411,18 @@ class SharedLedger:
                     self.local.force_grant(lease, engine)
                 return engine
         return await self.local.grant_queued(lease, engines, prefer)
+
+    async def requeue(self, lease: str, tokens: int) -> bool:
+        if self.shared:
+            try:
+                accepted = await self.remote.requeue(lease, tokens)
+            except (RedisError, OSError) as exc:
+                self._fall_back(exc)
+            else:
+                if accepted and lease in self.local.queued:
+                    self.local.queued[lease] = tokens
+                return accepted
+        return await self.local.requeue(lease, tokens)
 
     async def move(self, lease: str, source: str, target: str) -> bool:
         if self.shared:

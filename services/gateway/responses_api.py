@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from services.gateway.admission import estimate_prompt_tokens
 from services.gateway.errors import InvalidRequest, first_unknown, refuse_unknown_keys
 from services.gateway.responses import Figures, logprob_entry
 from services.gateway.schemas import (
@@ -105,6 +106,16 @@ class ResponsesInput(GenerateInput):
     @property
     def conversation(self) -> tuple[dict[str, Any], ...]:
         return (*self.context, *self.input_items)
+
+    @property
+    def prompt_estimate(self) -> int:
+        """A continued conversation's prompt is mostly in the store, not the body: its
+        messages' text, counted as admission counts a body."""
+        if not self.context:
+            return 0
+        return estimate_prompt_tokens(sum(
+            len(m.content) + len(m.reasoning_content)
+            + sum(len(c.name) + len(c.arguments) for c in m.tool_calls) for m in self.messages))
 
     @property
     def placement_key(self) -> str | None:

@@ -144,6 +144,12 @@ class GenerateInput:
         return not self.prompts
 
     @property
+    def prompt_estimate(self) -> int:
+        """Prompt tokens estimated once the request is parsed, where its body's size (what
+        admission counted) falls short of its prompt; 0: the body says."""
+        return 0
+
+    @property
     def placement_key(self) -> str | None:
         """The key that steers the request to an engine (admission.place); None: any."""
         return self.cache_key

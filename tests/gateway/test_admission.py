@@ -241,3 +241,48 @@ async def test_refusal_answers_without_a_ticket_what_enter_raises():
     assert admission.refusal().reason == "draining"
     admission.release(running)
     admission.release(queued)
+
+
+async def test_a_queued_tickets_new_estimate_counts_against_the_queued_tokens():
+    """A prompt known better once the body is read (a stored conversation continued) is
+    counted again while the ticket waits: within the cap it stays, over it the ticket leaves
+    the queue with a 429's Rejected; a granted ticket is past the queue."""
+    admission = make(max_inflight=1, max_queue=4, max_queued_tokens=100)
+    running = await admission.enter(10)
+    first, second = await admission.enter(10), await admission.enter(10)
+    assert (first.engine, second.engine, admission.num_waiting) == (None, None, 2)
+    await admission.reestimate(second, 90)  # 10 + 90: within the cap
+    assert admission.ledger.queued[second.lease] == 90
+    with pytest.raises(Rejected) as info:
+        await admission.reestimate(second, 91)
+    assert info.value.reason == "queue_full" and "~91" in str(info.value)
+    assert second.released and admission.num_waiting == 1
+    await settle()  # its release reaches the ledger
+    await admission.reestimate(first, 10**6)  # alone in the queue: it fits, as at enter
+    await admission.reestimate(running, 10**6)
+    assert running.engine == "e0" and not running.released
+    for ticket in (running, first):
+        admission.release(ticket)
+    await settle()
+    assert admission.ledger.queued == {} and admission.ledger.inflight == {"e0": set()}
+
+
+async def test_redis_ledger_requeues_as_the_local_one(redis_server):
+    from services.gateway.ledger import RedisLedger
+
+    limits = Limits(max_inflight=1, max_queue=4, max_queued_tokens=100)
+    a = RedisLedger(redis_server.url, limits, lease_ttl_s=30)
+    b = RedisLedger(redis_server.url, limits, lease_ttl_s=30)  # a second gateway
+    assert (await a.enter("a:1", ["e0"], 10)).engine == "e0"
+    assert (await a.enter("a:2", ["e0"], 10)).queued
+    assert await b.requeue("a:2", 500)  # alone in the queue
+    assert (await b.enter("b:1", ["e0"], 10)).rejected  # 500 queued already
+    await b.requeue("a:2", 10)
+    assert (await b.enter("b:1", ["e0"], 10)).queued
+    assert await b.requeue("b:1", 90) and not await b.requeue("b:1", 91)
+    assert await a.requeue("a:1", 10**6)  # granted: past the queue
+    assert await a.redis.hget(a._queue_keys[1], "b:1") == b"90"
+    for lease, engine in (("a:1", "e0"), ("a:2", None), ("b:1", None)):
+        await a.release(lease, engine)
+    await a.close()
+    await b.close()

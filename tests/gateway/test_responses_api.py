@@ -5,6 +5,7 @@ failures), stored responses (read back, continued, deleted; per API key; through
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -15,6 +16,7 @@ from services.gateway.response_store import LocalResponseStore
 from services.gateway.schemas import MAX_MESSAGES
 
 from .conftest import MODEL, real_engine
+from .test_overload import _wait_for
 
 
 def _client(base: str, key: str = "unused") -> openai.AsyncOpenAI:
@@ -482,3 +484,31 @@ async def test_each_sampling_and_shape_field_reaches_the_engine(engine, make_gat
     assert sent.constraint.json_object is True
     assert (r.parallel_tool_calls, r.background, r.user, r.text.format.type) == (
         False, False, "u-1", "json_object")
+
+
+async def test_a_continuation_waits_in_the_queue_at_its_conversations_size(engine, make_gateway):
+    """Admission counts a request's body before reading it; a short body that continues a
+    long stored conversation is counted again once its prompt is known, so the queued tokens
+    stay under --max-queued-tokens: 429 queue_full where a fresh body of its size would wait."""
+    servicer, _ = engine
+    servicer.context_window = 10**6
+    base = await make_gateway(max_inflight=1, max_queue=4, max_queued_tokens=2000)
+    async with _client(base) as client, aiohttp.ClientSession() as http:
+        long = await client.responses.create(model=MODEL, input="word " * 4000)  # ~5000 tokens
+        servicer.hold = asyncio.Event()
+        body = {"model": MODEL, "input": "and?"}
+        waiting = [asyncio.create_task(http.post(base + "/v1/responses", json=body))
+                   for _ in range(2)]  # one runs, one waits
+        await _wait_for(lambda: servicer.running == 1)
+        await asyncio.sleep(0.05)
+        async with http.post(base + "/v1/responses", json={
+                **body, "previous_response_id": long.id}) as refused:
+            assert refused.status == 429 and refused.headers["x-strata-drop-reason"] == \
+                "queue_full" and int(refused.headers["Retry-After"]) >= 1
+            assert "~5" in (await refused.json())["error"]["message"]
+        fresh = asyncio.create_task(http.post(base + "/v1/responses", json=body))
+        await asyncio.sleep(0.1)
+        servicer.hold.set()
+        for response in [*(await asyncio.gather(*waiting)), await fresh]:
+            assert response.status == 200
+            response.release()

@@ -512,3 +512,48 @@ async def test_a_continuation_waits_in_the_queue_at_its_conversations_size(engin
         for response in [*(await asyncio.gather(*waiting)), await fresh]:
             assert response.status == 200
             response.release()
+
+
+async def test_a_coding_agents_turns_as_codex_sends_them(engine, make_gateway):
+    """The request an agent such as Codex CLI sends for gpt-oss: instructions, function tools
+    that are not strict, no parallel calls, store false, streamed, an empty include and a
+    prompt_cache_key; the next turn sends back the reasoning item (encrypted_content null), the
+    call and its output as the input, with no previous_response_id."""
+    servicer, _ = engine
+    servicer.tool_call_format = "harmony"
+    servicer.tokens = ["<|channel|>analysis<|message|>", "List the files.", "<|end|>",
+                       "<|start|>assistant<|channel|>commentary to=functions.shell "
+                       "<|constrain|>json<|message|>", '{"command": ["ls"]}']
+    shell = {"type": "function", "name": "shell", "description": "Runs a shell command",
+             "strict": False, "parameters": {
+                 "type": "object", "properties": {
+                     "command": {"type": "array", "items": {"type": "string"}},
+                     "workdir": {"type": "string"}, "timeout_ms": {"type": "number"}},
+                 "required": ["command"], "additionalProperties": False}}
+    turn = {"model": MODEL, "instructions": "You are a coding agent.", "tools": [shell],
+            "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": None,
+            "store": False, "stream": True, "include": [],
+            "prompt_cache_key": "0199b5a4-5f51-7f31-a0ad-3b0a1c9e6d42"}
+    user = {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "what is here?"}]}
+    base = await make_gateway(stream_interval_ms=0)
+    async with _client(base) as client:
+        stream = await client.responses.create(input=[user], **turn)
+        done = [e async for e in stream][-1].response
+        reasoning, call = done.output
+        assert (reasoning.type, call.type, call.name) == ("reasoning", "function_call", "shell")
+        assert json.loads(call.arguments) == {"command": ["ls"]}
+        assert done.prompt_cache_key == turn["prompt_cache_key"]
+        servicer.tokens = ["<|channel|>final<|message|>", "A README."]
+        history = [user, {**reasoning.model_dump(exclude_none=True), "encrypted_content": None},
+                   call.model_dump(exclude_none=True),
+                   {"type": "function_call_output", "call_id": call.call_id,
+                    "output": "README.md"}]
+        stream = await client.responses.create(input=history, **turn)
+        assert [e async for e in stream][-1].response.output_text == "A README."
+    sent = servicer.requests[-1].chat
+    assert [(m.role, m.content, m.reasoning_content) for m in sent.messages] == [
+        ("system", "You are a coding agent.", ""), ("user", "what is here?", ""),
+        ("assistant", "", "List the files."), ("tool", "README.md", "")]
+    assert sent.messages[2].tool_calls[0].name == "shell"
+    assert json.loads(sent.tools_json)[0]["function"]["strict"] is False

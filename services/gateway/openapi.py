@@ -10,10 +10,12 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.responses_api import (
+    INCLUDES,
     LOGPROBS_INCLUDE,
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_KEYS,
     MAX_METADATA_VALUE_CHARS,
+    REASONING_INCLUDE,
 )
 from services.gateway.schemas import (
     MAX_CACHE_KEY_CHARS,
@@ -166,7 +168,11 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
          "properties": {"type": {"const": "function"}, "name": {"type": "string"}}},
         {"type": "null"}]},
     "parallel_tool_calls": {"type": ["boolean", "null"]},
-    "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
+    "include": {"type": ["array", "null"], "items": {"enum": list(INCLUDES)},
+                "description": f"'{REASONING_INCLUDE}': each reasoning item carries its "
+                               "text compressed and encoded (not encrypted: the same text is "
+                               "in its content), to be sent back by a client that keeps no "
+                               "state"},
     "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                      "description": f"above 0 needs include ['{LOGPROBS_INCLUDE}']"},
     "user": _SAMPLING["user"],
@@ -355,7 +361,11 @@ _SCHEMAS: dict[str, Any] = {
             "content": {"type": "array", "items": {
                 "type": "object", "additionalProperties": False,
                 "properties": {"type": {"const": "reasoning_text"},
-                               "text": {"type": "string"}}}}}}]},
+                               "text": {"type": "string"}}}},
+            "encrypted_content": {"type": ["string", "null"],
+                                  "description": "a reasoning item's encrypted_content as "
+                                                 "this server wrote it; its text where the "
+                                                 "item has no content"}}}]},
     "FunctionTool": {
         "type": "object", "required": ["type", "name"], "additionalProperties": False,
         "description": "function tools only: hosted tools (web_search, file_search, ...) are "

@@ -19,9 +19,11 @@ than functions, non-text content, background runs, conversations, reasoning summ
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 import uuid
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -63,6 +65,13 @@ INPUT_TOKENS_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
     "parallel_tool_calls", "text", "truncation", "reasoning"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+REASONING_INCLUDE = "reasoning.encrypted_content"
+INCLUDES = (LOGPROBS_INCLUDE, REASONING_INCLUDE)
+# A reasoning item's encrypted_content: its text, compressed and encoded, for clients that keep
+# no state (store false) and send it back. Not encrypted: the same text is in the item's
+# content, since an open model's reasoning is the caller's to read.
+REASONING_TOKEN_PREFIX = "strata.r1."
+MAX_REASONING_CHARS = 1 << 22
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -71,7 +80,8 @@ RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 MESSAGE_ITEM_FIELDS = frozenset({"type", "role", "content", "id", "status"})
 FUNCTION_CALL_FIELDS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 FUNCTION_OUTPUT_FIELDS = frozenset({"type", "call_id", "output", "id", "status"})
-REASONING_FIELDS = frozenset({"type", "id", "summary", "content", "status"})
+REASONING_FIELDS = frozenset({"type", "id", "summary", "content", "status",
+                              "encrypted_content"})
 TEXT_PART_FIELDS = frozenset({"type", "text"})
 OUTPUT_TEXT_FIELDS = frozenset({"type", "text", "annotations", "logprobs"})
 REFUSAL_PART_FIELDS = frozenset({"type", "refusal"})
@@ -100,6 +110,7 @@ class ResponsesInput(GenerateInput):
     tool_choice_given: Any = "auto"
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     include_logprobs: bool = False
+    include_reasoning: bool = False  # a reasoning item's encrypted_content
     truncation: str = "disabled"  # "auto": the conversation's oldest turns may be left out
     dropped: int = 0  # items of the conversation left out of the prompt (truncation "auto")
 
@@ -179,17 +190,18 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     if body.get("max_output_tokens") is not None:
         max_output = int_field(body, "max_output_tokens", low=1, high=MAX_TOKENS_LIMIT)
     include = _include(body.get("include"))
+    logprobs = LOGPROBS_INCLUDE in include
     top_logprobs = 0
     if body.get("top_logprobs") is not None:
         top_logprobs = int_field(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-        if top_logprobs and not include:
+        if top_logprobs and not logprobs:
             raise InvalidRequest(f"'top_logprobs' needs 'include': ['{LOGPROBS_INCLUDE}'], which "
                                  "asks for the logprobs they belong to", "top_logprobs")
     top_p = number_field(body, "top_p", 1.0, low=0.0, high=1.0)
     if top_p == 0.0:
         raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
     sampling = Sampling(temperature=number_field(body, "temperature", 1.0, low=0.0, high=2.0),
-                        top_p=top_p, max_tokens=max_output or 0, logprobs=include,
+                        top_p=top_p, max_tokens=max_output or 0, logprobs=logprobs,
                         top_logprobs=top_logprobs)
     tools_given, tools = _tools(body)
     text_format, constraint = _text(body.get("text"))
@@ -204,7 +216,8 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
         instructions=instructions, previous_response_id=previous, store=store,
         metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
         tools_given=tools_given, tool_choice_given=body.get("tool_choice") or "auto",
-        text_format=text_format, include_logprobs=include, truncation=truncation)
+        text_format=text_format, include_logprobs=logprobs,
+        include_reasoning=REASONING_INCLUDE in include, truncation=truncation)
 
 
 # -- request pieces ----------------------------------------------------------------------------
@@ -242,18 +255,41 @@ def engine_param(param: str) -> str:
     return "input" if param.startswith("messages") else param
 
 
-def _include(raw: Any) -> bool:
-    """Whether the output text's logprobs are asked for: the one `include` value Strata has."""
+def _include(raw: Any) -> frozenset[str]:
+    """What the answer includes beyond the default: the output text's logprobs, reasoning
+    items' encrypted_content."""
     if raw is None:
-        return False
+        return frozenset()
     if not isinstance(raw, list):
         raise InvalidRequest("'include' must be an array", "include")
     for i, value in enumerate(raw):
-        if value != LOGPROBS_INCLUDE:
+        if value not in INCLUDES:
             raise InvalidRequest(f"'include[{i}]' is {shown(value)}; Strata can include "
-                                 f"'{LOGPROBS_INCLUDE}' only", f"include[{i}]",
+                                 f"{' and '.join(repr(v) for v in INCLUDES)}", f"include[{i}]",
                                  code="unsupported_parameter")
-    return bool(raw)
+    return frozenset(raw)
+
+
+def reasoning_token(text: str) -> str:
+    """A reasoning item's encrypted_content (REASONING_TOKEN_PREFIX): its text, compressed."""
+    return REASONING_TOKEN_PREFIX + base64.urlsafe_b64encode(
+        zlib.compress(text.encode(), 6)).decode()
+
+
+def reasoning_text(token: Any, param: str) -> str:
+    """The text of a reasoning token this server wrote (a 400 naming `param` for any other)."""
+    why = "is not reasoning this server encoded (include 'reasoning.encrypted_content')"
+    if not isinstance(token, str) or not token.startswith(REASONING_TOKEN_PREFIX):
+        raise InvalidRequest(f"{param} {why}", param)
+    try:
+        packed = base64.urlsafe_b64decode(token[len(REASONING_TOKEN_PREFIX):])
+        inflate = zlib.decompressobj()
+        text = inflate.decompress(packed, MAX_REASONING_CHARS * 4)
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError("longer than a reasoning may be, or cut short")
+        return text.decode()
+    except (ValueError, zlib.error) as exc:  # binascii.Error and UnicodeError are ValueErrors
+        raise InvalidRequest(f"{param} {why}: {exc}", param) from None
 
 
 def _metadata(raw: Any) -> dict[str, str]:
@@ -445,6 +481,10 @@ def _reasoning_item(item: dict[str, Any], param: str) -> dict[str, Any]:
                 and not first_unknown(p, TEXT_PART_FIELDS) for p in parts):
             raise InvalidRequest(f"{param}.{key} must be an array of {{'type': '{kind}', "
                                  "'text': ...}}", f"{param}.{key}")
+    if item.get("encrypted_content") is not None:
+        text = reasoning_text(item["encrypted_content"], f"{param}.encrypted_content")
+        if not item.get("content"):  # a client that kept the token alone
+            item = {**item, "content": [{"type": "reasoning_text", "text": text}]}
     return {**item, "id": _item_id(item, param, "rs")}
 
 
@@ -654,6 +694,8 @@ class ResponseBuilder:
         kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
         extra = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
         item["status"] = status
+        if kind == "reasoning_text" and self.spec.include_reasoning:
+            item["encrypted_content"] = reasoning_token(part["text"])
         self._event(f"response.{kind}.done", item_id=item["id"], output_index=index,
                     content_index=0, text=part["text"], **extra)
         self._event("response.content_part.done", item_id=item["id"], output_index=index,

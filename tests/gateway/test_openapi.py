@@ -294,6 +294,8 @@ def test_completion_schema_and_parser_agree_on_prompt_forms_and_echo(body, accep
       "tool_choice": {"type": "function", "name": "f"}}, True),
     ({"input": "hi", "tools": [{"type": "file_search"}]}, False),
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3}, True),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, True),
+    ({"input": "hi", "include": ["file_search_call.results"]}, False),
     ({"input": "hi", "truncation": "auto"}, True),
     ({"input": "hi", "truncation": "middle"}, False),
     ({"input": "hi", "background": True}, False),

@@ -224,7 +224,11 @@ async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "truncation": "middle"}, "truncation"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "gAAAAABo"},
+                {"role": "user", "content": "x"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "strata.r1.eJzLSM3JyQcA"},
+                {"role": "user", "content": "x"}]}, "input[0].encrypted_content"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"input": "x", "stream": True, "stream_options": {"include_obfuscation": True}},
@@ -312,6 +316,35 @@ async def test_a_harmony_answer_is_a_reasoning_item_then_the_message(engine, mak
     assert events[-1].response.output[0].content[0].text == "Think hard."
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
         "Think hard."
+    history = servicer.requests[-1].chat.messages
+    assert [(m.role, m.content, m.reasoning_content) for m in history] == [
+        ("user", "hi", ""), ("assistant", "Done.", "Think hard."), ("user", "more", "")]
+
+
+async def test_reasoning_comes_back_encoded_and_a_stateless_client_sends_it_back(
+        engine, make_gateway):
+    """include 'reasoning.encrypted_content': a reasoning item carries its text, compressed and
+    encoded; a client that keeps no state (store false) sends the item back with that alone,
+    and the next prompt has the reasoning as if the turn had been stored."""
+    servicer, _ = engine
+    servicer.tool_call_format = "harmony"
+    servicer.tokens = ["<|channel|>analysis<|message|>", "Think", " hard.", "<|end|>",
+                       "<|start|>assistant<|channel|>final<|message|>", "Done."]
+    base = await make_gateway(stream_interval_ms=0)
+    turn = {"model": MODEL, "store": False, "include": ["reasoning.encrypted_content"]}
+    async with _client(base) as client:
+        r = await client.responses.create(input="hi", **turn)
+        stream = await client.responses.create(input="hi", stream=True, **turn)
+        done = [e async for e in stream if e.type == "response.output_item.done"]
+        plain = await client.responses.create(input="hi", store=False, model=MODEL)
+        token = r.output[0].encrypted_content
+        assert token.startswith("strata.r1.") and done[0].item.encrypted_content == token
+        assert plain.output[0].encrypted_content is None  # only when asked for
+        servicer.tokens = ["<|channel|>final<|message|>", "Again."]
+        kept = {"type": "reasoning", "summary": [], "encrypted_content": token}
+        await client.responses.create(input=[
+            {"role": "user", "content": "hi"}, kept, r.output[1].model_dump(exclude_none=True),
+            {"role": "user", "content": "more"}], **turn)
     history = servicer.requests[-1].chat.messages
     assert [(m.role, m.content, m.reasoning_content) for m in history] == [
         ("user", "hi", ""), ("assistant", "Done.", "Think hard."), ("user", "more", "")]

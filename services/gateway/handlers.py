@@ -57,6 +57,7 @@ from services.gateway.responses_api import (
     parse_responses,
     response_usage,
     stored_record,
+    summary_request,
 )
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
 from services.gateway.state import (
@@ -551,33 +552,78 @@ _RESPONSES = _Endpoint("chat", _parse_responses, lambda _, spec: ResponseBuilder
                        lambda runs: _respond(runs[0]), engine_param)
 
 
-def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta) -> None:
+async def _respond_delta(run: _Run, builder: ResponseBuilder, delta: Delta,
+                         flush: Callable[[], Awaitable[None]]) -> None:
     """A delta into the response: its reasoning, its text, the calls it closed."""
     if run.parser is None:
         builder.text(delta.text, delta.logprobs)
         return
     text, calls = run.parser.feed(delta.text)
     builder.reasoning(run.parser.take_reasoning())
+    if text or calls or delta.logprobs:  # the reasoning ends here: its summary first
+        await _summarize(run, builder, flush)
     builder.text(text, delta.logprobs)
     for call in calls:
         builder.call(call)
 
 
-async def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished) -> None:
+async def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished,
+                       flush: Callable[[], Awaitable[None]]) -> None:
     """What the parser held back, then the end: completed, or incomplete."""
     if run.parser is not None:
         before = len(run.parser.calls)
         rest = run.parser.finish()  # may close a call (harmony's last)
         builder.reasoning(run.parser.take_reasoning())
+        await _summarize(run, builder, flush)
         builder.text(rest)
         for call in run.parser.calls[before:]:
             builder.call(call)
     counted = run.usage(finished)
     builder.finish(finished.reason, response_usage(
-        counted["prompt_tokens"], counted["completion_tokens"],
+        counted["prompt_tokens"], counted["completion_tokens"] + builder.summary_tokens,
         counted["prompt_tokens_details"]["cached_tokens"], await _reasoning_tokens(run, builder)),
         run.figures(finished))
     run.log_done(finished)
+
+
+async def _summarize(run: _Run, builder: ResponseBuilder,
+                     flush: Callable[[], Awaitable[None]]) -> None:
+    """reasoning.summary: the open reasoning item's summary, written by the same engine in a
+    second request (under the same admission lease) while the answer's own tokens wait in its
+    stream; streamed as reasoning_summary events (nothing where none is asked for)."""
+    reasoning = builder.needs_summary
+    if not reasoning:
+        return
+    request, spec = run.request, builder.spec
+    app = request.app
+    config, clock = app[CONFIG], app[CLOCK]
+    channeled = run.started.tool_call_format in CHANNELED
+    parser = HarmonyParser(()) if channeled else None
+    builder.summary_start()
+    await flush()
+    tokens = 0
+    async with app[POOL].generate(
+            run.call.engine, summary_request(spec, reasoning, channeled),
+            request_id(request) + "-summary", metadata=request[TRACE].metadata(),
+            timeout_s=max(run.arrived_at + config.request_timeout_s - clock(), 0.001),
+            stream_interval_ms=config.stream_interval_ms if spec.stream
+            else config.request_timeout_s * 1e3) as call:
+        async for event in call.events():
+            if isinstance(event, Delta):
+                builder.summary_delta(parser.feed(event.text)[0] if parser else event.text)
+                await flush()
+            elif isinstance(event, Finished):
+                if event.reason == "abort":
+                    raise EngineAborted(event.error, call.engine)
+                if parser is not None:
+                    builder.summary_delta(parser.finish())
+                tokens = event.stats.completion_tokens
+                if event.reason == "length" and not builder.summary_text:
+                    log.warning("request %s: the reasoning's summary is empty: the model "
+                                "used its %d tokens before writing one", request_id(request),
+                                tokens)
+    builder.summary_done(tokens)
+    await flush()
 
 
 async def _reasoning_tokens(run: _Run, builder: ResponseBuilder) -> int:
@@ -608,6 +654,11 @@ async def _respond(run: _Run) -> web.StreamResponse:
     request, builder = run.request, run.renderer
     spec: ResponsesInput = builder.spec
     response = await _event_stream(run) if spec.stream else None
+
+    async def flush() -> None:
+        if response is not None and (events := builder.take_events()):
+            await response.write(b"".join(sse.named(e) for e in events))
+
     builder.start()
     try:
         async for batch in _batches([run]):
@@ -616,11 +667,11 @@ async def _respond(run: _Run) -> web.StreamResponse:
                     raise event
                 if isinstance(event, Delta):
                     run.on_delta(event)
-                    _respond_delta(run, builder, event)
+                    await _respond_delta(run, builder, event, flush)
                 elif isinstance(event, Finished):
                     if event.reason == "abort":
                         raise EngineAborted(event.error, run.call.engine)
-                    await _respond_end(run, builder, event)
+                    await _respond_end(run, builder, event, flush)
                     if spec.store:
                         await request.app[RESPONSE_STORE].put(
                             spec.response_id, stored_record(builder, owner(request)))

@@ -16,6 +16,7 @@ from services.gateway.responses_api import (
     MAX_METADATA_KEYS,
     MAX_METADATA_VALUE_CHARS,
     REASONING_INCLUDE,
+    SUMMARIES,
 )
 from services.gateway.schemas import (
     MAX_CACHE_KEY_CHARS,
@@ -189,7 +190,10 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
                        "description": "with stream true; Strata pads no events"},
     "reasoning": {"type": ["object", "null"], "additionalProperties": False, "properties": {
         "effort": _REASONING_EFFORT,
-        "summary": {"type": "null", "description": "no summaries: the reasoning comes whole"}}},
+        "summary": {"enum": [*SUMMARIES, None],
+                    "description": "a summary of each reasoning item, which the same model "
+                                   "writes in a second, greedy request once the item ends "
+                                   "(auto: detailed); its tokens count in output_tokens"}}},
 }
 
 _SCHEMAS: dict[str, Any] = {

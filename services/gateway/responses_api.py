@@ -71,6 +71,17 @@ INCLUDES = (LOGPROBS_INCLUDE, REASONING_INCLUDE)
 # no state (store false) and send it back. Not encrypted: the same text is in the item's
 # content, since an open model's reasoning is the caller's to read.
 REASONING_TOKEN_PREFIX = "strata.r1."
+# reasoning.summary: the model summarizes its own reasoning in a second, greedy request
+# (summary_request); "auto" asks for the most detailed summary there is, as OpenAI's does.
+SUMMARIES = ("auto", "concise", "detailed")
+SUMMARY_INSTRUCTIONS = {
+    "concise": "Summarize the reasoning you are given in one or two sentences for the person "
+               "who asked: what it concluded, not how. Add nothing it does not say.",
+    "detailed": "Summarize the reasoning you are given in a short paragraph for the person "
+                "who asked: the steps it took and what it concluded. Add nothing it does not "
+                "say.",
+}
+SUMMARY_MAX_TOKENS = {"concise": 256, "detailed": 1024}
 MAX_REASONING_CHARS = 1 << 22
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -111,6 +122,7 @@ class ResponsesInput(GenerateInput):
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     include_logprobs: bool = False
     include_reasoning: bool = False  # a reasoning item's encrypted_content
+    reasoning_summary: str = ""  # "auto", "concise", "detailed": a summary of each reasoning
     truncation: str = "disabled"  # "auto": the conversation's oldest turns may be left out
     dropped: int = 0  # items of the conversation left out of the prompt (truncation "auto")
 
@@ -204,12 +216,13 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
                         top_p=top_p, max_tokens=max_output or 0, logprobs=logprobs,
                         top_logprobs=top_logprobs)
     tools_given, tools = _tools(body)
+    effort, summary = _reasoning(body.get("reasoning"))
     text_format, constraint = _text(body.get("text"))
     if constraint is not None and tools is not None and tools.choice != "auto":
         raise InvalidRequest("'tool_choice' that requires a call and 'text.format' both decide "
                              "the output's form; give one", "tool_choice")
     return ResponsesInput(
-        reasoning_effort=_reasoning(body.get("reasoning")),
+        reasoning_effort=effort, reasoning_summary=summary,
         model=model_field(body), sampling=sampling, stream=stream, constraint=constraint,
         tools=tools, user=end_user(body), cache_key=cache_key(body),
         response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
@@ -234,18 +247,19 @@ def _stream_options(body: dict[str, Any], stream: bool) -> None:
                              code="unsupported_parameter")
 
 
-def _reasoning(raw: Any) -> str:
-    """`reasoning.effort`, as the chat path's reasoning_effort ("" when not given)."""
+def _reasoning(raw: Any) -> tuple[str, str]:
+    """`reasoning.effort` as the chat path's reasoning_effort, and `reasoning.summary` ("" for
+    either not given)."""
     if raw is None:
-        return ""
+        return "", ""
     if not isinstance(raw, dict):
         raise InvalidRequest("'reasoning' must be an object with an 'effort'", "reasoning")
     refuse_unknown_keys(raw, REASONING_CONFIG_FIELDS, "reasoning", "'reasoning'")
-    if raw.get("summary") is not None:
-        raise InvalidRequest("'reasoning.summary': Strata writes no summaries; a reasoning "
-                             "model's thoughts come whole, as a reasoning item's content",
-                             "reasoning.summary", code="unsupported_parameter")
-    return reasoning_effort(raw.get("effort"), "reasoning.effort")
+    summary = raw.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise InvalidRequest(f"'reasoning.summary' must be one of {', '.join(SUMMARIES)}; got "
+                             f"{shown(summary)}", "reasoning.summary")
+    return reasoning_effort(raw.get("effort"), "reasoning.effort"), summary or ""
 
 
 def engine_param(param: str) -> str:
@@ -276,7 +290,7 @@ def reasoning_token(text: str) -> str:
         zlib.compress(text.encode(), 6)).decode()
 
 
-def reasoning_text(token: Any, param: str) -> str:
+def decoded_reasoning(token: Any, param: str) -> str:
     """The text of a reasoning token this server wrote (a 400 naming `param` for any other)."""
     why = "is not reasoning this server encoded (include 'reasoning.encrypted_content')"
     if not isinstance(token, str) or not token.startswith(REASONING_TOKEN_PREFIX):
@@ -482,7 +496,7 @@ def _reasoning_item(item: dict[str, Any], param: str) -> dict[str, Any]:
             raise InvalidRequest(f"{param}.{key} must be an array of {{'type': '{kind}', "
                                  "'text': ...}}", f"{param}.{key}")
     if item.get("encrypted_content") is not None:
-        text = reasoning_text(item["encrypted_content"], f"{param}.encrypted_content")
+        text = decoded_reasoning(item["encrypted_content"], f"{param}.encrypted_content")
         if not item.get("content"):  # a client that kept the token alone
             item = {**item, "content": [{"type": "reasoning_text", "text": text}]}
     return {**item, "id": _item_id(item, param, "rs")}
@@ -546,6 +560,18 @@ def items_to_messages(items: Sequence[dict[str, Any]]) -> list[Message]:
 # -- the answer --------------------------------------------------------------------------------
 
 
+def summary_request(spec: ResponsesInput, reasoning: str, channeled: bool) -> GenerateInput:
+    """The engine request that summarizes `reasoning` (reasoning.summary): the same model,
+    greedy, within SUMMARY_MAX_TOKENS; a channeled (harmony) model at its lowest reasoning
+    effort, its own reasoning about the summary left out (the caller keeps its final text)."""
+    kind = "concise" if spec.reasoning_summary == "concise" else "detailed"
+    return GenerateInput(
+        model=spec.model, sampling=Sampling(temperature=0.0, max_tokens=SUMMARY_MAX_TOKENS[kind]),
+        messages=(Message("system", SUMMARY_INSTRUCTIONS[kind]),
+                  Message("user", f"The reasoning to summarize:\n\n{reasoning}")),
+        reasoning_effort="low" if channeled else "")
+
+
 def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int,
                    reasoning_tokens: int) -> dict[str, Any]:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
@@ -575,6 +601,9 @@ class ResponseBuilder:
         self._pieces: list[str] = []  # its text so far, joined when it closes
         self._events: list[dict[str, Any]] | None = [] if spec.stream else None
         self._sequence = 0
+        self._summarized: str | None = None  # the reasoning item whose summary is written
+        self._summary: list[str] = []  # its text so far
+        self.summary_tokens = 0  # the summaries' completion tokens
 
     @property
     def response(self) -> dict[str, Any]:
@@ -589,7 +618,8 @@ class ResponseBuilder:
             "parallel_tool_calls": spec.tools.parallel if spec.tools else True,
             "previous_response_id": spec.previous_response_id,
             "prompt_cache_key": spec.cache_key,
-            "reasoning": {"effort": spec.reasoning_effort or None, "summary": None},
+            "reasoning": {"effort": spec.reasoning_effort or None,
+                          "summary": spec.reasoning_summary or None},
             "store": spec.store, "temperature": spec.sampling.temperature,
             "text": {"format": spec.text_format}, "tool_choice": spec.tool_choice_given,
             "tools": list(spec.tools_given), "top_logprobs": spec.sampling.top_logprobs,
@@ -619,6 +649,47 @@ class ResponseBuilder:
         if text:
             self._open_item("reasoning", {"summary": []}, "reasoning_text")
             self._delta("response.reasoning_text.delta", text)
+
+    @property
+    def needs_summary(self) -> str:
+        """The open reasoning item's text, where reasoning.summary asks for its summary and it
+        has none yet: summarize it (summary_start ... summary_done) before anything closes the
+        item. "" otherwise."""
+        item = self._open
+        if not self.spec.reasoning_summary or item is None or item["type"] != "reasoning" \
+                or item["id"] == self._summarized:
+            return ""
+        return "".join(self._pieces)
+
+    def summary_start(self) -> None:
+        item = self._open
+        assert item is not None and item["type"] == "reasoning"
+        self._summarized, self._summary = item["id"], []
+        self._event("response.reasoning_summary_part.added", item_id=item["id"],
+                    output_index=len(self.output) - 1, summary_index=0,
+                    part={"type": "summary_text", "text": ""})
+
+    def summary_delta(self, text: str) -> None:
+        if text:
+            self._summary.append(text)
+            self._event("response.reasoning_summary_text.delta", item_id=self._summarized,
+                        output_index=len(self.output) - 1, summary_index=0, delta=text)
+
+    @property
+    def summary_text(self) -> str:
+        return "".join(self._summary)
+
+    def summary_done(self, tokens: int) -> None:
+        """The summary is whole; `tokens`: its completion tokens (counted in output_tokens)."""
+        self.summary_tokens += tokens
+        item = self._open
+        assert item is not None and item["id"] == self._summarized
+        part = {"type": "summary_text", "text": self.summary_text}
+        item["summary"] = [part]
+        fields = {"item_id": item["id"], "output_index": len(self.output) - 1,
+                  "summary_index": 0}
+        self._event("response.reasoning_summary_text.done", text=part["text"], **fields)
+        self._event("response.reasoning_summary_part.done", part=part, **fields)
 
     def text(self, text: str, logprobs: Sequence[Any] = ()) -> None:
         if not text and not logprobs:

@@ -43,6 +43,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
     max_running_seen: int = 0
     num_status_calls: int = 0  # GetStatus calls (the gateways' probes)
     tool_call_format: str = ""  # Started.tool_call_format: how the gateway parses tool calls
+    # a request's own tokens, where this answers with some (else `tokens`)
+    tokens_for: Callable[[engine_pb2.GenerateRequest], list[str] | None] | None = None
 
     async def GetStatus(self, request, context):
         self.num_status_calls += 1
@@ -71,8 +73,9 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
                 engine_id="engine-0", tool_call_format=self.tool_call_format))
             if self.hold is not None:
                 await self.hold.wait()
-            limit = request.sampling.max_tokens or len(self.tokens)
-            emitted = self.tokens[:limit]
+            tokens = (self.tokens_for and self.tokens_for(request)) or self.tokens
+            limit = request.sampling.max_tokens or len(tokens)
+            emitted = tokens[:limit]
             for i, text in enumerate(emitted):
                 if i == self.fail_after:
                     await context.abort(grpc.StatusCode.INTERNAL, "scripted failure mid-stream")
@@ -82,7 +85,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
                 await asyncio.sleep(self.token_delay_s)
                 yield engine_pb2.GenerateEvent(delta=engine_pb2.TokenDelta(
                     text=text, token_ids=[i], logprobs=_logprobs(request.sampling, i, text)))
-            reason = (engine_pb2.FINISH_REASON_LENGTH if len(emitted) < len(self.tokens)
+            reason = (engine_pb2.FINISH_REASON_LENGTH if len(emitted) < len(tokens)
                       else engine_pb2.FINISH_REASON_STOP)
             self.finished.append(rid)
             yield _finished(reason, prompt_tokens, len(emitted))

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from services.gateway.response_store import LocalResponseStore
+from services.gateway.responses_api import SUMMARY_INSTRUCTIONS
 from services.gateway.schemas import MAX_MESSAGES
 
 from .conftest import MODEL, real_engine
@@ -220,7 +221,7 @@ async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": "x", "reasoning": {"summary": "brief"}}, "reasoning.summary"),
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "truncation": "middle"}, "truncation"),
@@ -350,6 +351,67 @@ async def test_reasoning_comes_back_encoded_and_a_stateless_client_sends_it_back
         ("user", "hi", ""), ("assistant", "Done.", "Think hard."), ("user", "more", "")]
 
 
+THOUGHT = ["<|channel|>analysis<|message|>", "Think", " hard.", "<|end|>"]
+SUMMARY = ["<|channel|>analysis<|message|>", "Short.", "<|end|>",
+           "<|start|>assistant<|channel|>final<|message|>", "Thought", " hard."]
+
+
+def _summaries(request):
+    """The scripted engine's answer to a summary request: its own analysis, then the summary."""
+    first = request.chat.messages[0] if request.HasField("chat") else None
+    return SUMMARY if first is not None and first.content.startswith("Summarize") else None
+
+
+async def test_reasoning_summary_is_written_by_the_model_before_the_answer_goes_on(
+        engine, make_gateway):
+    """reasoning.summary: once the reasoning ends, the same engine writes its summary in a
+    second, greedy request under the same lease; streamed, the summary's events come between
+    the reasoning's and the answer's, as OpenAI orders them; its tokens count as output."""
+    servicer, _ = engine
+    servicer.tool_call_format = "harmony"
+    servicer.tokens = [*THOUGHT, "<|start|>assistant<|channel|>final<|message|>", "Done."]
+    servicer.tokens_for = _summaries
+    servicer.context_window = 1000
+    base = await make_gateway(stream_interval_ms=0)
+    async with _client(base) as client:
+        plain = await client.responses.create(model=MODEL, input="hi")
+        assert plain.output[0].summary == [] and len(servicer.requests) == 1
+        r = await client.responses.create(model=MODEL, input="hi",
+                                          reasoning={"summary": "auto"})
+        asked = servicer.requests[-1]
+        assert [i.type for i in r.output] == ["reasoning", "message"]
+        assert r.output[0].summary[0].text == "Thought hard." and r.output_text == "Done."
+        assert r.output[0].content[0].text == "Think hard." and r.reasoning.summary == "auto"
+        assert r.usage.output_tokens == plain.usage.output_tokens + len(SUMMARY)
+        assert asked.request_id.endswith("-summary") and asked.chat.reasoning_effort == "low"
+        assert [m.content for m in asked.chat.messages] == [
+            SUMMARY_INSTRUCTIONS["detailed"], "The reasoning to summarize:\n\nThink hard."]
+        assert (asked.sampling.temperature, asked.sampling.max_tokens) == (0.0, 1024)
+        async with client.responses.stream(model=MODEL, input="hi",
+                                           reasoning={"summary": "concise"}) as stream:
+            kinds = [e.type async for e in stream]
+            streamed = await stream.get_final_response()
+        assert servicer.requests[-1].sampling.max_tokens == 256
+        assert servicer.requests[-1].chat.messages[0].content == SUMMARY_INSTRUCTIONS["concise"]
+        assert streamed.output[0].summary[0].text == "Thought hard."
+        at = {kind: kinds.index(kind) for kind in reversed(kinds)}  # first of each kind
+        assert at["response.reasoning_text.delta"] < at["response.reasoning_summary_part.added"]\
+            < at["response.reasoning_summary_text.delta"] \
+            < at["response.reasoning_summary_text.done"] \
+            < at["response.reasoning_summary_part.done"] < at["response.output_text.delta"]
+        # a call after the reasoning: the summary comes before it
+        servicer.tokens = [*THOUGHT, "<|start|>assistant<|channel|>commentary "
+                           "to=functions.f <|constrain|>json<|message|>", "{}"]
+        called = await client.responses.create(
+            model=MODEL, input="hi", reasoning={"summary": "detailed"},
+            tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}])
+        assert [i.type for i in called.output] == ["reasoning", "function_call"]
+        assert called.output[0].summary[0].text == "Thought hard."
+        # the record keeps the summary; the next turn reads the reasoning itself
+        again = await client.responses.retrieve(r.id)
+        assert again.output[0].summary[0].text == "Thought hard."
+
+
 async def test_a_store_with_redis_away_keeps_responses_in_the_gateway(engine, make_gateway,
                                                                      redis_server):
     base = await make_gateway(redis_url=redis_server.url)
@@ -379,8 +441,10 @@ async def test_input_tokens_counts_what_a_response_would_report(make_gateway, ti
                                                   **kw)
             assert follow.input_tokens == after.usage.input_tokens > first.usage.input_tokens
             for body, param in (({"input": "x", "stream": True}, "stream"),
-                                ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
-    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+                                ({"input": "x", "reasoning": {"summary": "brief"}},
+                                 "reasoning.summary"),
+                                ({"input": "x", "reasoning": {"effort": "max"}},
+                                 "reasoning.effort"),
                                 ({"input": [{"type": "item_reference", "id": "m"}]},
                                  "input[0].type")):
                 with pytest.raises(openai.BadRequestError) as refused:

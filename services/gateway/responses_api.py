@@ -13,8 +13,11 @@ request becomes a chat request, and the answer goes back as Responses objects an
     the answer                           -> output items: reasoning, a message of output_text,
                                             function calls
 
+    reasoning.summary                    -> the same model summarizes each reasoning item in a
+                                            second request (summary_request; handlers.py)
+
 Any field Strata does not read is refused by name, as on the other endpoints: tool types other
-than functions, non-text content, background runs, conversations, reasoning summaries.
+than functions, non-text content, background runs, conversations.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from services.common.registry import EngineRegistry, RegistryUnavailable
 from services.common.telemetry import setup_tracing
 from services.gateway import handlers, health, openapi, response_routes, tokenize
 from services.gateway.admission import Admission, RejectionLog
+from services.gateway.background import BackgroundRuns
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
 from services.gateway.ledger import Ledger, Limits, LocalLedger, SharedLedger
@@ -37,6 +38,7 @@ from services.gateway.middleware import (
 from services.gateway.response_store import LocalResponseStore, RedisResponseStore
 from services.gateway.state import (
     ADMISSION,
+    BACKGROUND,
     CLOCK,
     CONFIG,
     METRICS,
@@ -76,6 +78,7 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
     app[RESPONSE_STORE] = (RedisResponseStore(config.redis_url, config.responses_ttl_s, local,
                                               timeout_s=config.redis_timeout_s)
                            if config.redis_url else local)
+    app[BACKGROUND] = BackgroundRuns(app[RESPONSE_STORE])
     app[health.DEEP] = health.DeepCheck()
     _telemetry(app, meter_provider, tracer_provider)
     if config.redis_url:
@@ -83,12 +86,14 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
     app.cleanup_ctx.append(_limits)
     app.cleanup_ctx.append(_response_store)
     app.cleanup_ctx.append(_engines)
+    app.cleanup_ctx.append(_background)  # cleaned up first: its runs need the rest
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_post("/v1/responses/input_tokens", tokenize.count_input_tokens)
     app.router.add_get("/v1/responses/{response_id}", response_routes.retrieve)
     app.router.add_delete("/v1/responses/{response_id}", response_routes.delete)
+    app.router.add_post("/v1/responses/{response_id}/cancel", response_routes.cancel)
     app.router.add_get("/v1/responses/{response_id}/input_items", response_routes.input_items)
     app.router.add_get("/v1/models", health.models)
     app.router.add_get("/v1/models/{model:.+}", health.model)
@@ -144,6 +149,11 @@ async def _limits(app: web.Application) -> AsyncIterator[None]:
 async def _response_store(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[RESPONSE_STORE].close()
+
+
+async def _background(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[BACKGROUND].close()
 
 
 async def _engines(app: web.Application) -> AsyncIterator[None]:

@@ -29,7 +29,8 @@ from services.common.genai_metrics import GenAIMetrics
 from services.common.pb.strata.v1 import engine_pb2
 from services.common.tool_calls import CHANNELED
 from services.gateway import sse
-from services.gateway.admission import Rejected, estimate_prompt_tokens
+from services.gateway.admission import Rejected, Ticket, estimate_prompt_tokens
+from services.gateway.background import MARK_TTL_S, STOPPED, BackgroundRun
 from services.gateway.engine_client import (
     Delta,
     Echo,
@@ -62,6 +63,7 @@ from services.gateway.responses_api import (
 from services.gateway.schemas import GenerateInput, parse_chat, parse_completion
 from services.gateway.state import (
     ADMISSION,
+    BACKGROUND,
     CLOCK,
     CONFIG,
     METRICS,
@@ -112,6 +114,7 @@ class _Outcome:
     input_tokens: int = 0
     output_tokens: int = 0
     error_type: str | None = None
+    detached: bool = False  # a background response: its run records this, not the handler
 
     def fail(self, exc: BaseException) -> None:
         self.error_type = self.error_type or _error_type(exc)
@@ -215,7 +218,8 @@ async def _generate(request: web.Request, endpoint: _Endpoint) -> web.StreamResp
             exc.param = endpoint.engine_param(exc.param)
         raise
     finally:
-        outcome.record(request.app[METRICS])
+        if not outcome.detached:
+            outcome.record(request.app[METRICS])
 
 
 async def _answer(request: web.Request, endpoint: _Endpoint,
@@ -247,29 +251,12 @@ async def _answer(request: web.Request, endpoint: _Endpoint,
                 raise ModelNotFound(spec.model, served)
         await admission.reestimate(ticket, spec.prompt_estimate)
         await admission.place(ticket, spec.placement_key)
+        if isinstance(spec, ResponsesInput) and spec.background:
+            return await _detach(request, endpoint, spec, ticket, outcome)
         engine = await admission.acquire(ticket, min(config.queue_timeout_s,
                                                      deadline - clock()))
         engine_used = True
-        renderer = endpoint.renderer(request_id(request), spec)
-        following = admission.forward(ticket)  # requests this gateway forwards after this one
-        async with contextlib.AsyncExitStack() as calls:
-            runs = []
-            choices = spec.num_choices
-            for i in range(choices):  # an engine request each: n a prompt, seeds apart
-                call = await calls.enter_async_context(pool.generate(
-                    engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
-                    following=following + choices - 1 - i,
-                    metadata=request[TRACE].metadata(),
-                    timeout_s=max(deadline - clock(), 0.001),
-                    # a whole answer is held at the engine to its end: one message, not one
-                    # a step (the first tokens still come at once: the TTFT is measured)
-                    stream_interval_ms=config.stream_interval_ms if spec.stream
-                    else config.request_timeout_s * 1e3))
-                runs.append(_Run(request, spec, renderer, call,
-                                 await _started(call, engine, pool), arrived_at,
-                                 ticket.queue_wait_s, outcome))
-            outcome.input_tokens = sum(run.started.prompt_tokens for run in runs[::spec.n])
-            return await endpoint.reply(runs)
+        return await _generate_at(request, endpoint, spec, ticket, engine, outcome)
     except asyncio.CancelledError:
         log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
                  (clock() - arrived_at) * 1e3,
@@ -277,7 +264,94 @@ async def _answer(request: web.Request, endpoint: _Endpoint,
                  "its slot is free again" if engine_used else "nothing reached the engine")
         raise
     finally:
+        if not outcome.detached:  # else the background run releases it
+            admission.release(ticket, observed=engine_used)
+
+
+async def _generate_at(request: web.Request, endpoint: _Endpoint, spec: GenerateInput,
+                       ticket: Ticket, engine: str, outcome: _Outcome) -> web.StreamResponse:
+    """The request's engine calls at its granted engine (a call a choice), then its reply."""
+    app = request.app
+    config, admission, pool, clock = app[CONFIG], app[ADMISSION], app[POOL], app[CLOCK]
+    deadline = outcome.arrived_at + config.request_timeout_s
+    renderer = endpoint.renderer(request_id(request), spec)
+    following = admission.forward(ticket)  # requests this gateway forwards after this one
+    async with contextlib.AsyncExitStack() as calls:
+        runs = []
+        choices = spec.num_choices
+        for i in range(choices):  # an engine request each: n a prompt, seeds apart
+            call = await calls.enter_async_context(pool.generate(
+                engine, _choice(spec, i), request_id(request) + (f"-{i}" if i else ""),
+                following=following + choices - 1 - i,
+                metadata=request[TRACE].metadata(),
+                timeout_s=max(deadline - clock(), 0.001),
+                # a whole answer is held at the engine to its end: one message, not one
+                # a step (the first tokens still come at once: the TTFT is measured)
+                stream_interval_ms=config.stream_interval_ms if spec.stream
+                else config.request_timeout_s * 1e3))
+            runs.append(_Run(request, spec, renderer, call,
+                             await _started(call, engine, pool), outcome.arrived_at,
+                             ticket.queue_wait_s, outcome))
+        outcome.input_tokens = sum(run.started.prompt_tokens for run in runs[::spec.n])
+        return await endpoint.reply(runs)
+
+
+async def _detach(request: web.Request, endpoint: _Endpoint, spec: ResponsesInput,
+                  ticket: Ticket, outcome: _Outcome) -> web.Response:
+    """A background response: stored as queued and answered so at once; a task of this
+    gateway's runs it on under the same ticket (background.py), storing it as it goes."""
+    store, caller = request.app[RESPONSE_STORE], owner(request)
+    builder = ResponseBuilder(spec)
+    builder.status = "queued"
+    await store.beat(spec.response_id, MARK_TTL_S)
+    await store.put(spec.response_id, stored_record(builder, caller))
+    request.app[BACKGROUND].start(spec.response_id, lambda run: _run_background(
+        request, endpoint, spec, ticket, outcome, builder, run))
+    outcome.detached = True
+    log.info("request %s: background response %s queued", request_id(request), spec.response_id)
+    return web.json_response(builder.response)
+
+
+async def _run_background(request: web.Request, endpoint: _Endpoint, spec: ResponsesInput,
+                          ticket: Ticket, outcome: _Outcome, builder: ResponseBuilder,
+                          run: BackgroundRun) -> None:
+    """A background response from its queue place to its stored end: completed or incomplete
+    (stored by the Responses reply as any response is), failed (the error in it) or cancelled."""
+    app = request.app
+    config, admission, clock, store = app[CONFIG], app[ADMISSION], app[CLOCK], app[RESPONSE_STORE]
+    caller, engine_used = owner(request), False
+    try:
+        engine = await admission.acquire(ticket, min(
+            config.queue_timeout_s, outcome.arrived_at + config.request_timeout_s - clock()))
+        engine_used = True
+        builder.status = "in_progress"
+        await store.put(spec.response_id, stored_record(builder, caller))
+        await _generate_at(request, endpoint, spec, ticket, engine, outcome)
+        log.info("request %s: background response %s done", request_id(request),
+                 spec.response_id)
+    except asyncio.CancelledError as exc:
+        outcome.fail(exc)
+        if run.cancelled:
+            builder.status = "cancelled"
+            log.info("request %s: background response %s cancelled", request_id(request),
+                     spec.response_id)
+        else:
+            builder.status, builder.error = "failed", {"code": "server_error",
+                                                       "message": STOPPED}
+        await store.put(spec.response_id, stored_record(builder, caller))
+        if not run.cancelled:
+            raise
+    except Exception as exc:  # noqa: BLE001 - stored in the response, as OpenAI does
+        outcome.fail(exc)
+        error = http_error(exc, request_id(request))
+        log_failure(request, exc, error.status)
+        builder.status = "failed"
+        builder.error = {"code": error.body["error"].get("code") or "server_error",
+                         "message": error.body["error"]["message"]}
+        await store.put(spec.response_id, stored_record(builder, caller))
+    finally:
         admission.release(ticket, observed=engine_used)
+        outcome.record(app[METRICS])
 
 
 def _choice(spec: GenerateInput, i: int) -> GenerateInput:

@@ -184,7 +184,10 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
     "truncation": {"enum": ["disabled", "auto", None],
                    "description": "auto: the conversation's oldest turns are left out of the "
                                   "prompt until it fits the context window"},
-    "background": {"enum": [False, None], "description": "background runs are refused"},
+    "background": {"type": ["boolean", "null"],
+                   "description": "answered at once, queued; the gateway runs it on and "
+                                  "stores it: poll GET /v1/responses/{id}, cancel with POST "
+                                  "/v1/responses/{id}/cancel (needs store, not stream)"},
     "stream_options": {"type": ["object", "null"], "additionalProperties": False,
                        "properties": {"include_obfuscation": {"enum": [False, None]}},
                        "description": "with stream true; Strata pads no events"},
@@ -310,6 +313,11 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object", "required": ["model", "input"], "additionalProperties": False,
         "description": "the Responses API, served by the chat path: a field not listed is "
                        "refused with a 400 naming it (a null passes)",
+        # background: stored, and polled rather than streamed
+        "if": {"required": ["background"], "properties": {"background": {"const": True}}},
+        "then": {"not": {"anyOf": [
+            {"required": ["store"], "properties": {"store": {"const": False}}},
+            {"required": ["stream"], "properties": {"stream": {"const": True}}}]}},
         "properties": {
         **_RESPONSES_PROPERTIES,
     }},
@@ -514,8 +522,12 @@ DOCUMENT: dict[str, Any] = {
             "post", "The input tokens a Responses request would count (usage.input_tokens)",
             "ResponsesInputTokensRequest"),
         "/v1/responses/{response_id}": {
-            "get": _stored("A stored response"),
+            "get": _stored("A stored response (a background one as it stands: queued, "
+                           "in_progress, or its end)"),
             "delete": _stored("Delete a stored response")},
+        "/v1/responses/{response_id}/cancel": {"post": _stored(
+            "Cancel a background response still queued or in progress (a finished one comes "
+            "back as it is; 400 for one not made with background)")},
         "/v1/responses/{response_id}/input_items": {"get": _stored(
             "A stored response's input items, a page at a time",
             (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),

@@ -5,6 +5,7 @@ responses over HTTP (`GET` and `DELETE /v1/responses/{id}`, `GET
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
 from collections.abc import Awaitable, Callable
@@ -15,12 +16,13 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from services.common.pb.strata.v1 import engine_pb2
+from services.gateway.background import MARK_TTL_S, UNFINISHED, as_seen
 from services.gateway.engine_client import chat_input
 from services.gateway.engines import ready_engine, tokenizer_call
 from services.gateway.errors import GatewayError, InvalidRequest
 from services.gateway.responses_api import ResponsesInput, conversation, input_items_page
 from services.gateway.schemas import MAX_MESSAGES
-from services.gateway.state import CONFIG, POOL, RESPONSE_STORE
+from services.gateway.state import BACKGROUND, CONFIG, POOL, RESPONSE_STORE
 
 
 class ResponseNotFound(GatewayError):
@@ -124,6 +126,11 @@ async def with_previous(request: web.Request, spec: ResponsesInput) -> Responses
                              f"API key, or was last used longer ago than the store keeps "
                              f"({ttl_h:g} h, --responses-ttl-s)", "previous_response_id",
                              code="previous_response_not_found")
+    if record["response"]["status"] in UNFINISHED:
+        raise InvalidRequest(f"previous response {spec.previous_response_id!r} is "
+                             f"{record['response']['status']} (a background response): "
+                             "continue it once it has finished", "previous_response_id",
+                             code="previous_response_unfinished")
     chain = [*record["ancestors"], spec.previous_response_id]
     earlier = await store.get_many(record["ancestors"], caller)
     if (gone := next((i for i, r in zip(record["ancestors"], earlier, strict=True)
@@ -151,7 +158,44 @@ async def _record(request: web.Request, query: frozenset[str] = frozenset()) -> 
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    return web.json_response((await _record(request))["response"])
+    response_id = request.match_info["response_id"]
+    record = await _record(request)
+    return web.json_response(await as_seen(request.app[RESPONSE_STORE], response_id,
+                                           record["response"]))
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """POST /v1/responses/{id}/cancel: a background response still queued or in progress is
+    cancelled (here at once; run by another replica, at its next beat) and returned as it is
+    then; a finished one is returned as it is."""
+    app, response_id = request.app, request.match_info["response_id"]
+    store = app[RESPONSE_STORE]
+    response = (await _record(request))["response"]
+    if not response.get("background"):
+        raise InvalidRequest(f"response {response_id!r} was not made with 'background': true; "
+                             "only background responses can be cancelled", None,
+                             code="not_background")
+    if response["status"] in UNFINISHED:
+        run = app[BACKGROUND].cancel(response_id)
+        if run is not None:
+            await run.ended.wait()
+        elif await store.cancel(response_id, MARK_TTL_S):
+            await _until_finished(request, response_id)
+        else:  # no gateway runs it any more: it stopped unfinished
+            record = await _record(request)
+            if record["response"]["status"] in UNFINISHED:
+                record["response"] = {**record["response"], "status": "cancelled"}
+                await store.put(response_id, record)
+        response = (await _record(request))["response"]
+    return web.json_response(await as_seen(store, response_id, response))
+
+
+async def _until_finished(request: web.Request, response_id: str) -> None:
+    """Wait (a few beats at most) for the replica running the response to store its end."""
+    for _ in range(int(3 * MARK_TTL_S / 0.05)):
+        if (await _record(request))["response"]["status"] not in UNFINISHED:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def delete(request: web.Request) -> web.Response:

@@ -12,10 +12,16 @@ once: each turn is stored once, so a conversation's records grow with its length
 square). A record lives `ttl_s` after it was made or last continued (`touch`). `owner` is the
 SHA-256 of the API key that made it, so with keys on one key cannot read another's responses
 ("" when auth is off).
+
+A background response (`background: true`) also has a *run mark* while a gateway runs it:
+"running", renewed by that gateway every few seconds (`beat`), or "cancel" once a client asked
+to cancel it (`cancel`, from any replica; the next beat tells the runner). A record still
+queued or in progress whose mark has expired was left by a gateway that stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -29,6 +35,8 @@ from redis.exceptions import RedisError
 log = logging.getLogger("strata.gateway")
 
 KEY_PREFIX = "strata:response:"
+RUN_PREFIX = "strata:response-run:"
+RUNNING, CANCEL = "running", "cancel"
 
 Record = dict[str, Any]
 
@@ -44,6 +52,14 @@ class ResponseStore(Protocol):
 
     async def delete(self, response_id: str, owner: str) -> bool: ...
 
+    async def beat(self, response_id: str, ttl_s: float) -> bool: ...
+
+    async def cancel(self, response_id: str, ttl_s: float) -> bool: ...
+
+    async def is_running(self, response_id: str) -> bool: ...
+
+    async def end_run(self, response_id: str) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -57,6 +73,7 @@ class LocalResponseStore:
         self.max_bytes = max_bytes
         self.clock = clock
         self._records: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expiry, JSON)
+        self._runs: dict[str, tuple[float, str]] = {}  # id -> (expiry, run mark)
         self.num_bytes = 0
         self.num_evicted = 0
 
@@ -106,8 +123,36 @@ class LocalResponseStore:
         self._drop(response_id)
         return True
 
+    async def beat(self, response_id: str, ttl_s: float) -> bool:
+        """Mark the background response as running for `ttl_s` more; True where a client has
+        asked to cancel it (the mark stays "cancel")."""
+        mark = self._mark(response_id)
+        self._runs[response_id] = (self.clock() + ttl_s, mark or RUNNING)
+        return mark == CANCEL
+
+    async def cancel(self, response_id: str, ttl_s: float) -> bool:
+        """Ask the gateway running the response to cancel it; False where none runs it."""
+        if self._mark(response_id) is None:
+            return False
+        self._runs[response_id] = (self.clock() + ttl_s, CANCEL)
+        return True
+
+    async def is_running(self, response_id: str) -> bool:
+        return self._mark(response_id) is not None
+
+    async def end_run(self, response_id: str) -> None:
+        self._runs.pop(response_id, None)
+
+    def _mark(self, response_id: str) -> str | None:
+        entry = self._runs.get(response_id)
+        if entry is None or entry[0] <= self.clock():
+            self._runs.pop(response_id, None)
+            return None
+        return entry[1]
+
     async def close(self) -> None:
         self._records.clear()
+        self._runs.clear()
         self.num_bytes = 0
 
     def _drop(self, response_id: str) -> None:
@@ -184,6 +229,44 @@ class RedisResponseStore:
             raise
         await self.local.delete(response_id, owner)
         return True
+
+    async def beat(self, response_id: str, ttl_s: float) -> bool:
+        """One SET with GET: the mark renewed and the one before it read at once, so a cancel
+        that lands between two beats is seen by the next."""
+        key, px = RUN_PREFIX + response_id, max(int(ttl_s * 1e3), 1)
+        try:
+            before = await self.redis.set(key, RUNNING, px=px, get=True)
+            if before == CANCEL.encode():
+                await self.redis.set(key, CANCEL, px=px)
+                return True
+            return await self.local.beat(response_id, ttl_s)
+        except (RedisError, OSError) as exc:
+            log.warning("background response %s: Redis at %s did not renew its run mark (%s); "
+                        "other replicas may report it failed if this lasts", response_id,
+                        self.redis_url, exc)
+            return await self.local.beat(response_id, ttl_s)
+
+    async def cancel(self, response_id: str, ttl_s: float) -> bool:
+        asked = await self.local.cancel(response_id, ttl_s)
+        try:
+            return bool(await self.redis.set(RUN_PREFIX + response_id, CANCEL, xx=True,
+                                             px=max(int(ttl_s * 1e3), 1))) or asked
+        except (RedisError, OSError) as exc:
+            log.warning("background response %s: Redis at %s did not take the cancel (%s)",
+                        response_id, self.redis_url, exc)
+            return asked
+
+    async def is_running(self, response_id: str) -> bool:
+        try:
+            return bool(await self.redis.exists(RUN_PREFIX + response_id)) \
+                or await self.local.is_running(response_id)
+        except (RedisError, OSError):
+            return True  # unknown: not reported as failed for a Redis that does not answer
+
+    async def end_run(self, response_id: str) -> None:
+        await self.local.end_run(response_id)
+        with contextlib.suppress(RedisError, OSError):  # else the mark expires by itself
+            await self.redis.delete(RUN_PREFIX + response_id)
 
     async def close(self) -> None:
         await self.redis.aclose()

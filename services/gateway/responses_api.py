@@ -16,8 +16,11 @@ request becomes a chat request, and the answer goes back as Responses objects an
     reasoning.summary                    -> the same model summarizes each reasoning item in a
                                             second request (summary_request; handlers.py)
 
+    background                           -> answered at once, queued; the gateway runs it on
+                                            and stores it (handlers._detach); POST .../cancel
+
 Any field Strata does not read is refused by name, as on the other endpoints: tool types other
-than functions, non-text content, background runs, conversations.
+than functions, non-text content, conversations.
 """
 
 from __future__ import annotations
@@ -112,12 +115,14 @@ class ResponsesInput(GenerateInput):
     """A Responses request: the chat request it becomes, and what its answer restates."""
 
     response_id: str = ""
+    created_at: int = 0  # when the request was read (a background one's records keep it)
     input_items: tuple[dict[str, Any], ...] = ()  # this request's, normalized, each with an id
     context: tuple[dict[str, Any], ...] = ()  # the conversation before it (previous_response_id)
     ancestors: tuple[str, ...] = ()  # the stored responses that conversation is, oldest first
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
+    background: bool = False  # answered at once (queued), run on; read back with GET
     metadata: dict[str, str] = field(default_factory=dict)
     max_output_tokens: int | None = None
     tools_given: tuple[dict[str, Any], ...] = ()  # as the request gave them
@@ -182,9 +187,6 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     if (name := first_unknown(body, fields)) is not None:
         raise InvalidRequest(f"'{name}' is not supported by Strata's {endpoint}; it reads "
                              f"{', '.join(sorted(fields))}", name, code="unsupported_parameter")
-    if body.get("background") not in (None, False):
-        raise InvalidRequest("'background' runs are not supported: send the request and wait "
-                             "for it, or stream it", "background", code="unsupported_parameter")
     truncation = body.get("truncation") or "disabled"
     if truncation not in ("disabled", "auto"):
         raise InvalidRequest("'truncation' must be 'disabled' (a conversation past the context "
@@ -193,6 +195,15 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
     stream = bool_field(body, "stream", False)
     _stream_options(body, stream)
     store = bool_field(body, "store", True)
+    background = bool_field(body, "background", False)
+    if background and not store:
+        raise InvalidRequest("'background' responses are stored (they are read back with GET "
+                             "/v1/responses/{id}); send 'store': true or leave it out",
+                             "background")
+    if background and stream:
+        raise InvalidRequest("'stream' with 'background' is not supported: poll GET "
+                             "/v1/responses/{id} for a background response, or stream "
+                             "without 'background'", "stream", code="unsupported_parameter")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("'instructions' must be a string", "instructions")
@@ -228,8 +239,10 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
         reasoning_effort=effort, reasoning_summary=summary,
         model=model_field(body), sampling=sampling, stream=stream, constraint=constraint,
         tools=tools, user=end_user(body), cache_key=cache_key(body),
-        response_id="resp_" + uuid.uuid4().hex, input_items=_input(body.get("input")),
+        response_id="resp_" + uuid.uuid4().hex, created_at=int(time.time()),
+        input_items=_input(body.get("input")),
         instructions=instructions, previous_response_id=previous, store=store,
+        background=background,
         metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
         tools_given=tools_given, tool_choice_given=body.get("tool_choice") or "auto",
         text_format=text_format, include_logprobs=logprobs,
@@ -593,7 +606,6 @@ class ResponseBuilder:
 
     def __init__(self, spec: ResponsesInput) -> None:
         self.spec = spec
-        self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
@@ -612,8 +624,8 @@ class ResponseBuilder:
     def response(self) -> dict[str, Any]:
         spec = self.spec
         body: dict[str, Any] = {
-            "id": spec.response_id, "object": "response", "created_at": self.created_at,
-            "status": self.status, "background": False,
+            "id": spec.response_id, "object": "response", "created_at": spec.created_at,
+            "status": self.status, "background": spec.background,
             "error": self.error, "incomplete_details": (
                 {"reason": self.incomplete_reason} if self.incomplete_reason else None),
             "instructions": spec.instructions, "max_output_tokens": spec.max_output_tokens,

@@ -9,6 +9,7 @@ from opentelemetry.trace import Tracer
 
 from services.common.genai_metrics import GenAIMetrics
 from services.gateway.admission import Admission, RejectionLog
+from services.gateway.background import BackgroundRuns
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EnginePool
 from services.gateway.response_store import ResponseStore
@@ -23,6 +24,7 @@ TRACER = web.AppKey("tracer", Tracer)
 METRICS = web.AppKey("metrics", GenAIMetrics)  # the request metrics (GenAI conventions)
 REJECTIONS = web.AppKey("rejections", RejectionLog)  # admission's, in the log
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)  # the Responses API's records
+BACKGROUND = web.AppKey("background", BackgroundRuns)  # background responses running here
 CLOCK = web.AppKey("clock", Callable[[], float])  # monotonic seconds: durations, deadlines
 
 

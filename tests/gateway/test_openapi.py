@@ -34,6 +34,7 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
                                  "/v1/responses/input_tokens",
                                  "/v1/responses/{response_id}",
                                  "/v1/responses/{response_id}/input_items",
+                                 "/v1/responses/{response_id}/cancel",
                                  "/tokenize", "/detokenize", "/tokenizer_info",
                                  "/livez", "/readyz", "/health", "/openapi.json"}
     refs = {v["$ref"].rsplit("/", 1)[1] for v in _walk(doc) if isinstance(v, dict) and "$ref" in v}
@@ -298,7 +299,10 @@ def test_completion_schema_and_parser_agree_on_prompt_forms_and_echo(body, accep
     ({"input": "hi", "include": ["file_search_call.results"]}, False),
     ({"input": "hi", "truncation": "auto"}, True),
     ({"input": "hi", "truncation": "middle"}, False),
-    ({"input": "hi", "background": True}, False),
+    ({"input": "hi", "background": True}, True),
+    ({"input": "hi", "background": True, "store": False}, False),
+    ({"input": "hi", "background": True, "stream": True}, False),
+    ({"input": "hi", "background": False, "stream": True}, True),
     ({"input": "hi", "previous_response_id": "resp_x"}, False),
 ])
 def test_responses_schema_and_parser_agree(body, accepted):

@@ -353,6 +353,13 @@ def test_a_response_is_stored_in_redis_continued_and_deleted(cluster):
                                              previous_response_id=first.id)
     assert counted.input_tokens == second.usage.input_tokens
     assert c.responses.retrieve(second.id).output_text == second.output_text
+    queued = c.responses.create(input="Name three prime numbers.", background=True, **kw)
+    assert queued.status in ("queued", "in_progress") and queued.background
+    for _ in range(200):
+        if (polled := c.responses.retrieve(queued.id)).status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert (polled.status, polled.output_text) == (first.status, first.output_text)
     c.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(first.id)

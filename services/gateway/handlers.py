@@ -49,7 +49,7 @@ from services.gateway.errors import (
 )
 from services.gateway.harmony import HarmonyParser
 from services.gateway.middleware import log_failure
-from services.gateway.response_routes import as_prompted, owner
+from services.gateway.response_routes import as_prompted, owner, replay
 from services.gateway.responses import ChatRenderer, CompletionRenderer, Figures, usage
 from services.gateway.responses_api import (
     ResponseBuilder,
@@ -269,12 +269,14 @@ async def _answer(request: web.Request, endpoint: _Endpoint,
 
 
 async def _generate_at(request: web.Request, endpoint: _Endpoint, spec: GenerateInput,
-                       ticket: Ticket, engine: str, outcome: _Outcome) -> web.StreamResponse:
-    """The request's engine calls at its granted engine (a call a choice), then its reply."""
+                       ticket: Ticket, engine: str, outcome: _Outcome,
+                       renderer: Any = None) -> web.StreamResponse:
+    """The request's engine calls at its granted engine (a call a choice), then its reply
+    (`renderer`: the endpoint's own by default)."""
     app = request.app
     config, admission, pool, clock = app[CONFIG], app[ADMISSION], app[POOL], app[CLOCK]
     deadline = outcome.arrived_at + config.request_timeout_s
-    renderer = endpoint.renderer(request_id(request), spec)
+    renderer = renderer or endpoint.renderer(request_id(request), spec)
     following = admission.forward(ticket)  # requests this gateway forwards after this one
     async with contextlib.AsyncExitStack() as calls:
         runs = []
@@ -297,18 +299,23 @@ async def _generate_at(request: web.Request, endpoint: _Endpoint, spec: Generate
 
 
 async def _detach(request: web.Request, endpoint: _Endpoint, spec: ResponsesInput,
-                  ticket: Ticket, outcome: _Outcome) -> web.Response:
-    """A background response: stored as queued and answered so at once; a task of this
+                  ticket: Ticket, outcome: _Outcome) -> web.StreamResponse:
+    """A background response: stored as queued and answered so at once (streamed: its event
+    log, from the start, as a later GET with stream true would read it); a task of this
     gateway's runs it on under the same ticket (background.py), storing it as it goes."""
     store, caller = request.app[RESPONSE_STORE], owner(request)
     builder = ResponseBuilder(spec)
-    builder.status = "queued"
+    builder.queue()
     await store.beat(spec.response_id, MARK_TTL_S)
     await store.put(spec.response_id, stored_record(builder, caller))
+    if spec.stream:
+        await store.append_events(spec.response_id, builder.take_events())
     request.app[BACKGROUND].start(spec.response_id, lambda run: _run_background(
         request, endpoint, spec, ticket, outcome, builder, run))
     outcome.detached = True
     log.info("request %s: background response %s queued", request_id(request), spec.response_id)
+    if spec.stream:
+        return await replay(request, spec.response_id, -1)
     return web.json_response(builder.response)
 
 
@@ -320,35 +327,44 @@ async def _run_background(request: web.Request, endpoint: _Endpoint, spec: Respo
     app = request.app
     config, admission, clock, store = app[CONFIG], app[ADMISSION], app[CLOCK], app[RESPONSE_STORE]
     caller, engine_used = owner(request), False
+
+    async def put(status: str | None = None) -> None:
+        record = stored_record(builder, caller)
+        if status is not None:
+            record["response"]["status"] = status
+        await store.put(spec.response_id, record)
+
     try:
         engine = await admission.acquire(ticket, min(
             config.queue_timeout_s, outcome.arrived_at + config.request_timeout_s - clock()))
         engine_used = True
-        builder.status = "in_progress"
-        await store.put(spec.response_id, stored_record(builder, caller))
-        await _generate_at(request, endpoint, spec, ticket, engine, outcome)
-        log.info("request %s: background response %s done", request_id(request),
-                 spec.response_id)
+        await put("in_progress")
+        await _generate_at(request, endpoint, spec, ticket, engine, outcome, builder)
+        if builder.status == "failed":  # after its stream began: the error is in the builder
+            await put()
+        log.info("request %s: background response %s %s", request_id(request),
+                 spec.response_id, builder.status)
     except asyncio.CancelledError as exc:
         outcome.fail(exc)
-        if run.cancelled:
+        if run.cancelled:  # its stream's readers see the record's status and end
             builder.status = "cancelled"
             log.info("request %s: background response %s cancelled", request_id(request),
                      spec.response_id)
         else:
-            builder.status, builder.error = "failed", {"code": "server_error",
-                                                       "message": STOPPED}
-        await store.put(spec.response_id, stored_record(builder, caller))
+            builder.fail({"message": STOPPED})
+            if spec.stream:
+                await store.append_events(spec.response_id, builder.take_events())
+        await put()
         if not run.cancelled:
             raise
     except Exception as exc:  # noqa: BLE001 - stored in the response, as OpenAI does
         outcome.fail(exc)
         error = http_error(exc, request_id(request))
         log_failure(request, exc, error.status)
-        builder.status = "failed"
-        builder.error = {"code": error.body["error"].get("code") or "server_error",
-                         "message": error.body["error"]["message"]}
-        await store.put(spec.response_id, stored_record(builder, caller))
+        builder.fail(error.body["error"])
+        if spec.stream:
+            await store.append_events(spec.response_id, builder.take_events())
+        await put()
     finally:
         admission.release(ticket, observed=engine_used)
         outcome.record(app[METRICS])
@@ -720,6 +736,29 @@ async def _reasoning_tokens(run: _Run, builder: ResponseBuilder) -> int:
     return len(ids.ids)
 
 
+class _Events:
+    """Where a streamed response's events go: its HTTP response as SSE, or, for a background
+    response, the store's event log (read by whoever streams it: response_routes.replay)."""
+
+    def __init__(self, response: web.StreamResponse | None, store: Any = None,
+                 response_id: str = "") -> None:
+        self.response, self.store, self.response_id = response, store, response_id
+
+    async def write(self, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        if self.response is not None:
+            await self.response.write(b"".join(sse.named(e) for e in events))
+        else:
+            await self.store.append_events(self.response_id, events)
+
+    async def end(self, events: list[dict[str, Any]]) -> None:
+        if self.response is not None:
+            await self.response.write_eof(b"".join(sse.named(e) for e in events))
+        else:
+            await self.write(events)
+
+
 async def _respond(run: _Run) -> web.StreamResponse:
     """The Responses API's answer: the engine's events through a ResponseBuilder, streamed as
     named SSE events (`response.created` ... `response.completed`) or returned as one object.
@@ -727,11 +766,14 @@ async def _respond(run: _Run) -> web.StreamResponse:
     it back at once finds it. A failure after the stream began is `response.failed`."""
     request, builder = run.request, run.renderer
     spec: ResponsesInput = builder.spec
-    response = await _event_stream(run) if spec.stream else None
+    sink = None
+    if spec.stream:
+        sink = (_Events(None, request.app[RESPONSE_STORE], spec.response_id) if spec.background
+                else _Events(await _event_stream(run)))
 
     async def flush() -> None:
-        if response is not None and (events := builder.take_events()):
-            await response.write(b"".join(sse.named(e) for e in events))
+        if sink is not None:
+            await sink.write(builder.take_events())
 
     builder.start()
     try:
@@ -752,25 +794,26 @@ async def _respond(run: _Run) -> web.StreamResponse:
                 elif event is None and builder.status == "in_progress":
                     raise EngineError("INTERNAL", "the event stream ended without a "
                                       "Finished event", run.call.engine)
-            if response is not None and builder.status == "in_progress" and \
-                    (events := builder.take_events()):
-                await response.write(b"".join(sse.named(e) for e in events))
-        if response is None:
-            return web.json_response(builder.response, headers=builder.figures.headers())
-        await response.write_eof(b"".join(sse.named(e) for e in builder.take_events()))
+            if builder.status == "in_progress":
+                await flush()
+        if sink is not None:
+            await sink.end(builder.take_events())
     except ConnectionResetError as exc:
-        if response is None:
+        if sink is None:
             raise
         run.outcome.fail(exc)
         log.info("request %s: client went away mid-stream; engine call cancelled",
                  request_id(request))
     except Exception as exc:
-        if response is None:
+        if sink is None:
             raise
         run.outcome.fail(exc)
         error = http_error(exc, request_id(request))
         log_failure(request, exc, error.status)
         builder.fail(error.body["error"])
         with contextlib.suppress(ConnectionResetError):
-            await response.write_eof(b"".join(sse.named(e) for e in builder.take_events()))
-    return response
+            await sink.end(builder.take_events())
+    if sink is None or sink.response is None:
+        return web.json_response(builder.response, headers=builder.figures.headers()
+                                 if builder.figures else None)
+    return sink.response

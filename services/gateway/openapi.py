@@ -187,7 +187,9 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
     "background": {"type": ["boolean", "null"],
                    "description": "answered at once, queued; the gateway runs it on and "
                                   "stores it: poll GET /v1/responses/{id}, cancel with POST "
-                                  "/v1/responses/{id}/cancel (needs store, not stream)"},
+                                  "/v1/responses/{id}/cancel (needs store); with stream, its "
+                                  "events are logged: GET with stream=true reads them from "
+                                  "any replica, resuming after starting_after"},
     "stream_options": {"type": ["object", "null"], "additionalProperties": False,
                        "properties": {"include_obfuscation": {"enum": [False, None]}},
                        "description": "with stream true; Strata pads no events"},
@@ -313,11 +315,9 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object", "required": ["model", "input"], "additionalProperties": False,
         "description": "the Responses API, served by the chat path: a field not listed is "
                        "refused with a 400 naming it (a null passes)",
-        # background: stored, and polled rather than streamed
+        # background: stored
         "if": {"required": ["background"], "properties": {"background": {"const": True}}},
-        "then": {"not": {"anyOf": [
-            {"required": ["store"], "properties": {"store": {"const": False}}},
-            {"required": ["stream"], "properties": {"stream": {"const": True}}}]}},
+        "then": {"not": {"required": ["store"], "properties": {"store": {"const": False}}}},
         "properties": {
         **_RESPONSES_PROPERTIES,
     }},
@@ -523,7 +523,11 @@ DOCUMENT: dict[str, Any] = {
             "ResponsesInputTokensRequest"),
         "/v1/responses/{response_id}": {
             "get": _stored("A stored response (a background one as it stands: queued, "
-                           "in_progress, or its end)"),
+                           "in_progress, or its end); stream=true reads a background "
+                           "response's stream (one created streaming), after starting_after",
+                           (("stream", {"type": "boolean", "default": False}),
+                            ("starting_after", {"type": "integer", "minimum": -1,
+                                                "default": -1}))),
             "delete": _stored("Delete a stored response")},
         "/v1/responses/{response_id}/cancel": {"post": _stored(
             "Cancel a background response still queued or in progress (a finished one comes "

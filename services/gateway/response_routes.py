@@ -16,13 +16,17 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from services.common.pb.strata.v1 import engine_pb2
+from services.gateway import sse
 from services.gateway.background import MARK_TTL_S, UNFINISHED, as_seen
 from services.gateway.engine_client import chat_input
 from services.gateway.engines import ready_engine, tokenizer_call
 from services.gateway.errors import GatewayError, InvalidRequest
 from services.gateway.responses_api import ResponsesInput, conversation, input_items_page
 from services.gateway.schemas import MAX_MESSAGES
-from services.gateway.state import BACKGROUND, CONFIG, POOL, RESPONSE_STORE
+from services.gateway.state import BACKGROUND, CONFIG, POOL, REQUEST_ID, RESPONSE_STORE
+
+REPLAY_WAIT_S = 0.25  # the longest a stream's reader waits for an event before it looks again
+STREAM_ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 
 class ResponseNotFound(GatewayError):
@@ -157,11 +161,56 @@ async def _record(request: web.Request, query: frozenset[str] = frozenset()) -> 
     return record
 
 
-async def retrieve(request: web.Request) -> web.Response:
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """A stored response; with `stream=true` (a background response created streaming) its
+    stream's events after `starting_after`, live until it ends."""
     response_id = request.match_info["response_id"]
-    record = await _record(request)
-    return web.json_response(await as_seen(request.app[RESPONSE_STORE], response_id,
-                                           record["response"]))
+    record = await _record(request, frozenset({"stream", "starting_after"}))
+    response = await as_seen(request.app[RESPONSE_STORE], response_id, record["response"])
+    stream = request.query.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise InvalidRequest(f"'stream' must be true or false; got {stream!r}", "stream")
+    if stream == "false":
+        if "starting_after" in request.query:
+            raise InvalidRequest("'starting_after' goes with 'stream=true'", "starting_after")
+        return web.json_response(response)
+    if not record.get("logged"):
+        raise InvalidRequest(f"response {response_id!r} has no stream to read: only a "
+                             "background response created with 'stream': true keeps one; "
+                             "GET it without stream", "stream")
+    text = request.query.get("starting_after", "-1")
+    if not text.lstrip("-").isdigit() or int(text) < -1:
+        raise InvalidRequest(f"'starting_after' must be a sequence number (or -1: from the "
+                             f"start); got {text!r}", "starting_after")
+    return await replay(request, response_id, int(text))
+
+
+async def replay(request: web.Request, response_id: str, after: int) -> web.StreamResponse:
+    """A background response's stream from its event log: the events after sequence number
+    `after`, then each as the gateway running it logs it, until one ends the stream
+    (completed, incomplete, failed) or the response ends without one (cancelled, or its gateway
+    stopped). A reader that leaves changes nothing for the response."""
+    store = request.app[RESPONSE_STORE]
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        "X-Request-Id": request[REQUEST_ID]})
+    await response.prepare(request)
+    finished = False
+    while True:
+        events = await store.read_events(response_id, after, REPLAY_WAIT_S)
+        if events:
+            await response.write(b"".join(sse.named(e) for e in events))
+            after = events[-1]["sequence_number"]
+            if events[-1]["type"] in STREAM_ENDS:
+                break
+        elif finished:
+            break
+        else:  # nothing new for a while: has it ended without a last event?
+            record = await store.get(response_id, owner(request))
+            finished = record is None or (await as_seen(
+                store, response_id, record["response"]))["status"] not in UNFINISHED
+    await response.write_eof()
+    return response
 
 
 async def cancel(request: web.Request) -> web.Response:

@@ -13,6 +13,11 @@ square). A record lives `ttl_s` after it was made or last continued (`touch`). `
 SHA-256 of the API key that made it, so with keys on one key cannot read another's responses
 ("" when auth is off).
 
+A background response created with `stream: true` also has an *event log*: its stream's events
+in order, so that a client can read the stream from any replica and resume it after a given
+sequence number (`append_events`, `read_events`; a Redis stream whose entry ids are the
+sequence numbers).
+
 A background response (`background: true`) also has a *run mark* while a gateway runs it:
 "running", renewed by that gateway every few seconds (`beat`), or "cancel" once a client asked
 to cancel it (`cancel`, from any replica; the next beat tells the runner). A record still
@@ -21,6 +26,7 @@ queued or in progress whose mark has expired was left by a gateway that stopped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -36,6 +42,7 @@ log = logging.getLogger("strata.gateway")
 
 KEY_PREFIX = "strata:response:"
 RUN_PREFIX = "strata:response-run:"
+EVENTS_PREFIX = "strata:response-events:"
 RUNNING, CANCEL = "running", "cancel"
 
 Record = dict[str, Any]
@@ -60,6 +67,11 @@ class ResponseStore(Protocol):
 
     async def end_run(self, response_id: str) -> None: ...
 
+    async def append_events(self, response_id: str, events: list[Record]) -> None: ...
+
+    async def read_events(self, response_id: str, after: int,
+                          wait_s: float) -> list[Record]: ...
+
     async def close(self) -> None: ...
 
 
@@ -74,6 +86,8 @@ class LocalResponseStore:
         self.clock = clock
         self._records: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expiry, JSON)
         self._runs: dict[str, tuple[float, str]] = {}  # id -> (expiry, run mark)
+        self._events: dict[str, tuple[float, list[str]]] = {}  # id -> (expiry, event JSON)
+        self._appended = asyncio.Condition()
         self.num_bytes = 0
         self.num_evicted = 0
 
@@ -143,6 +157,28 @@ class LocalResponseStore:
     async def end_run(self, response_id: str) -> None:
         self._runs.pop(response_id, None)
 
+    async def append_events(self, response_id: str, events: list[Record]) -> None:
+        texts = [json.dumps(e, separators=(",", ":")) for e in events]
+        log_ = self._events.get(response_id, (0.0, []))[1]
+        self._events[response_id] = (self.clock() + self.ttl_s, log_ + texts)
+        async with self._appended:
+            self._appended.notify_all()
+
+    async def read_events(self, response_id: str, after: int, wait_s: float) -> list[Record]:
+        """The events after sequence number `after`, waiting up to `wait_s` for the first."""
+        async def ready() -> list[str]:
+            entry = self._events.get(response_id)
+            if entry is None or entry[0] <= self.clock():
+                return []
+            return entry[1][after + 1:]
+
+        if not (texts := await ready()):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s), self._appended:
+                    await self._appended.wait()
+            texts = await ready()
+        return [json.loads(t) for t in texts]
+
     def _mark(self, response_id: str) -> str | None:
         entry = self._runs.get(response_id)
         if entry is None or entry[0] <= self.clock():
@@ -153,6 +189,7 @@ class LocalResponseStore:
     async def close(self) -> None:
         self._records.clear()
         self._runs.clear()
+        self._events.clear()
         self.num_bytes = 0
 
     def _drop(self, response_id: str) -> None:
@@ -267,6 +304,34 @@ class RedisResponseStore:
         await self.local.end_run(response_id)
         with contextlib.suppress(RedisError, OSError):  # else the mark expires by itself
             await self.redis.delete(RUN_PREFIX + response_id)
+
+    async def append_events(self, response_id: str, events: list[Record]) -> None:
+        """XADD each with its sequence number as the entry id (0-<n+1>)."""
+        key = EVENTS_PREFIX + response_id
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for event in events:
+                    pipe.xadd(key, {"e": json.dumps(event, separators=(",", ":"))},
+                              id=f"0-{event['sequence_number'] + 1}")
+                pipe.pexpire(key, max(int(self.ttl_s * 1e3), 1))
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("response %s: Redis at %s did not log %d stream events (%s); kept in "
+                        "this gateway only", response_id, self.redis_url, len(events), exc)
+            await self.local.append_events(response_id, events)
+
+    async def read_events(self, response_id: str, after: int, wait_s: float) -> list[Record]:
+        key = EVENTS_PREFIX + response_id
+        try:
+            found = await self.redis.xread({key: f"0-{after + 1}"},
+                                           block=max(int(wait_s * 1e3), 1))
+        except (RedisError, OSError) as exc:
+            log.warning("Redis at %s did not answer (%s); reading this gateway's own stream "
+                        "events only", self.redis_url, exc)
+            return await self.local.read_events(response_id, after, wait_s)
+        if not found:
+            return await self.local.read_events(response_id, after, 0.0)
+        return [json.loads(fields[b"e"]) for _, fields in found[0][1]]
 
     async def close(self) -> None:
         await self.redis.aclose()

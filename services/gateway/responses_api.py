@@ -17,7 +17,8 @@ request becomes a chat request, and the answer goes back as Responses objects an
                                             second request (summary_request; handlers.py)
 
     background                           -> answered at once, queued; the gateway runs it on
-                                            and stores it (handlers._detach); POST .../cancel
+                                            and stores it (handlers._detach); POST .../cancel;
+                                            with stream, an event log GET reads and resumes
 
 Any field Strata does not read is refused by name, as on the other endpoints: tool types other
 than functions, non-text content, conversations.
@@ -200,10 +201,6 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
         raise InvalidRequest("'background' responses are stored (they are read back with GET "
                              "/v1/responses/{id}); send 'store': true or leave it out",
                              "background")
-    if background and stream:
-        raise InvalidRequest("'stream' with 'background' is not supported: poll GET "
-                             "/v1/responses/{id} for a background response, or stream "
-                             "without 'background'", "stream", code="unsupported_parameter")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("'instructions' must be a string", "instructions")
@@ -656,9 +653,19 @@ class ResponseBuilder:
         events, self._events = self._events, []
         return events
 
-    def start(self) -> None:
+    def queue(self) -> None:
+        """A background response, answered before it runs: created, queued."""
+        self.status = "queued"
         self._event("response.created", response=self.response)
+        self._event("response.queued", response=self.response)
+
+    def start(self) -> None:
+        first = self.status != "queued"
+        self.status = "in_progress"
+        if first:
+            self._event("response.created", response=self.response)
         self._event("response.in_progress", response=self.response)
+
 
     def reasoning(self, text: str) -> None:
         if text:
@@ -816,7 +823,8 @@ def stored_record(builder: ResponseBuilder, owner: str) -> dict[str, Any]:
     its conversation (their ids, oldest first: each turn is stored once, in its own record)."""
     spec = builder.spec
     return {"owner": owner, "response": builder.response,
-            "input_items": list(spec.input_items), "ancestors": list(spec.ancestors)}
+            "input_items": list(spec.input_items), "ancestors": list(spec.ancestors),
+            "logged": spec.background and spec.stream}  # an event log (GET with stream)
 
 
 def conversation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -69,6 +69,7 @@ async def test_cancelling_a_running_or_queued_response_frees_its_slot(engine, ma
     async with _client(base) as client:
         running = await client.responses.create(model=MODEL, input="hi", background=True)
         await _until(client, running.id, {"in_progress"})
+        await _wait_for(lambda: servicer.running == 1)
         waiting = await client.responses.create(model=MODEL, input="hi", background=True)
         assert (await client.responses.retrieve(waiting.id)).status == "queued"
         cancelled = await client.responses.cancel(waiting.id)
@@ -103,6 +104,7 @@ async def test_another_replica_cancels_it_and_reports_it_failed_when_its_gateway
     async with _client(running_here) as here, _client(other) as there:
         first = await here.responses.create(model=MODEL, input="hi", background=True)
         assert (await _until(there, first.id, {"in_progress"})).background
+        await _wait_for(lambda: servicer.running == 1)
         cancelled = await there.responses.cancel(first.id)  # at the runner's next beat
         assert cancelled.status == "cancelled"
         assert (await here.responses.retrieve(first.id)).status == "cancelled"
@@ -138,9 +140,72 @@ async def test_a_gateway_that_shuts_down_stores_its_runs_as_failed(engine, redis
     async with _client(f"http://{host}:{port}") as client:
         queued = await client.responses.create(model=MODEL, input="hi", background=True)
         await _until(client, queued.id, {"in_progress"})
+        await _wait_for(lambda: servicer.running == 1)
     await runner.cleanup()  # the runs are cancelled, each stored as failed
     r = aioredis.Redis.from_url(redis_server.url)
     stored = json.loads(await r.get(KEY_PREFIX + queued.id))["response"]
     await r.aclose()
     assert (stored["status"], stored["error"]["message"]) == ("failed", STOPPED)
     assert servicer.cancelled
+
+
+async def test_a_streamed_background_response_is_read_again_and_resumed_from_any_replica(
+        engine, make_gateway, redis_server):
+    """stream with background: the events are logged as the run goes; the client that made
+    it reads them as a stream, and any client (here through another gateway) reads them again
+    with GET stream=true, after a sequence number, live to the end. Leaving the stream leaves
+    the response running."""
+    servicer, _ = engine
+    servicer.tokens = ["one", " two", " three", " four"]
+    servicer.token_delay_s = 0.05
+    here = await make_gateway(redis_url=redis_server.url, stream_interval_ms=0)
+    other = await make_gateway(redis_url=redis_server.url)
+    async with _client(here) as a, _client(other) as b:
+        stream = await a.responses.create(model=MODEL, input="hi", background=True,
+                                          stream=True)
+        first = []
+        async for event in stream:  # leave after the first delta: the run goes on
+            first.append(event)
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+        assert [e.type for e in first[:3]] == ["response.created", "response.queued",
+                                               "response.in_progress"]
+        assert first[0].response.status == "queued" and first[0].response.background
+        response_id, last = first[0].response.id, first[-1].sequence_number
+        resumed = [e async for e in await b.responses.retrieve(
+            response_id, stream=True, starting_after=last)]
+        assert resumed[0].sequence_number == last + 1
+        assert resumed[-1].type == "response.completed"
+        texts = [e.delta for e in [*first, *resumed] if e.type == "response.output_text.delta"]
+        assert "".join(texts) == "one two three four"
+        again = [e async for e in await a.responses.retrieve(response_id, stream=True)]
+        assert [e.sequence_number for e in again] == list(range(len(again)))
+        assert again[-1].response.output_text == "one two three four"
+        async with b.responses.stream(response_id=response_id) as manager:
+            assert (await manager.get_final_response()).output_text == "one two three four"
+        plain = await a.responses.create(model=MODEL, input="hi", background=True)
+        with pytest.raises(openai.BadRequestError) as unlogged:
+            await a.responses.retrieve(plain.id, stream=True)
+        assert unlogged.value.body["param"] == "stream"
+
+
+async def test_a_streamed_background_response_cancelled_ends_its_readers(engine,
+                                                                          make_gateway):
+    servicer, _ = engine
+    servicer.hold = asyncio.Event()
+    base = await make_gateway(stream_interval_ms=0)
+    async with _client(base) as client:
+        stream = await client.responses.create(model=MODEL, input="hi", background=True,
+                                               stream=True)
+        created = await stream.__anext__()
+        reader = asyncio.create_task(_drain(stream))
+        await _wait_for(lambda: servicer.running == 1)
+        assert (await client.responses.cancel(created.response.id)).status == "cancelled"
+        events = await asyncio.wait_for(reader, 5)
+        assert "response.completed" not in [e.type for e in events]
+        servicer.hold.set()
+
+
+async def _drain(stream):
+    return [e async for e in stream]

@@ -301,7 +301,7 @@ def test_completion_schema_and_parser_agree_on_prompt_forms_and_echo(body, accep
     ({"input": "hi", "truncation": "middle"}, False),
     ({"input": "hi", "background": True}, True),
     ({"input": "hi", "background": True, "store": False}, False),
-    ({"input": "hi", "background": True, "stream": True}, False),
+    ({"input": "hi", "background": True, "stream": True}, True),
     ({"input": "hi", "background": False, "stream": True}, True),
     ({"input": "hi", "previous_response_id": "resp_x"}, False),
 ])

@@ -224,7 +224,6 @@ async def test_the_local_store_keeps_records_for_their_time_and_within_its_bytes
     ({"input": "x", "reasoning": {"summary": "brief"}}, "reasoning.summary"),
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "stream"),
     ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": [{"type": "reasoning", "encrypted_content": "gAAAAABo"},

@@ -258,10 +258,15 @@ async def _answer(request: web.Request, endpoint: _Endpoint,
         engine_used = True
         return await _generate_at(request, endpoint, spec, ticket, engine, outcome)
     except asyncio.CancelledError:
-        log.info("request %s: client went away after %.0f ms (%s); %s", request_id(request),
-                 (clock() - arrived_at) * 1e3,
-                 "engine call cancelled" if engine_used else "left the queue",
-                 "its slot is free again" if engine_used else "nothing reached the engine")
+        if outcome.detached:
+            log.info("request %s: client left the stream of its background response after "
+                     "%.0f ms; the response runs on", request_id(request),
+                     (clock() - arrived_at) * 1e3)
+        else:
+            log.info("request %s: client went away after %.0f ms (%s); %s",
+                     request_id(request), (clock() - arrived_at) * 1e3,
+                     "engine call cancelled" if engine_used else "left the queue",
+                     "its slot is free again" if engine_used else "nothing reached the engine")
         raise
     finally:
         if not outcome.detached:  # else the background run releases it

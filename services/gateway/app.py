@@ -22,7 +22,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from services.common.genai_metrics import GenAIMetrics
 from services.common.registry import EngineRegistry, RegistryUnavailable
 from services.common.telemetry import setup_tracing
-from services.gateway import handlers, health, openapi, response_routes, tokenize
+from services.gateway import (
+    conversations,
+    handlers,
+    health,
+    openapi,
+    response_routes,
+    tokenize,
+)
 from services.gateway.admission import Admission, RejectionLog
 from services.gateway.background import BackgroundRuns
 from services.gateway.config import GatewayConfig
@@ -95,6 +102,16 @@ def init_app(config: GatewayConfig, *, meter_provider: MeterProvider | None = No
     app.router.add_delete("/v1/responses/{response_id}", response_routes.delete)
     app.router.add_post("/v1/responses/{response_id}/cancel", response_routes.cancel)
     app.router.add_get("/v1/responses/{response_id}/input_items", response_routes.input_items)
+    app.router.add_post("/v1/conversations", conversations.create)
+    app.router.add_get("/v1/conversations/{conversation_id}", conversations.retrieve)
+    app.router.add_post("/v1/conversations/{conversation_id}", conversations.update)
+    app.router.add_delete("/v1/conversations/{conversation_id}", conversations.delete)
+    app.router.add_post("/v1/conversations/{conversation_id}/items", conversations.add_items)
+    app.router.add_get("/v1/conversations/{conversation_id}/items", conversations.list_items)
+    app.router.add_get("/v1/conversations/{conversation_id}/items/{item_id}",
+                       conversations.get_item)
+    app.router.add_delete("/v1/conversations/{conversation_id}/items/{item_id}",
+                          conversations.delete_item)
     app.router.add_get("/v1/models", health.models)
     app.router.add_get("/v1/models/{model:.+}", health.model)
     app.router.add_post("/tokenize", tokenize.tokenize)

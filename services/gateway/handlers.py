@@ -793,9 +793,12 @@ async def _respond(run: _Run) -> web.StreamResponse:
                     if event.reason == "abort":
                         raise EngineAborted(event.error, run.call.engine)
                     await _respond_end(run, builder, event, flush)
+                    store = request.app[RESPONSE_STORE]
                     if spec.store:
-                        await request.app[RESPONSE_STORE].put(
-                            spec.response_id, stored_record(builder, owner(request)))
+                        await store.put(spec.response_id, stored_record(builder, owner(request)))
+                    if spec.conversation_id is not None:  # the turn joins its conversation
+                        await store.append_items(spec.conversation_id,
+                                                 [*spec.input_items, *builder.output])
                 elif event is None and builder.status == "in_progress":
                     raise EngineError("INTERNAL", "the event stream ended without a "
                                       "Finished event", run.call.engine)

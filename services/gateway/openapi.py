@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.conversations import MAX_ITEMS_PER_CALL as MAX_CONVERSATION_ITEMS
 from services.gateway.responses_api import (
     INCLUDES,
     LOGPROBS_INCLUDE,
@@ -151,6 +152,14 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
                                           "maxLength": MAX_METADATA_VALUE_CHARS}},
     "previous_response_id": {"type": ["string", "null"], "pattern": "^resp_[0-9a-f]{32}$",
                              "description": "continue a stored response's conversation"},
+    "conversation": {"oneOf": [
+        {"type": "string", "pattern": "^conv_[0-9a-f]{32}$"},
+        {"type": "object", "required": ["id"], "additionalProperties": False,
+         "properties": {"id": {"type": "string", "pattern": "^conv_[0-9a-f]{32}$"}}},
+        {"type": "null"}],
+        "description": "a conversation (POST /v1/conversations): its items come before the "
+                       "input, and the input and the answer join it; not with "
+                       "previous_response_id"},
     "text": {"type": ["object", "null"], "additionalProperties": False, "properties": {
         "format": {"oneOf": [
             {"type": "object", "required": ["type"], "additionalProperties": False,
@@ -318,9 +327,26 @@ _SCHEMAS: dict[str, Any] = {
         # background: stored
         "if": {"required": ["background"], "properties": {"background": {"const": True}}},
         "then": {"not": {"required": ["store"], "properties": {"store": {"const": False}}}},
+        # a conversation or a previous response says what came before, not both
+        "not": {"required": ["conversation", "previous_response_id"], "properties": {
+            "conversation": {"type": ["string", "object"]},
+            "previous_response_id": {"type": "string"}}},
         "properties": {
         **_RESPONSES_PROPERTIES,
     }},
+    "ConversationCreateRequest": {
+        "type": "object", "additionalProperties": False, "properties": {
+            "items": {"type": ["array", "null"], "minItems": 1,
+                      "maxItems": MAX_CONVERSATION_ITEMS, "items": _ref("ResponsesInputItem")},
+            "metadata": _RESPONSES_PROPERTIES["metadata"]}},
+    "ConversationUpdateRequest": {
+        "type": "object", "required": ["metadata"], "additionalProperties": False,
+        "properties": {"metadata": _RESPONSES_PROPERTIES["metadata"]}},
+    "ConversationItemsRequest": {
+        "type": "object", "required": ["items"], "additionalProperties": False,
+        "properties": {"items": {"type": "array", "minItems": 1,
+                                 "maxItems": MAX_CONVERSATION_ITEMS,
+                                 "items": _ref("ResponsesInputItem")}}},
     "ResponsesInputTokensRequest": {
         "type": "object", "required": ["input"], "additionalProperties": False,
         "description": "what shapes a Responses request's prompt; the count is the "
@@ -330,7 +356,7 @@ _SCHEMAS: dict[str, Any] = {
                   "description": "default: the first model served"},
         **{name: _RESPONSES_PROPERTIES[name] for name in (
             "input", "instructions", "previous_response_id", "tools", "tool_choice",
-            "parallel_tool_calls", "truncation", "reasoning")},
+            "parallel_tool_calls", "truncation", "reasoning", "conversation")},
         "text": {**_RESPONSES_PROPERTIES["text"],
                  "description": "checked; a format adds no prompt tokens (the grammar holds "
                                 "the output)"},
@@ -498,6 +524,35 @@ def _stored(summary: str, query: tuple[tuple[str, Any], ...] = ()) -> dict[str, 
                           "503": _error("the response store (Redis) did not answer")}}
 
 
+def _conversation_op(summary: str, request: str | None = None, item: bool = False,
+                     query: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
+    """An operation on a conversation of the caller's (its API key's own, with keys on)."""
+    params = [{"name": "conversation_id", "in": "path", "required": True,
+               "schema": {"type": "string"}}]
+    if item:
+        params.append({"name": "item_id", "in": "path", "required": True,
+                       "schema": {"type": "string"}})
+    op: dict[str, Any] = {
+        "summary": summary, "security": [{"bearer": []}, {}],
+        "parameters": params + [{"name": name, "in": "query", "required": False,
+                                 "schema": schema} for name, schema in query],
+        "responses": {"200": {"description": "ok", "content": {
+                          "application/json": {"schema": {"type": "object"}}}},
+                      "400": _error("invalid parameter"),
+                      "401": _error("missing or invalid API key"),
+                      "404": _error("no such conversation (or item)"),
+                      "503": _error("the store (Redis) did not answer")}}
+    if request is not None:
+        op["requestBody"] = {"required": True,
+                             "content": {"application/json": {"schema": _ref(request)}}}
+    return op
+
+
+_PAGE = (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+         ("order", {"enum": ["asc", "desc"], "default": "desc"}),
+         ("after", {"type": "string"}))
+
+
 def _probe(summary: str, schema: str | None = None) -> dict[str, Any]:
     content = {"application/json": {"schema": _ref(schema) if schema else {"type": "object"}}}
     return {"get": {"summary": summary, "responses": {
@@ -533,10 +588,23 @@ DOCUMENT: dict[str, Any] = {
             "Cancel a background response still queued or in progress (a finished one comes "
             "back as it is; 400 for one not made with background)")},
         "/v1/responses/{response_id}/input_items": {"get": _stored(
-            "A stored response's input items, a page at a time",
-            (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
-             ("order", {"enum": ["asc", "desc"], "default": "desc"}),
-             ("after", {"type": "string"})))},
+            "A stored response's input items, a page at a time", _PAGE)},
+        "/v1/conversations": {"post": {
+            **_conversation_op("A conversation: items a Responses request with `conversation` "
+                               "reads before its input, and that its answered turn joins",
+                               "ConversationCreateRequest"), "parameters": []}},
+        "/v1/conversations/{conversation_id}": {
+            "get": _conversation_op("A conversation"),
+            "post": _conversation_op("Replace a conversation's metadata",
+                                     "ConversationUpdateRequest"),
+            "delete": _conversation_op("Delete a conversation and its items")},
+        "/v1/conversations/{conversation_id}/items": {
+            "post": _conversation_op("Add items to a conversation", "ConversationItemsRequest"),
+            "get": _conversation_op("A conversation's items, a page at a time", query=_PAGE)},
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": _conversation_op("An item of a conversation", item=True),
+            "delete": _conversation_op("Remove an item from a conversation (the conversation "
+                                       "comes back)", item=True)},
         "/v1/models": {"get": {"summary": "Models served by ready engines",
                                "security": [{"bearer": []}, {}],
                                "responses": {"200": {"description": "model list"},

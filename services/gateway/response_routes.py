@@ -40,6 +40,26 @@ class ResponseNotFound(GatewayError):
                          "--responses-ttl-s)", None, "not_found")
 
 
+class ConversationNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, conversation_id: str, ttl_s: float, param: str | None) -> None:
+        super().__init__(f"no conversation {conversation_id!r}: it was deleted, made with "
+                         f"another API key, or neither made nor used within the time the "
+                         f"store keeps ({ttl_s / 3600:g} h, --responses-ttl-s)", param,
+                         "conversation_not_found")
+
+
+async def conversation_record(request: web.Request, conversation_id: str,
+                              param: str | None = None) -> dict[str, Any]:
+    """The stored record of a conversation of this caller's (404 where there is none)."""
+    record = await request.app[RESPONSE_STORE].get(conversation_id, owner(request))
+    if record is None or "conversation" not in record:
+        raise ConversationNotFound(conversation_id, request.app[CONFIG].responses_ttl_s, param)
+    return record
+
+
 class StoreUnavailable(GatewayError):
     status = 503
     type = "service_unavailable"
@@ -117,8 +137,12 @@ async def _first(cuts: list[int], holds: Callable[[int], bool | Awaitable[bool]]
 
 
 async def with_previous(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
-    """A Responses request with the stored conversation of its previous_response_id before it
-    (a 400 naming the field where none is stored for this caller)."""
+    """A Responses request with what came before it: the stored conversation of its
+    previous_response_id (a 400 naming the field where none is stored for this caller), or
+    the items of its conversation (a 404 where there is none)."""
+    if spec.conversation_id is not None:
+        await conversation_record(request, spec.conversation_id, "conversation")
+        return spec.with_context(await request.app[RESPONSE_STORE].items(spec.conversation_id))
     if spec.previous_response_id is None:
         return spec.with_context([])
     store, caller = request.app[RESPONSE_STORE], owner(request)

@@ -13,6 +13,10 @@ square). A record lives `ttl_s` after it was made or last continued (`touch`). `
 SHA-256 of the API key that made it, so with keys on one key cannot read another's responses
 ("" when auth is off).
 
+A conversation (the Conversations API, `conv_` ids) is a record like a response's, `{"owner",
+"conversation"}`, and a list of its items, appended to as responses continue it
+(`append_items`, `items`, `remove_item`); both live `ttl_s` after it was made or last used.
+
 A background response created with `stream: true` also has an *event log*: its stream's events
 in order, so that a client can read the stream from any replica and resume it after a given
 sequence number (`append_events`, `read_events`; a Redis stream whose entry ids are the
@@ -41,6 +45,12 @@ from redis.exceptions import RedisError
 log = logging.getLogger("strata.gateway")
 
 KEY_PREFIX = "strata:response:"
+CONVERSATION_PREFIX = "strata:conversation:"  # a conversation's record ("conv_" ids)
+ITEMS_PREFIX = "strata:conversation-items:"  # its items, a Redis list
+
+
+def record_key(record_id: str) -> str:
+    return (CONVERSATION_PREFIX if record_id.startswith("conv_") else KEY_PREFIX) + record_id
 RUN_PREFIX = "strata:response-run:"
 EVENTS_PREFIX = "strata:response-events:"
 RUNNING, CANCEL = "running", "cancel"
@@ -69,6 +79,12 @@ class ResponseStore(Protocol):
 
     async def append_events(self, response_id: str, events: list[Record]) -> None: ...
 
+    async def append_items(self, conversation_id: str, items: list[Record]) -> None: ...
+
+    async def items(self, conversation_id: str) -> list[Record]: ...
+
+    async def remove_item(self, conversation_id: str, item_id: str) -> bool: ...
+
     async def read_events(self, response_id: str, after: int,
                           wait_s: float) -> list[Record]: ...
 
@@ -87,6 +103,7 @@ class LocalResponseStore:
         self._records: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expiry, JSON)
         self._runs: dict[str, tuple[float, str]] = {}  # id -> (expiry, run mark)
         self._events: dict[str, tuple[float, list[str]]] = {}  # id -> (expiry, event JSON)
+        self._lists: dict[str, list[str]] = {}  # a conversation's items (as its record lives)
         self._appended = asyncio.Condition()
         self.num_bytes = 0
         self.num_evicted = 0
@@ -95,7 +112,10 @@ class LocalResponseStore:
         self.put_text(response_id, json.dumps(record, separators=(",", ":")))
 
     def put_text(self, response_id: str, text: str) -> None:
+        kept = self._lists.pop(response_id, None)  # a conversation's items outlive its update
         self._drop(response_id)
+        if kept is not None:
+            self._lists[response_id] = kept
         if len(text) > self.max_bytes:
             log.warning("response %s not stored: its record is %d bytes, over the %d the store "
                         "holds (raise --responses-max-bytes)", response_id, len(text),
@@ -190,12 +210,34 @@ class LocalResponseStore:
         self._records.clear()
         self._runs.clear()
         self._events.clear()
+        self._lists.clear()
         self.num_bytes = 0
 
     def _drop(self, response_id: str) -> None:
         entry = self._records.pop(response_id, None)
         if entry is not None:
             self.num_bytes -= len(entry[1])
+            self.num_bytes -= sum(len(t) for t in self._lists.pop(response_id, ()))
+
+    async def append_items(self, conversation_id: str, items: list[Record]) -> None:
+        if conversation_id not in self._records:
+            return
+        texts = [json.dumps(item, separators=(",", ":")) for item in items]
+        self._lists.setdefault(conversation_id, []).extend(texts)
+        self.num_bytes += sum(map(len, texts))
+        await self.touch([conversation_id])
+        self._records.move_to_end(conversation_id)  # the last evicted: it is in use
+
+    async def items(self, conversation_id: str) -> list[Record]:
+        return [json.loads(t) for t in self._lists.get(conversation_id, ())]
+
+    async def remove_item(self, conversation_id: str, item_id: str) -> bool:
+        texts = self._lists.get(conversation_id, [])
+        for i, text in enumerate(texts):
+            if json.loads(text)["id"] == item_id:
+                self.num_bytes -= len(texts.pop(i))
+                return True
+        return False
 
 
 class RedisResponseStore:
@@ -214,7 +256,7 @@ class RedisResponseStore:
     async def put(self, response_id: str, record: Record) -> None:
         text = json.dumps(record, separators=(",", ":"))
         try:
-            await self.redis.set(KEY_PREFIX + response_id, text, px=max(int(self.ttl_s * 1e3), 1))
+            await self.redis.set(record_key(response_id), text, px=max(int(self.ttl_s * 1e3), 1))
         except (RedisError, OSError) as exc:
             log.warning("response %s: Redis at %s did not store it (%s); kept in this gateway "
                         "only, where other replicas cannot read it", response_id, self.redis_url,
@@ -230,7 +272,7 @@ class RedisResponseStore:
         if not response_ids:
             return []
         try:
-            texts = await self.redis.mget([KEY_PREFIX + i for i in response_ids])
+            texts = await self.redis.mget([record_key(i) for i in response_ids])
         except (RedisError, OSError) as exc:
             log.warning("Redis at %s did not answer (%s); looking in this gateway's own records "
                         "only", self.redis_url, exc)
@@ -249,7 +291,7 @@ class RedisResponseStore:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for response_id in response_ids:
-                    pipe.pexpire(KEY_PREFIX + response_id, max(int(self.ttl_s * 1e3), 1))
+                    pipe.pexpire(record_key(response_id), max(int(self.ttl_s * 1e3), 1))
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             log.warning("Redis at %s did not renew %d records' time to live (%s)",
@@ -259,7 +301,7 @@ class RedisResponseStore:
         if await self.get(response_id, owner) is None:
             return False
         try:
-            await self.redis.delete(KEY_PREFIX + response_id)
+            await self.redis.delete(record_key(response_id), ITEMS_PREFIX + response_id)
         except (RedisError, OSError) as exc:
             log.warning("response %s: Redis at %s did not delete it (%s)", response_id,
                         self.redis_url, exc)
@@ -332,6 +374,37 @@ class RedisResponseStore:
         if not found:
             return await self.local.read_events(response_id, after, 0.0)
         return [json.loads(fields[b"e"]) for _, fields in found[0][1]]
+
+    async def append_items(self, conversation_id: str, items: list[Record]) -> None:
+        """RPUSH the items; the conversation's record and list live on (PEXPIRE both)."""
+        px = max(int(self.ttl_s * 1e3), 1)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(ITEMS_PREFIX + conversation_id,
+                           *(json.dumps(item, separators=(",", ":")) for item in items))
+                pipe.pexpire(ITEMS_PREFIX + conversation_id, px)
+                pipe.pexpire(record_key(conversation_id), px)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("conversation %s: Redis at %s did not take %d items (%s); kept in this "
+                        "gateway only", conversation_id, self.redis_url, len(items), exc)
+            await self.local.append_items(conversation_id, items)
+
+    async def items(self, conversation_id: str) -> list[Record]:
+        try:
+            texts = await self.redis.lrange(ITEMS_PREFIX + conversation_id, 0, -1)
+        except (RedisError, OSError) as exc:
+            log.warning("Redis at %s did not answer (%s); reading this gateway's own "
+                        "conversation items only", self.redis_url, exc)
+            texts = []
+        return [json.loads(t) for t in texts] + await self.local.items(conversation_id)
+
+    async def remove_item(self, conversation_id: str, item_id: str) -> bool:
+        key = ITEMS_PREFIX + conversation_id
+        for text in await self.redis.lrange(key, 0, -1):
+            if json.loads(text)["id"] == item_id:
+                return bool(await self.redis.lrem(key, 1, text))
+        return await self.local.remove_item(conversation_id, item_id)
 
     async def close(self) -> None:
         await self.redis.aclose()

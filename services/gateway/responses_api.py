@@ -16,12 +16,15 @@ request becomes a chat request, and the answer goes back as Responses objects an
     reasoning.summary                    -> the same model summarizes each reasoning item in a
                                             second request (summary_request; handlers.py)
 
+    conversation                         -> its items before the input (after
+                                            previous_response_id's place); the answered turn
+                                            joins them (conversations.py)
     background                           -> answered at once, queued; the gateway runs it on
                                             and stores it (handlers._detach); POST .../cancel;
                                             with stream, an event log GET reads and resumes
 
 Any field Strata does not read is refused by name, as on the other endpoints: tool types other
-than functions, non-text content, conversations.
+than functions, non-text content.
 """
 
 from __future__ import annotations
@@ -65,12 +68,12 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
     "store", "metadata", "previous_response_id", "text", "tools", "tool_choice",
     "parallel_tool_calls", "top_logprobs", "include", "user", "safety_identifier", "truncation",
-    "background", "reasoning", "stream_options", "prompt_cache_key"})
+    "background", "reasoning", "stream_options", "prompt_cache_key", "conversation"})
 # POST /v1/responses/input_tokens: what shapes the prompt (text.format adds no tokens here: the
 # grammar holds the output, nothing is written into the prompt)
 INPUT_TOKENS_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
-    "parallel_tool_calls", "text", "truncation", "reasoning"})
+    "parallel_tool_calls", "text", "truncation", "reasoning", "conversation"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 REASONING_INCLUDE = "reasoning.encrypted_content"
 INCLUDES = (LOGPROBS_INCLUDE, REASONING_INCLUDE)
@@ -94,6 +97,7 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+CONVERSATION_ID = re.compile(r"conv_[0-9a-f]{32}")
 # The keys read at each level of an input item (openapi.py's ResponsesInputItem lists them).
 MESSAGE_ITEM_FIELDS = frozenset({"type", "role", "content", "id", "status"})
 FUNCTION_CALL_FIELDS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
@@ -122,6 +126,7 @@ class ResponsesInput(GenerateInput):
     ancestors: tuple[str, ...] = ()  # the stored responses that conversation is, oldest first
     instructions: str | None = None
     previous_response_id: str | None = None
+    conversation_id: str | None = None  # its items before the input; the answer appended
     store: bool = True
     background: bool = False  # answered at once (queued), run on; read back with GET
     metadata: dict[str, str] = field(default_factory=dict)
@@ -140,6 +145,11 @@ class ResponsesInput(GenerateInput):
         return (*self.context, *self.input_items)
 
     @property
+    def context_field(self) -> str:
+        """The field that brought the conversation before the input."""
+        return "conversation" if self.conversation_id is not None else "previous_response_id"
+
+    @property
     def prompt_estimate(self) -> int:
         """A continued conversation's prompt is mostly in the store, not the body: its
         messages' text, counted as admission counts a body."""
@@ -151,10 +161,13 @@ class ResponsesInput(GenerateInput):
 
     @property
     def placement_key(self) -> str | None:
-        """prompt_cache_key, else the conversation's first response: a stored conversation's
-        turns go to one engine, where its prefix is (an unstored lone turn: any engine)."""
+        """prompt_cache_key, else the conversation (its id, or its first stored response): a
+        conversation's turns go to one engine, where its prefix is (an unstored lone turn: any
+        engine)."""
         if self.cache_key is not None:
             return self.cache_key
+        if self.conversation_id is not None:
+            return self.conversation_id
         if self.ancestors:
             return self.ancestors[0]
         return self.response_id if self.store else None
@@ -168,8 +181,8 @@ class ResponsesInput(GenerateInput):
             messages = [Message("system", self.instructions), *messages]
         if len(messages) > MAX_MESSAGES and self.truncation != "auto":  # auto: _fit cuts
             raise InvalidRequest(f"the conversation has {len(messages)} messages; at most "
-                                 f"{MAX_MESSAGES}: start a new one", "previous_response_id"
-                                 if context else "input")
+                                 f"{MAX_MESSAGES}: start a new one, or send truncation "
+                                 "'auto'", self.context_field if context else "input")
         return replace(self, context=tuple(context), messages=tuple(messages), dropped=dropped)
 
     def turn_starts(self) -> list[int]:
@@ -209,6 +222,10 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
                                      and RESPONSE_ID.fullmatch(previous)):
         raise InvalidRequest(f"'previous_response_id' must be a response id (resp_ and 32 hex "
                              f"digits); got {shown(previous)}", "previous_response_id")
+    conversation_id = _conversation(body.get("conversation"))
+    if conversation_id is not None and previous is not None:
+        raise InvalidRequest("'conversation' and 'previous_response_id' both say what came "
+                             "before; give one", "conversation")
     max_output = None
     if body.get("max_output_tokens") is not None:
         max_output = int_field(body, "max_output_tokens", low=1, high=MAX_TOKENS_LIMIT)
@@ -237,10 +254,10 @@ def parse_responses(body: Any, fields: frozenset[str] = RESPONSES_FIELDS,
         model=model_field(body), sampling=sampling, stream=stream, constraint=constraint,
         tools=tools, user=end_user(body), cache_key=cache_key(body),
         response_id="resp_" + uuid.uuid4().hex, created_at=int(time.time()),
-        input_items=_input(body.get("input")),
+        input_items=input_items(body.get("input")),
         instructions=instructions, previous_response_id=previous, store=store,
-        background=background,
-        metadata=_metadata(body.get("metadata")), max_output_tokens=max_output,
+        background=background, conversation_id=conversation_id,
+        metadata=metadata_field(body), max_output_tokens=max_output,
         tools_given=tools_given, tool_choice_given=body.get("tool_choice") or "auto",
         text_format=text_format, include_logprobs=logprobs,
         include_reasoning=REASONING_INCLUDE in include, truncation=truncation)
@@ -258,6 +275,19 @@ def _stream_options(body: dict[str, Any], stream: bool) -> None:
                              "events (a server on your own network has no side channel to "
                              "hide); send false", "stream_options.include_obfuscation",
                              code="unsupported_parameter")
+
+
+def _conversation(raw: Any) -> str | None:
+    """`conversation`: its id, or an object with it."""
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        refuse_unknown_keys(raw, frozenset({"id"}), "conversation", "'conversation'")
+        raw = raw.get("id")
+    if not (isinstance(raw, str) and CONVERSATION_ID.fullmatch(raw)):
+        raise InvalidRequest(f"'conversation' must be a conversation id (conv_ and 32 hex "
+                             f"digits) or {{'id': ...}}; got {shown(raw)}", "conversation")
+    return raw
 
 
 def _reasoning(raw: Any) -> tuple[str, str]:
@@ -319,7 +349,9 @@ def decoded_reasoning(token: Any, param: str) -> str:
         raise InvalidRequest(f"{param} {why}: {exc}", param) from None
 
 
-def _metadata(raw: Any) -> dict[str, str]:
+def metadata_field(body: dict[str, Any]) -> dict[str, str]:
+    """`metadata`: at most MAX_METADATA_KEYS string pairs (a response's, a conversation's)."""
+    raw = body.get("metadata")
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > MAX_METADATA_KEYS:
@@ -414,19 +446,21 @@ def _text(raw: Any) -> tuple[dict[str, Any], Constraint | None]:
     return dict(fmt), Constraint("json_schema", text)
 
 
-def _input(raw: Any) -> tuple[dict[str, Any], ...]:
-    """The input as items, each normalized (a message's type written out) with an id."""
-    if isinstance(raw, str):
+def input_items(raw: Any, name: str = "input",
+                limit: int = MAX_MESSAGES) -> tuple[dict[str, Any], ...]:
+    """Input items (`name`: the field they came in: input, or a conversation's items), each
+    normalized (a message's type written out) with an id."""
+    if isinstance(raw, str) and name == "input":
         return ({"id": _id("msg"), "type": "message", "role": "user",
                  "content": [{"type": "input_text", "text": raw}]},)
     if not isinstance(raw, list) or not raw:
-        raise InvalidRequest("'input' must be a string or a non-empty array of input items",
-                             "input")
-    if len(raw) > MAX_MESSAGES:
-        raise InvalidRequest(f"at most {MAX_MESSAGES} input items per request", "input")
+        raise InvalidRequest(f"'{name}' must be " + ("a string or " if name == "input" else "")
+                             + "a non-empty array of input items", name)
+    if len(raw) > limit:
+        raise InvalidRequest(f"at most {limit} items in '{name}'", name)
     items = []
     for i, item in enumerate(raw):
-        param = f"input[{i}]"
+        param = f"{name}[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequest(f"{param} must be an input item (an object)", param)
         kind = item.get("type", "message")
@@ -629,6 +663,7 @@ class ResponseBuilder:
             "metadata": spec.metadata, "model": spec.model, "output": self.output,
             "parallel_tool_calls": spec.tools.parallel if spec.tools else True,
             "previous_response_id": spec.previous_response_id,
+            "conversation": ({"id": spec.conversation_id} if spec.conversation_id else None),
             "prompt_cache_key": spec.cache_key,
             "reasoning": {"effort": spec.reasoning_effort or None,
                           "summary": spec.reasoning_summary or None},
@@ -835,11 +870,12 @@ def conversation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
-    """`GET /v1/responses/{id}/input_items`: a page of a response's input items (`limit` 1-100,
-    default 20; `order` desc (default) or asc; `after` an item id)."""
+    """A page of items, as `GET /v1/responses/{id}/input_items` and `GET
+    /v1/conversations/{id}/items` list them (`limit` 1-100, default 20; `order` desc (default)
+    or asc; `after` an item id)."""
     unknown = sorted(set(query) - {"limit", "order", "after"})
     if unknown:
-        raise InvalidRequest(f"'{unknown[0]}' is not a query parameter of input_items: Strata "
+        raise InvalidRequest(f"'{unknown[0]}' is not a query parameter Strata reads here: it "
                              "reads limit, order, after", unknown[0], code="unsupported_parameter")
     try:
         limit = int(query.get("limit", "20"))
@@ -854,8 +890,8 @@ def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict
     if "after" in query:
         ids = [item["id"] for item in ordered]
         if query["after"] not in ids:
-            raise InvalidRequest(f"'after' names {shown(query['after'])}, which is not an input "
-                                 "item of this response", "after")
+            raise InvalidRequest(f"'after' names {shown(query['after'])}, which is not an item "
+                                 "of this list", "after")
         ordered = ordered[ids.index(query["after"]) + 1:]
     page = ordered[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -35,6 +35,9 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
                                  "/v1/responses/{response_id}",
                                  "/v1/responses/{response_id}/input_items",
                                  "/v1/responses/{response_id}/cancel",
+                                 "/v1/conversations", "/v1/conversations/{conversation_id}",
+                                 "/v1/conversations/{conversation_id}/items",
+                                 "/v1/conversations/{conversation_id}/items/{item_id}",
                                  "/tokenize", "/detokenize", "/tokenizer_info",
                                  "/livez", "/readyz", "/health", "/openapi.json"}
     refs = {v["$ref"].rsplit("/", 1)[1] for v in _walk(doc) if isinstance(v, dict) and "$ref" in v}
@@ -47,6 +50,7 @@ async def test_openapi_document_is_served_and_covers_the_routes(gateway):
 async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gateway):
     """additionalProperties false, and the properties are the parser's field sets: a field the
     document does not list is refused by name (here, through the app), and none it lists is."""
+    from services.gateway.conversations import ADD_FIELDS, CREATE_FIELDS, UPDATE_FIELDS
     from services.gateway.responses_api import (
         FUNCTION_CALL_FIELDS,
         FUNCTION_OUTPUT_FIELDS,
@@ -89,13 +93,16 @@ async def test_the_request_schemas_list_exactly_the_fields_the_parser_reads(gate
                 ("ResponsesInputTokensRequest", INPUT_TOKENS_FIELDS,
                  "/v1/responses/input_tokens", {"model": MODEL, "input": "hi"}),
                 ("TokenizeRequest", TOKENIZE_FIELDS, "/tokenize", {"prompt": "hi"}),
-                ("DetokenizeRequest", DETOKENIZE_FIELDS, "/detokenize", {"tokens": [1]})):
+                ("DetokenizeRequest", DETOKENIZE_FIELDS, "/detokenize", {"tokens": [1]}),
+                ("ConversationCreateRequest", CREATE_FIELDS, "/v1/conversations", {})):
             assert schemas[name]["additionalProperties"] is False
             assert set(schemas[name]["properties"]) == fields
             async with http.post(gateway + route, json={**base, "not_a_field": 1}) as resp:
                 assert resp.status == 400
                 error = (await resp.json())["error"]
                 assert (error["param"], error["code"]) == ("not_a_field", "unsupported_parameter")
+        assert set(schemas["ConversationUpdateRequest"]["properties"]) == UPDATE_FIELDS
+        assert set(schemas["ConversationItemsRequest"]["properties"]) == ADD_FIELDS
         message = schemas["ChatMessage"]
         part = message["properties"]["content"]["oneOf"][2]["items"]
         assert message["additionalProperties"] is False and part["additionalProperties"] is False
@@ -300,6 +307,12 @@ def test_completion_schema_and_parser_agree_on_prompt_forms_and_echo(body, accep
     ({"input": "hi", "truncation": "auto"}, True),
     ({"input": "hi", "truncation": "middle"}, False),
     ({"input": "hi", "background": True}, True),
+    ({"input": "hi", "conversation": "conv_" + "0" * 32}, True),
+    ({"input": "hi", "conversation": {"id": "conv_" + "0" * 32}}, True),
+    ({"input": "hi", "conversation": "conv_1"}, False),
+    ({"input": "hi", "conversation": "conv_" + "0" * 32,
+      "previous_response_id": "resp_" + "0" * 32}, False),
+    ({"input": "hi", "conversation": None, "previous_response_id": "resp_" + "0" * 32}, True),
     ({"input": "hi", "background": True, "store": False}, False),
     ({"input": "hi", "background": True, "stream": True}, True),
     ({"input": "hi", "background": False, "stream": True}, True),

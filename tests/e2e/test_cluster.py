@@ -360,6 +360,11 @@ def test_a_response_is_stored_in_redis_continued_and_deleted(cluster):
             break
         time.sleep(0.05)
     assert (polled.status, polled.output_text) == (first.status, first.output_text)
+    conv = c.conversations.create()
+    turn = c.responses.create(input="Name three prime numbers.", conversation=conv.id, **kw)
+    assert turn.output_text == first.output_text
+    assert len(list(c.conversations.items.list(conv.id))) == 2
+    assert redis.Redis.from_url(cluster.redis_url).exists(f"strata:conversation-items:{conv.id}")
     c.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(first.id)

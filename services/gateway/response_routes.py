@@ -180,7 +180,7 @@ async def _record(request: web.Request, query: frozenset[str] = frozenset()) -> 
                                  name, code="unsupported_parameter")
     response_id = request.match_info["response_id"]
     record = await request.app[RESPONSE_STORE].get(response_id, owner(request))
-    if record is None:
+    if record is None or "response" not in record:  # (a conversation's is no response)
         raise ResponseNotFound(response_id, request.app[CONFIG].responses_ttl_s)
     return record
 

@@ -38,6 +38,10 @@ async def test_a_conversations_items_are_made_listed_and_removed(engine, make_ga
         assert [i.content[0].text for i in listed] == ["hi", "more"]
         with pytest.raises(openai.NotFoundError):
             await client.conversations.items.retrieve(one.id, conversation_id=conv.id)
+        with pytest.raises(openai.NotFoundError):  # a conversation is no response
+            await client.responses.retrieve(conv.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.delete(conv.id)
         updated = await client.conversations.update(conv.id, metadata={"topic": "changed"})
         assert updated.metadata == {"topic": "changed"}
         assert len([i async for i in client.conversations.items.list(conv.id)]) == 2

@@ -71,3 +71,43 @@ async def test_sigterm_drains_then_exits(engine):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def test_sigterm_lets_a_background_response_finish_and_store_itself(engine,
+                                                                          redis_server):
+    """A background response holds its admission ticket: the drain waits for it, and its end
+    is in the shared store when the process has exited."""
+    import json
+
+    import redis.asyncio as aioredis
+
+    from services.gateway.response_store import KEY_PREFIX
+
+    servicer, address = engine
+    servicer.tokens, servicer.token_delay_s = ["tok"] * 20, 0.1  # a 2 s answer
+    port = free_port()
+    env = {**os.environ, "STRATA_REDIS_URL": redis_server.url, "STRATA_API_KEYS": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.gateway", "--port", str(port), "--engine", address,
+         "--drain-timeout-s", "10", "--metrics-port", "0"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _until_ready(http, base, process)
+            async with http.post(base + "/v1/responses", json={
+                    "model": BODY["model"], "input": "hi", "background": True}) as resp:
+                queued = await resp.json()
+            assert queued["status"] == "queued"
+            await _wait_for(lambda: servicer.running == 1)
+            process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 10) == 0
+        r = aioredis.Redis.from_url(redis_server.url)
+        stored = json.loads(await r.get(KEY_PREFIX + queued["id"]))["response"]
+        await r.aclose()
+        assert stored["status"] == "completed"
+        assert stored["output"][0]["content"][0]["text"] == "tok" * 20
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -679,6 +679,7 @@ async def _respond_end(run: _Run, builder: ResponseBuilder, finished: Finished,
         counted["prompt_tokens_details"]["cached_tokens"], await _reasoning_tokens(run, builder)),
         run.figures(finished))
     run.log_done(finished)
+    run.outcome.output_tokens += builder.summary_tokens  # the request metrics count them too
 
 
 async def _summarize(run: _Run, builder: ResponseBuilder,

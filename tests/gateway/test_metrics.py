@@ -154,3 +154,22 @@ async def test_the_server_span_is_the_engines_parent(observed_gateway, engine):
                   if s.attributes.get("strata.request_id") == "m-2"]
         assert span.attributes["user.id"] == "user-43", path
         spans.clear()
+
+
+async def test_a_reasoning_summarys_tokens_count_as_output(observed_gateway, engine):
+    """reasoning.summary: the summary's tokens are in usage.output_tokens and in the output
+    token usage metric alike."""
+    from .test_responses_api import SUMMARY, THOUGHT, _summaries
+
+    base, metrics_port, _, _ = observed_gateway
+    servicer, _ = engine
+    servicer.tool_call_format = "harmony"
+    servicer.tokens = [*THOUGHT, "<|start|>assistant<|channel|>final<|message|>", "Done."]
+    servicer.tokens_for, servicer.context_window = _summaries, 1000
+    async with aiohttp.ClientSession() as http, http.post(base + "/v1/responses", json={
+            "model": MODEL, "input": "hi", "reasoning": {"summary": "auto"}}) as r:
+        usage = (await r.json())["usage"]
+    assert usage["output_tokens"] == len(servicer.tokens) + len(SUMMARY)
+    samples = scrape(metrics_port)
+    assert value(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="output",
+                 gen_ai_operation_name="chat") == usage["output_tokens"]

@@ -65,6 +65,7 @@ from services.engine.requests import (
     Started,
     TokenizerInfo,
     TokenLogprob,
+    ToolSpec,
     TopLogprob,
 )
 from services.engine.runner import ChunkWork
@@ -355,20 +356,30 @@ class Engine:
         fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
         answer = constraint if (constraint is not None and constraint.kind in JSON_KINDS
                                 and request.messages is not None) else None
+        if tools is not None:
+            self._check_allowed(tools)
         if tools is not None and tools.choice != "auto":
             if constraint is not None:
                 raise InvalidRequest("a required tool call and an output constraint both "
                                      "decide the output's form; give one")
-            return tool_call_constraint(fmt, tools.tools_json, tools.choice, tools.parallel)
-        if tools is not None and (tools.strict or answer is not None):
+            return tool_call_constraint(fmt, tools.callable_json, tools.choice, tools.parallel)
+        if tools is not None and (tools.strict or tools.allowed or answer is not None):
             if constraint is not None and answer is None:
-                raise InvalidRequest("a strict function's calls (tools[].function.strict) and "
-                                     "a regex or grammar both decide the output's form; give "
-                                     "one")
-            return tool_call_constraint(fmt, tools.tools_json, "auto", tools.parallel, answer)
+                raise InvalidRequest("a strict function's calls (tools[].function.strict) or "
+                                     "allowed_tools, and a regex or grammar, both decide the "
+                                     "output's form; give one")
+            return tool_call_constraint(fmt, tools.callable_json, "auto", tools.parallel,
+                                        answer)
         if answer is not None and fmt in CHANNELED:
             return final_answer_constraint(answer)
         return constraint
+
+    @staticmethod
+    def _check_allowed(tools: ToolSpec) -> None:
+        names = {t.get("function", {}).get("name") for t in json.loads(tools.tools_json)}
+        if (unknown := next((n for n in tools.allowed if n not in names), None)) is not None:
+            raise InvalidRequest(f"allowed_tools names {unknown!r}, which is not in tools",
+                                 "tool_choice")
 
     def _guide(self, constraint: OutputConstraint | None) -> Guide | None:
         """The request's grammar matcher (constrained decoding); InvalidRequest naming the

@@ -97,6 +97,16 @@ class ToolSpec:
     tools_json: str  # the OpenAI `tools` array, as JSON text
     choice: str = "auto"  # "auto" | "required" | a function name
     parallel: bool = True
+    allowed: tuple[str, ...] = ()  # the functions the answer may call (OpenAI's allowed_tools)
+
+    @property
+    def callable_json(self) -> str:
+        """The tools the answer may call (`allowed`, else all), as JSON text: what a grammar
+        holds the calls to, while the template renders them all."""
+        if not self.allowed:
+            return self.tools_json
+        return json.dumps([t for t in json.loads(self.tools_json)
+                           if t.get("function", {}).get("name") in self.allowed])
 
     @property
     def strict(self) -> bool:

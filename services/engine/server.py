@@ -124,8 +124,8 @@ def chat_request(chat: engine_pb2.ChatInput, request_id: str, params: GeneratePa
         if m.tool_calls or m.tool_call_id or m.name or m.reasoning_content
         else (m.role, m.content)
         for m in chat.messages)
-    tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto",
-                     chat.parallel_tool_calls) if chat.tools_json else None
+    tools = ToolSpec(chat.tools_json, chat.tool_choice or "auto", chat.parallel_tool_calls,
+                     tuple(chat.allowed_tools)) if chat.tools_json else None
     kwargs: Any = {}
     if chat.template_kwargs_json:
         try:

@@ -208,6 +208,7 @@ def chat_input(spec: GenerateInput) -> engine_pb2.ChatInput:
         chat.tools_json = tools.tools_json
         chat.tool_choice = tools.choice
         chat.parallel_tool_calls = tools.parallel
+        chat.allowed_tools.extend(tools.allowed)
     chat.template_kwargs_json = spec.template_kwargs_json
     chat.reasoning_effort = spec.reasoning_effort
     return chat

@@ -176,7 +176,14 @@ _RESPONSES_PROPERTIES: dict[str, Any] = {
         {"enum": ["none", "auto", "required"]},
         {"type": "object", "required": ["type", "name"], "additionalProperties": False,
          "properties": {"type": {"const": "function"}, "name": {"type": "string"}}},
-        {"type": "null"}]},
+        {"type": "object", "required": ["type", "mode", "tools"], "additionalProperties": False,
+         "properties": {
+            "type": {"const": "allowed_tools"}, "mode": {"enum": ["auto", "required"]},
+            "tools": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["type", "name"], "additionalProperties": False,
+                "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}}}},
+        {"type": "null"}], "description": "allowed_tools: every tool stays in the prompt; the "
+                                          "answer may call only these"},
     "parallel_tool_calls": {"type": ["boolean", "null"]},
     "include": {"type": ["array", "null"], "items": {"enum": list(INCLUDES)},
                 "description": f"'{REASONING_INCLUDE}': each reasoning item carries its "
@@ -282,8 +289,24 @@ _SCHEMAS: dict[str, Any] = {
                 "type": {"const": "function"}, "function": {
                     "type": "object", "required": ["name"], "additionalProperties": False,
                     "properties": {"name": {"type": "string"}}}}},
+            {"type": "object", "required": ["type", "allowed_tools"],
+             "additionalProperties": False, "properties": {
+                "type": {"const": "allowed_tools"}, "allowed_tools": {
+                    "type": "object", "required": ["mode", "tools"],
+                    "additionalProperties": False, "properties": {
+                        "mode": {"enum": ["auto", "required"]},
+                        "tools": {"type": "array", "minItems": 1, "items": {
+                            "type": "object", "required": ["type", "function"],
+                            "additionalProperties": False, "properties": {
+                                "type": {"const": "function"}, "function": {
+                                    "type": "object", "required": ["name"],
+                                    "additionalProperties": False,
+                                    "properties": {"name": {"type": "string"}}}}}}}}}},
             {"type": "null"}], "description": "required / a function: the answer is a call "
-                                              "whose arguments follow its parameters"},
+                                              "whose arguments follow its parameters; "
+                                              "allowed_tools: every tool stays in the prompt, "
+                                              "the answer may call only these (auto: or "
+                                              "answer in text)"},
         "parallel_tool_calls": {"type": ["boolean", "null"]},
         "reasoning_effort": _REASONING_EFFORT,
         "chat_template_kwargs": _TEMPLATE_KWARGS,

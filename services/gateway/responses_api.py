@@ -378,7 +378,23 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | No
         given = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
         chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items()
                                                            if k != "type"}} for t in given]
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        refuse_unknown_keys(choice, frozenset({"type", "mode", "tools"}), "tool_choice",
+                            "'tool_choice'")
+        listed = choice.get("tools")
+        if not isinstance(listed, list):
+            raise InvalidRequest("'tool_choice.tools' must list the functions the answer may "
+                                 "call", "tool_choice.tools")
+        for i, tool in enumerate(listed):
+            if not isinstance(tool, dict):
+                raise InvalidRequest(f"'tool_choice.tools[{i}]' must be {{'type': 'function', "
+                                     "'name': ...}", f"tool_choice.tools[{i}]")
+            refuse_unknown_keys(tool, frozenset({"type", "name"}), f"tool_choice.tools[{i}]",
+                                f"'tool_choice.tools[{i}]'")
+        choice = {"type": "allowed_tools", "allowed_tools": {  # in the chat path's shape
+            "mode": choice.get("mode"), "tools": [
+                {"type": t.get("type"), "function": {"name": t.get("name")}} for t in listed]}}
+    elif isinstance(choice, dict):
         if choice.get("type") != "function":
             raise InvalidRequest(f"'tool_choice' of type {shown(choice.get('type'))} is not "
                                  "supported: Strata's tools are functions", "tool_choice.type",
@@ -390,10 +406,21 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | No
                                  "tool_choice.name")
         choice = {"type": "function", "function": {"name": name}}
     elif choice is not None and choice not in ("none", "auto", "required"):
-        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'name': ...}", "tool_choice")
+        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required', "
+                             "{'type': 'function', 'name': ...} or {'type': 'allowed_tools', "
+                             "'mode': ..., 'tools': [...]}", "tool_choice")
     chat["tool_choice"] = choice
-    return given, parse_tools(chat)
+    try:
+        return given, parse_tools(chat)
+    except InvalidRequest as exc:  # allowed_tools in its chat shape: named as this request was
+        if exc.param and exc.param.startswith("tool_choice.allowed_tools"):
+            exc.param, exc.message = (
+                text.replace("tool_choice.allowed_tools.", "tool_choice.")
+                .replace(".function.name", ".name").replace("'function': {'name': ...}",
+                                                            "'name': ...")
+                for text in (exc.param, exc.message))
+            exc.args = (exc.message,)
+        raise
 
 
 def _tool(raw: Any, param: str) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class Tools:
     names: tuple[str, ...]
     choice: str  # "auto", "required", or the one function's name
     parallel: bool
+    allowed: tuple[str, ...] = ()  # allowed_tools: the functions the answer may call (): any
 
     def parameters(self) -> dict[str, dict]:
         """Each function's parameters schema ({} where it declares none)."""
@@ -107,10 +108,53 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
             raise InvalidRequest(f"'tool_choice' names {name!r}, which is not in 'tools'",
                                  "tool_choice.function.name")
         choice = name
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        choice, allowed = _allowed_tools(choice, names)
+        return Tools(json.dumps(tools), names, choice, True if parallel is None else parallel,
+                     allowed)
     else:
-        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required', "
+                             "{'type': 'function', 'function': {'name': ...}} or "
+                             "{'type': 'allowed_tools', 'allowed_tools': {'mode': ..., "
+                             "'tools': [...]}}", "tool_choice")
     return Tools(json.dumps(tools), names, choice, True if parallel is None else parallel)
+
+
+def _allowed_tools(choice: dict[str, Any], names: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """{'type': 'allowed_tools', 'allowed_tools': {'mode': 'auto' | 'required', 'tools':
+    [{'type': 'function', 'function': {'name': ...}}, ...]}} -> (mode, the names): every tool
+    stays in the prompt; the answer may call only these."""
+    refuse_unknown_keys(choice, frozenset({"type", "allowed_tools"}), "tool_choice",
+                        "'tool_choice'")
+    inner = choice.get("allowed_tools")
+    if not isinstance(inner, dict):
+        raise InvalidRequest("'tool_choice.allowed_tools' must be an object with 'mode' and "
+                             "'tools'", "tool_choice.allowed_tools")
+    refuse_unknown_keys(inner, frozenset({"mode", "tools"}), "tool_choice.allowed_tools",
+                        "'tool_choice.allowed_tools'")
+    mode, listed = inner.get("mode"), inner.get("tools")
+    if mode not in ("auto", "required"):
+        raise InvalidRequest("'tool_choice.allowed_tools.mode' must be 'auto' or 'required'",
+                             "tool_choice.allowed_tools.mode")
+    if not isinstance(listed, list) or not listed:
+        raise InvalidRequest("'tool_choice.allowed_tools.tools' must list at least one "
+                             "function", "tool_choice.allowed_tools.tools")
+    allowed = []
+    for i, tool in enumerate(listed):
+        param = f"tool_choice.allowed_tools.tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" \
+                or not isinstance(tool.get("function"), dict):
+            raise InvalidRequest(f"'{param}' must be {{'type': 'function', 'function': "
+                                 "{'name': ...}}", param)
+        refuse_unknown_keys(tool, TOOL_FIELDS, param, f"'{param}'")
+        refuse_unknown_keys(tool["function"], CHOICE_FUNCTION_FIELDS, f"{param}.function",
+                            f"'{param}.function'")
+        name = tool["function"].get("name")
+        if name not in names:
+            raise InvalidRequest(f"'{param}' names {name!r}, which is not in 'tools'",
+                                 f"{param}.function.name")
+        allowed.append(name)
+    return mode, tuple(dict.fromkeys(allowed))
 
 
 def _tool(raw: Any, param: str) -> str:

@@ -482,3 +482,36 @@ def test_a_harmony_json_answer_is_the_final_message(harmony_engine):
     raw_text, _, _ = result(*submit(harmony_engine, "hi", OutputConstraint("json_object"),
                                     max_tokens=60))
     assert raw_text.startswith("{"), raw_text
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+def test_allowed_tools_hold_the_calls_to_those_functions_and_render_every_tool(engine, mode):
+    """OpenAI's allowed_tools: the prompt renders every tool (it stays the same whichever are
+    allowed), and the output may call only the allowed ones: a required call is one of them,
+    and under auto a call to another does not pass the grammar."""
+    from services.engine.grammar import tool_call_constraint
+    from services.engine.requests import ToolSpec
+
+    everything = ToolSpec(json.dumps(TOOLS), mode, parallel=False)
+    allowed = ToolSpec(json.dumps(TOOLS), mode, parallel=False, allowed=("ping",))
+    request = EngineRequest("a", GenerateParams(), messages=(("user", "weather?"),),
+                            tools=allowed)
+    assert engine._constraint(request) == tool_call_constraint(
+        "hermes", json.dumps([TOOLS[1]]), mode, False)
+    assert engine.prompt_ids(request) == engine.prompt_ids(EngineRequest(
+        "b", GenerateParams(), messages=(("user", "weather?"),), tools=everything))
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    ping = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    constraint = engine._constraint(request)
+    assert _takes(engine, constraint, ping)[0] is True
+    assert _takes(engine, constraint, weather)[0] is False
+    if mode == "required":
+        for seed in range(3):
+            _, text = chat(engine, (("user", "weather in Oslo?"),), max_tokens=80,
+                           temperature=1.0, seed=seed, tools=allowed)
+            assert json.loads(re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", text,
+                                           re.S).group(1))["name"] == "ping"
+    with pytest.raises(InvalidRequest, match="'nope'"):
+        engine._constraint(EngineRequest("c", GenerateParams(), messages=(("user", "hi"),),
+                                         tools=ToolSpec(json.dumps(TOOLS), mode,
+                                                        allowed=("nope",))))

@@ -155,6 +155,39 @@ async def test_function_calls_come_out_as_items_and_go_back_in_as_messages(engin
     assert (messages[2].tool_call_id, messages[2].content) == (call.call_id, "sunny")
 
 
+async def test_allowed_tools_reach_the_engine_with_every_tool(engine, make_gateway):
+    """tool_choice allowed_tools, in the chat and the Responses shapes: every tool goes to the
+    template, and the engine is told which the answer may call."""
+    servicer, _ = engine
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    ping = {"type": "function", "name": "ping", "parameters": {"type": "object"}}
+    base = await make_gateway()
+    async with _client(base) as client:
+        r = await client.responses.create(model=MODEL, input="hi", tools=[weather, ping],
+                                          tool_choice={"type": "allowed_tools", "mode": "auto",
+                                                       "tools": [{"type": "function",
+                                                                  "name": "ping"}]})
+        chat = servicer.requests[-1].chat
+        assert [t["function"]["name"] for t in json.loads(chat.tools_json)] == [
+            "get_weather", "ping"]
+        assert (chat.tool_choice, list(chat.allowed_tools)) == ("auto", ["ping"])
+        assert r.tool_choice.type == "allowed_tools"
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "ping"}},
+                   {"type": "function", "function": {"name": "add"}}],
+            tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                {"type": "function", "function": {"name": "add"}}]}})
+        chat = servicer.requests[-1].chat
+        assert (chat.tool_choice, list(chat.allowed_tools)) == ("required", ["add"])
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model=MODEL, input="hi", tools=[weather],
+                                          tool_choice={"type": "allowed_tools", "mode": "auto",
+                                                       "tools": [{"type": "function",
+                                                                  "name": "nope"}]})
+        assert refused.value.body["param"] == "tool_choice.tools[0].name"
+
+
 async def test_a_stream_without_obfuscation_is_what_strata_streams(engine, make_gateway):
     base = await make_gateway()
     async with _client(base) as client:

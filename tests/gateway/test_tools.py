@@ -30,6 +30,12 @@ def test_tool_choice_forms():
     assert (named.choice, named.parallel) == ("add", False)
     assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}) is None
     assert parse_tools({}) is None
+    allowed = parse_tools({"tools": [WEATHER, ADD], "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "add"}}]}}})
+    assert (allowed.choice, allowed.allowed, allowed.names) == (
+        "required", ("add",), ("get_weather", "add"))
+    assert json.loads(allowed.tools_json) == [WEATHER, ADD]  # every tool still in the prompt
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -46,6 +52,16 @@ def test_tool_choice_forms():
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "add"}}]}}},
+     "tool_choice.allowed_tools.tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "add"}}]}}},
+     "tool_choice.allowed_tools.mode"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": []}}}, "tool_choice.allowed_tools.tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [WEATHER], "extra": 1}}}, "tool_choice.allowed_tools.extra"),
     ({"functions": [ADD["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
 ])

@@ -532,43 +532,37 @@ def _tokenizer(method: str, summary: str, request: str | None) -> dict[str, Any]
     return {method: op}
 
 
-def _stored(summary: str, query: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
-    """An operation on a stored response (its API key's own, with keys on)."""
-    return {"summary": summary, "security": [{"bearer": []}, {}],
-            "parameters": [{"name": "response_id", "in": "path", "required": True,
-                            "schema": {"type": "string"}}]
-            + [{"name": name, "in": "query", "required": False, "schema": schema}
-               for name, schema in query],
-            "responses": {"200": {"description": "ok", "content": {
-                              "application/json": {"schema": {"type": "object"}}}},
-                          "400": _error("a query parameter Strata does not read"),
-                          "401": _error("missing or invalid API key"),
-                          "404": _error("no such stored response"),
-                          "503": _error("the response store (Redis) did not answer")}}
-
-
-def _conversation_op(summary: str, request: str | None = None, item: bool = False,
-                     query: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
-    """An operation on a conversation of the caller's (its API key's own, with keys on)."""
-    params = [{"name": "conversation_id", "in": "path", "required": True,
-               "schema": {"type": "string"}}]
-    if item:
-        params.append({"name": "item_id", "in": "path", "required": True,
-                       "schema": {"type": "string"}})
+def _stored(summary: str, query: tuple[tuple[str, Any], ...] = (), *,
+            path: tuple[str, ...] = ("response_id",), request: str | None = None,
+            invalid: str = "a query parameter Strata does not read",
+            missing: str = "no such stored response") -> dict[str, Any]:
+    """An operation on what the response store keeps for the caller (its API key's own, with
+    keys on): a response, a conversation, a conversation's item."""
     op: dict[str, Any] = {
         "summary": summary, "security": [{"bearer": []}, {}],
-        "parameters": params + [{"name": name, "in": "query", "required": False,
-                                 "schema": schema} for name, schema in query],
+        "parameters": [{"name": name, "in": "path", "required": True,
+                        "schema": {"type": "string"}} for name in path]
+        + [{"name": name, "in": "query", "required": False, "schema": schema}
+           for name, schema in query],
         "responses": {"200": {"description": "ok", "content": {
                           "application/json": {"schema": {"type": "object"}}}},
-                      "400": _error("invalid parameter"),
+                      "400": _error(invalid),
                       "401": _error("missing or invalid API key"),
-                      "404": _error("no such conversation (or item)"),
-                      "503": _error("the store (Redis) did not answer")}}
+                      "404": _error(missing),
+                      "503": _error("the response store (Redis) did not answer")}}
     if request is not None:
         op["requestBody"] = {"required": True,
                              "content": {"application/json": {"schema": _ref(request)}}}
     return op
+
+
+def _conversation_op(summary: str, request: str | None = None, item: bool = False,
+                     query: tuple[tuple[str, Any], ...] = (),
+                     path: tuple[str, ...] = ("conversation_id",)) -> dict[str, Any]:
+    """An operation on a conversation of the caller's (or on one of its items)."""
+    return _stored(summary, query, path=(*path, "item_id") if item else path,
+                   request=request, invalid="invalid parameter",
+                   missing="no such conversation (or item)")
 
 
 _PAGE = (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
@@ -612,10 +606,9 @@ DOCUMENT: dict[str, Any] = {
             "back as it is; 400 for one not made with background)")},
         "/v1/responses/{response_id}/input_items": {"get": _stored(
             "A stored response's input items, a page at a time", _PAGE)},
-        "/v1/conversations": {"post": {
-            **_conversation_op("A conversation: items a Responses request with `conversation` "
-                               "reads before its input, and that its answered turn joins",
-                               "ConversationCreateRequest"), "parameters": []}},
+        "/v1/conversations": {"post": _conversation_op(
+            "A conversation: items a Responses request with `conversation` reads before its "
+            "input, and that its answered turn joins", "ConversationCreateRequest", path=())},
         "/v1/conversations/{conversation_id}": {
             "get": _conversation_op("A conversation"),
             "post": _conversation_op("Replace a conversation's metadata",

@@ -379,21 +379,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | No
         chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items()
                                                            if k != "type"}} for t in given]
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        refuse_unknown_keys(choice, frozenset({"type", "mode", "tools"}), "tool_choice",
-                            "'tool_choice'")
-        listed = choice.get("tools")
-        if not isinstance(listed, list):
-            raise InvalidRequest("'tool_choice.tools' must list the functions the answer may "
-                                 "call", "tool_choice.tools")
-        for i, tool in enumerate(listed):
-            if not isinstance(tool, dict):
-                raise InvalidRequest(f"'tool_choice.tools[{i}]' must be {{'type': 'function', "
-                                     "'name': ...}", f"tool_choice.tools[{i}]")
-            refuse_unknown_keys(tool, frozenset({"type", "name"}), f"tool_choice.tools[{i}]",
-                                f"'tool_choice.tools[{i}]'")
-        choice = {"type": "allowed_tools", "allowed_tools": {  # in the chat path's shape
-            "mode": choice.get("mode"), "tools": [
-                {"type": t.get("type"), "function": {"name": t.get("name")}} for t in listed]}}
+        choice = _allowed_tools(choice, {t["name"] for t in given})
     elif isinstance(choice, dict):
         if choice.get("type") != "function":
             raise InvalidRequest(f"'tool_choice' of type {shown(choice.get('type'))} is not "
@@ -410,17 +396,31 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Tools | No
                              "{'type': 'function', 'name': ...} or {'type': 'allowed_tools', "
                              "'mode': ..., 'tools': [...]}", "tool_choice")
     chat["tool_choice"] = choice
-    try:
-        return given, parse_tools(chat)
-    except InvalidRequest as exc:  # allowed_tools in its chat shape: named as this request was
-        if exc.param and exc.param.startswith("tool_choice.allowed_tools"):
-            exc.param, exc.message = (
-                text.replace("tool_choice.allowed_tools.", "tool_choice.")
-                .replace(".function.name", ".name").replace("'function': {'name': ...}",
-                                                            "'name': ...")
-                for text in (exc.param, exc.message))
-            exc.args = (exc.message,)
-        raise
+    return given, parse_tools(chat)
+
+
+def _allowed_tools(choice: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """{'type': 'allowed_tools', 'mode', 'tools': [{'type': 'function', 'name'}, ...]},
+    checked in this API's shape and handed on in the chat path's."""
+    refuse_unknown_keys(choice, frozenset({"type", "mode", "tools"}), "tool_choice",
+                        "'tool_choice'")
+    if choice.get("mode") not in ("auto", "required"):
+        raise InvalidRequest("'tool_choice.mode' must be 'auto' or 'required'",
+                             "tool_choice.mode")
+    listed = choice.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise InvalidRequest("'tool_choice.tools' must list at least one function the answer "
+                             "may call", "tool_choice.tools")
+    for i, tool in enumerate(listed):
+        param = f"tool_choice.tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequest(f"'{param}' must be {{'type': 'function', 'name': ...}}", param)
+        refuse_unknown_keys(tool, frozenset({"type", "name"}), param, f"'{param}'")
+        if tool.get("name") not in names:
+            raise InvalidRequest(f"'{param}' names {shown(tool.get('name'))}, which is not in "
+                                 "'tools'", f"{param}.name")
+    return {"type": "allowed_tools", "allowed_tools": {"mode": choice["mode"], "tools": [
+        {"type": "function", "function": {"name": t["name"]}} for t in listed]}}
 
 
 def _tool(raw: Any, param: str) -> dict[str, Any]:

@@ -50,7 +50,8 @@ async def _body(request: web.Request, fields: frozenset[str]) -> dict[str, Any]:
 
 
 def _no_query(request: web.Request) -> None:
-    for name in request.query:
+    if request.query:
+        name = next(iter(request.query))
         raise InvalidRequest(f"'{name}' is not a query parameter Strata reads here", name,
                              code="unsupported_parameter")
 
@@ -113,13 +114,12 @@ async def list_items(request: web.Request) -> web.Response:
 
 async def get_item(request: web.Request) -> web.Response:
     _no_query(request)
-    return web.json_response(await _item(request))
+    return web.json_response((await _item(request))[1])
 
 
 async def delete_item(request: web.Request) -> web.Response:
     _no_query(request)
-    item = await _item(request)
-    record = await _record(request)
+    record, item = await _item(request)
     await request.app[RESPONSE_STORE].remove_item(record["conversation"]["id"], item["id"])
     return web.json_response(record["conversation"])
 
@@ -128,12 +128,13 @@ async def _record(request: web.Request) -> dict[str, Any]:
     return await conversation_record(request, request.match_info["conversation_id"])
 
 
-async def _item(request: web.Request) -> dict[str, Any]:
+async def _item(request: web.Request) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The conversation's record and the item the path names."""
     record = await _record(request)
     item_id = request.match_info["item_id"]
     for item in await request.app[RESPONSE_STORE].items(record["conversation"]["id"]):
         if item["id"] == item_id:
-            return item
+            return record, item
     raise ItemNotFound(f"conversation {record['conversation']['id']!r} has no item "
                        f"{item_id!r} (kept for {request.app[CONFIG].responses_ttl_s / 3600:g} "
                        "h after its last use)", None, "item_not_found")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -94,11 +93,11 @@ async def _fit(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
     app = request.app
     cuts = [0, *spec.turn_starts()]
 
-    def few_enough(dropped: int) -> bool:
+    async def few_enough(dropped: int) -> bool:
         return len(spec.with_context(spec.context, dropped).messages) <= MAX_MESSAGES
 
     first = await _first(cuts, few_enough)
-    if not few_enough(cuts[first]):
+    if not await few_enough(cuts[first]):
         raise InvalidRequest(f"even the conversation's last turn is over {MAX_MESSAGES} "
                              "messages; start a new one", "input")
     cuts = cuts[first:]
@@ -116,20 +115,15 @@ async def _fit(request: web.Request, spec: ResponsesInput) -> ResponsesInput:
     return spec.with_context(spec.context, cuts[await _first(cuts, fits)])
 
 
-async def _first(cuts: list[int], holds: Callable[[int], bool | Awaitable[bool]]) -> int:
+async def _first(cuts: list[int], holds: Callable[[int], Awaitable[bool]]) -> int:
     """The index of the first cut for which `holds` (true of every later cut once of one),
     else the last: the first cut alone when it holds (the usual case), else a binary search."""
-
-    async def ask(cut: int) -> bool:
-        answer = holds(cut)
-        return await answer if inspect.isawaitable(answer) else answer
-
-    if await ask(cuts[0]):
+    if await holds(cuts[0]):
         return 0
     low, high = 1, len(cuts) - 1
     while low < high:
         mid = (low + high) // 2
-        if await ask(cuts[mid]):
+        if await holds(cuts[mid]):
             high = mid
         else:
             low = mid + 1

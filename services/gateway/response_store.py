@@ -186,17 +186,17 @@ class LocalResponseStore:
 
     async def read_events(self, response_id: str, after: int, wait_s: float) -> list[Record]:
         """The events after sequence number `after`, waiting up to `wait_s` for the first."""
-        async def ready() -> list[str]:
+        def ready() -> list[str]:
             entry = self._events.get(response_id)
             if entry is None or entry[0] <= self.clock():
                 return []
             return entry[1][after + 1:]
 
-        if not (texts := await ready()):
+        if not (texts := ready()):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s), self._appended:
                     await self._appended.wait()
-            texts = await ready()
+            texts = ready()
         return [json.loads(t) for t in texts]
 
     def _mark(self, response_id: str) -> str | None:

@@ -356,7 +356,7 @@ class Engine:
         fmt = self.runner.tokenizer.tool_call_format  # type: ignore[attr-defined]
         answer = constraint if (constraint is not None and constraint.kind in JSON_KINDS
                                 and request.messages is not None) else None
-        if tools is not None:
+        if tools is not None and tools.allowed:
             self._check_allowed(tools)
         if tools is not None and tools.choice != "auto":
             if constraint is not None:
